@@ -1,0 +1,22 @@
+//! # candle-gdp
+//!
+//! Gated DeltaProduct (GDP) linear attention for [Candle](https://github.com/huggingface/candle),
+//! with the exact semantics of flash-linear-attention's `chunk_gated_delta_product`, forward and
+//! backward, plus context parallelism over several Candle devices.
+//!
+//! Per (sequence, head), with state `S ∈ R^{K×V}` and `n` Householder sub-steps per token:
+//!
+//! ```text
+//! for t in 0..T:
+//!     S ← exp(g_t) · S                              # gate once, before the sub-steps
+//!     for j in 0..n:  p = t·n + j
+//!         S ← S + β_p · k_p (v_p − Sᵀ k_p)ᵀ         # generalised Householder update
+//!     o_t = scale · Sᵀ q_t                          # read once, after the last sub-step
+//! ```
+
+pub mod cp;
+pub mod error;
+pub mod op;
+
+pub use error::GdpError;
+pub use op::{gated_delta_product, gated_delta_product_packed, GdpOptions};

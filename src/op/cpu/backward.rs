@@ -1,0 +1,306 @@
+//! Chunked backward of one (sequence, head) (`fla_gdp.md` §3): recompute the WY factors, chunk
+//! start states and `Δ`, then one reverse pass that carries `dS` and, per chunk, forms `dΔ`,
+//! the q/k/gate gradients and the WY-representation adjoint, ending in the reverse chunk-local
+//! cumsum of the gate gradient.
+
+use super::chunk::{advance_state, chunk_delta, decayed_keys, query_rows, ChunkWy, Dims, HeadInputs};
+use super::forward::{query_key_scores, select_queries};
+use super::linalg::{dot, matmul, MatRef};
+use crate::op::shape::{chunks, CHUNK};
+
+/// Gradients of one (sequence, head), in the layout of [`HeadInputs`].
+#[derive(Debug, Clone, Default)]
+pub struct HeadGrads {
+    /// `[len, K]`
+    pub dq: Vec<f32>,
+    /// `[len·n, K]`
+    pub dk: Vec<f32>,
+    /// `[len·n, V]`
+    pub dv: Vec<f32>,
+    /// `[len·n]`
+    pub dbeta: Vec<f32>,
+    /// `[len]` (natural-log gate)
+    pub dg: Vec<f32>,
+    /// `[K, V]`: gradient of the initial state.
+    pub dh0: Vec<f32>,
+}
+
+/// What the forward recomputation keeps per chunk.
+struct ChunkRecord {
+    wy: ChunkWy,
+    /// State at the chunk start `[K, V]`.
+    h: Vec<f32>,
+    /// `Δ [c, V]`.
+    delta: Vec<f32>,
+}
+
+/// Per-chunk scratch of the reverse pass.
+struct Scratch {
+    kdec: Vec<f32>,
+    qsel: Vec<f32>,
+    dosel: Vec<f32>,
+    p: Vec<f32>,
+    ds: Vec<f32>,
+    ddelta: Vec<f32>,
+    dqsel: Vec<f32>,
+    dk_inter: Vec<f32>,
+    dk: Vec<f32>,
+    dw: Vec<f32>,
+    dg_cum: Vec<f32>,
+    dainv: Vec<f32>,
+    tmp: Vec<f32>,
+    dm: Vec<f32>,
+    dkbg: Vec<f32>,
+    dvb: Vec<f32>,
+    dkb: Vec<f32>,
+    kb: Vec<f32>,
+    qrows: Vec<(usize, usize)>,
+}
+
+impl Scratch {
+    fn new(d: &Dims) -> Self {
+        let (ck, cv, cc) = (CHUNK * d.dk, CHUNK * d.dv, CHUNK * CHUNK);
+        Self {
+            kdec: vec![0.0; ck],
+            qsel: vec![0.0; ck],
+            dosel: vec![0.0; cv],
+            p: vec![0.0; cc],
+            ds: vec![0.0; cc],
+            ddelta: vec![0.0; cv],
+            dqsel: vec![0.0; ck],
+            dk_inter: vec![0.0; ck],
+            dk: vec![0.0; ck],
+            dw: vec![0.0; ck],
+            dg_cum: vec![0.0; CHUNK],
+            dainv: vec![0.0; cc],
+            tmp: vec![0.0; cc],
+            dm: vec![0.0; cc],
+            dkbg: vec![0.0; ck],
+            dvb: vec![0.0; cv],
+            dkb: vec![0.0; ck],
+            kb: vec![0.0; ck],
+            qrows: Vec::with_capacity(CHUNK),
+        }
+    }
+}
+
+/// Recomputes the forward of one (sequence, head), keeping what the reverse pass needs.
+fn recompute(x: &HeadInputs, d: &Dims, h0: &[f32]) -> Vec<ChunkRecord> {
+    let mut state = h0.to_vec();
+    let mut kdec = vec![0.0; CHUNK * d.dk];
+    chunks(x.rows())
+        .map(|range| {
+            let mut wy = ChunkWy::new(d);
+            wy.prepare(x, d, range);
+            let mut delta = vec![0.0; wy.len() * d.dv];
+            chunk_delta(&wy, d, &state, &mut delta);
+            let h = state.clone();
+            decayed_keys(&wy, x, d, &mut kdec);
+            advance_state(&wy, d, &kdec, &delta, &mut state);
+            ChunkRecord { wy, h, delta }
+        })
+        .collect()
+}
+
+/// Backward of one (sequence, head). `dout [len, V]` is `∂L/∂o`, `dht [K, V]` is `∂L/∂S_T`.
+pub fn backward_head(
+    x: &HeadInputs,
+    d: &Dims,
+    h0: &[f32],
+    dout: &[f32],
+    dht: &[f32],
+) -> HeadGrads {
+    let (dk, dv, n) = (d.dk, d.dv, d.n);
+    let rows = x.rows();
+    let len = x.q.len() / dk;
+    let mut gr = HeadGrads {
+        dq: vec![0.0; len * dk],
+        dk: vec![0.0; rows * dk],
+        dv: vec![0.0; rows * dv],
+        dbeta: vec![0.0; rows],
+        dg: vec![0.0; len],
+        dh0: Vec::new(),
+    };
+    let records = recompute(x, d, h0);
+    let mut ds_state = dht.to_vec();
+    let mut s = Scratch::new(d);
+    for rec in records.iter().rev() {
+        reverse_chunk(x, d, rec, dout, &mut ds_state, &mut s, &mut gr);
+    }
+    debug_assert!(n >= 1);
+    gr.dh0 = ds_state;
+    gr
+}
+
+/// One chunk of the reverse pass; `ds_state` enters as `∂L/∂S` at the chunk end and leaves as
+/// `∂L/∂S` at its start.
+fn reverse_chunk(
+    x: &HeadInputs,
+    d: &Dims,
+    rec: &ChunkRecord,
+    dout: &[f32],
+    ds_state: &mut [f32],
+    s: &mut Scratch,
+    gr: &mut HeadGrads,
+) {
+    let (dk, dv, n) = (d.dk, d.dv, d.n);
+    let wy = &rec.wy;
+    let range = wy.range.clone();
+    let c = range.len();
+    let gl = wy.g_last();
+    let kc = &x.k[range.start * dk..range.end * dk];
+    let vc = &x.v[range.start * dv..range.end * dv];
+    let bc = &x.beta[range.clone()];
+    let kmat = MatRef::new(kc, c, dk);
+    let dsm = MatRef::new(ds_state, dk, dv);
+    let hm = MatRef::new(&rec.h, dk, dv);
+    let delta = MatRef::new(&rec.delta, c, dv);
+
+    s.qrows.clear();
+    s.qrows.extend(query_rows(&range, n));
+    let nq = s.qrows.len();
+    select_queries(x, d, &s.qrows, &mut s.qsel);
+    for (r, &(_, t)) in s.qrows.iter().enumerate() {
+        s.dosel[r * dv..(r + 1) * dv].copy_from_slice(&dout[t * dv..(t + 1) * dv]);
+    }
+    let qm = MatRef::new(&s.qsel, nq, dk);
+    let dom = MatRef::new(&s.dosel, nq, dv);
+
+    // dΔ = diag(e^{G_last − G}) K dS + Pᵀ dO
+    decayed_keys(wy, x, d, &mut s.kdec);
+    matmul(&mut s.ddelta, MatRef::new(&s.kdec, c, dk), dsm, false, 0.0, 1.0);
+    query_key_scores(wy, x, d, &s.qrows, &s.qsel, &mut s.p);
+    matmul(&mut s.ddelta, MatRef::new(&s.p, nq, c).t(), dom, true, 1.0, 1.0);
+
+    // ds = (dO Δᵀ) ⊙ scale e^{G_i − G_j} (j ≤ i)
+    matmul(&mut s.ds, dom, delta.t(), false, 0.0, 1.0);
+    for (r, &(i, _)) in s.qrows.iter().enumerate() {
+        let gi = wy.g[i];
+        for (j, x) in s.ds[r * c..(r + 1) * c].iter_mut().enumerate() {
+            *x = if j <= i {
+                *x * d.scale * (gi - wy.g[j]).exp()
+            } else {
+                0.0
+            };
+        }
+    }
+    let dsmat = MatRef::new(&s.ds, nq, c);
+
+    // dq = scale e^{G_i} dO hᵀ + ds K
+    matmul(&mut s.dqsel, dom, hm.t(), false, 0.0, 1.0);
+    for (r, &(i, _)) in s.qrows.iter().enumerate() {
+        let f = d.scale * wy.g[i].exp();
+        s.dqsel[r * dk..(r + 1) * dk].iter_mut().for_each(|x| *x *= f);
+    }
+    matmul(&mut s.dqsel, dsmat, kmat, true, 1.0, 1.0);
+
+    // dk = diag(e^{G_last − G}) Δ dSᵀ + dsᵀ Q
+    matmul(&mut s.dk_inter, delta, dsm.t(), false, 0.0, 1.0);
+    for i in 0..c {
+        let f = (gl - wy.g[i]).exp();
+        s.dk_inter[i * dk..(i + 1) * dk].iter_mut().for_each(|x| *x *= f);
+    }
+    s.dk[..c * dk].copy_from_slice(&s.dk_inter[..c * dk]);
+    matmul(&mut s.dk, dsmat.t(), qm, true, 1.0, 1.0);
+
+    // dW = −dΔ hᵀ
+    matmul(&mut s.dw, MatRef::new(&s.ddelta, c, dv), hm.t(), false, 0.0, -1.0);
+
+    // Gradient w.r.t. the cumulated gate, from the output and state paths.
+    let dg = &mut s.dg_cum[..c];
+    for (i, dgi) in dg.iter_mut().enumerate() {
+        *dgi = -dot(&kc[i * dk..(i + 1) * dk], &s.dk[i * dk..(i + 1) * dk]);
+    }
+    for (r, &(i, t)) in s.qrows.iter().enumerate() {
+        let dq_row = &s.dqsel[r * dk..(r + 1) * dk];
+        dg[i] += dot(&s.qsel[r * dk..(r + 1) * dk], dq_row);
+        gr.dq[t * dk..(t + 1) * dk].copy_from_slice(dq_row);
+    }
+    dg[c - 1] += gl.exp() * dot(&rec.h, ds_state) + dot(&kc[..c * dk], &s.dk_inter[..c * dk]);
+
+    // Carry dS to the chunk start: e^{G_last} dS + Σ_r scale e^{G_r} q_r do_rᵀ − Wᵀ dΔ
+    for (r, &(i, _)) in s.qrows.iter().enumerate() {
+        let f = d.scale * wy.g[i].exp();
+        s.qsel[r * dk..(r + 1) * dk].iter_mut().for_each(|x| *x *= f);
+    }
+    matmul(ds_state, MatRef::new(&s.qsel, nq, dk).t(), dom, true, gl.exp(), 1.0);
+    matmul(
+        ds_state,
+        MatRef::new(&wy.w, c, dk).t(),
+        MatRef::new(&s.ddelta, c, dv),
+        true,
+        1.0,
+        -1.0,
+    );
+
+    // WY adjoint (`prepare_wy_repr_bwd`). dU = dΔ.
+    let ainv = MatRef::new(&wy.ainv, c, c);
+    let kbg = MatRef::new(&wy.kbg, c, dk);
+    let vb = MatRef::new(&wy.vb, c, dv);
+    let dwm = MatRef::new(&s.dw, c, dk);
+    let dum = MatRef::new(&s.ddelta, c, dv);
+    matmul(&mut s.dainv, dwm, kbg.t(), false, 0.0, 1.0);
+    matmul(&mut s.dainv, dum, vb.t(), true, 1.0, 1.0);
+    for i in 0..c {
+        s.dainv[i * c + i..(i + 1) * c].fill(0.0);
+    }
+    matmul(&mut s.dkbg, ainv.t(), dwm, false, 0.0, 1.0);
+    matmul(&mut s.dvb, ainv.t(), dum, false, 0.0, 1.0);
+    // dA = −Ainvᵀ dAinv Ainvᵀ; dM = strict_lower(dA ⊙ e^{G_i − G_j})
+    matmul(&mut s.tmp, MatRef::new(&s.dainv, c, c), ainv.t(), false, 0.0, 1.0);
+    matmul(&mut s.dm, ainv.t(), MatRef::new(&s.tmp, c, c), false, 0.0, -1.0);
+    for i in 0..c {
+        let row = &mut s.dm[i * c..(i + 1) * c];
+        for (j, x) in row.iter_mut().enumerate() {
+            *x = if j < i {
+                *x * (wy.g[i] - wy.g[j]).exp()
+            } else {
+                0.0
+            };
+        }
+    }
+    let dmm = MatRef::new(&s.dm, c, c);
+    matmul(&mut s.dkb, dmm, kmat, false, 0.0, 1.0);
+    for i in 0..c {
+        for (o, &kv) in s.kb[i * dk..(i + 1) * dk].iter_mut().zip(&kc[i * dk..(i + 1) * dk]) {
+            *o = bc[i] * kv;
+        }
+    }
+    // dk += dMᵀ (β ⊙ K)
+    matmul(&mut s.dk, dmm.t(), MatRef::new(&s.kb, c, dk), true, 1.0, 1.0);
+    for i in 0..c {
+        let p = range.start + i;
+        let eg = wy.g[i].exp();
+        let krow = &kc[i * dk..(i + 1) * dk];
+        let dkbg = &s.dkbg[i * dk..(i + 1) * dk];
+        let dvb = &s.dvb[i * dv..(i + 1) * dv];
+        let dkb = &s.dkb[i * dk..(i + 1) * dk];
+        gr.dbeta[p] = eg * dot(krow, dkbg) + dot(&vc[i * dv..(i + 1) * dv], dvb) + dot(dkb, krow);
+        dg[i] += dot(&wy.kbg[i * dk..(i + 1) * dk], dkbg);
+        let f = bc[i] * eg;
+        let out = &mut gr.dk[p * dk..(p + 1) * dk];
+        for (((o, &a), &b), &kd) in out.iter_mut().zip(&s.dk[i * dk..(i + 1) * dk]).zip(dkbg).zip(dkb) {
+            *o = a + f * b + bc[i] * kd;
+        }
+        for (o, &x) in gr.dv[p * dv..(p + 1) * dv].iter_mut().zip(dvb) {
+            *o = bc[i] * x;
+        }
+    }
+    // dG_i += Σ_j dM_ij M_ij − Σ_m dM_mi M_mi, with M_ij = β_i k_i·k_j
+    for i in 0..c {
+        for j in 0..i {
+            let a = s.dm[i * c + j] * wy.kk_beta[i * c + j];
+            dg[i] += a;
+            dg[j] -= a;
+        }
+    }
+    // Reverse chunk-local cumsum: gradient of the raw gate; keep slot 0 of every token.
+    let mut acc = 0.0f32;
+    for i in (0..c).rev() {
+        acc += dg[i];
+        let p = range.start + i;
+        if p % n == 0 {
+            gr.dg[p / n] = acc;
+        }
+    }
+}

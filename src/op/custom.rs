@@ -1,0 +1,157 @@
+//! The Candle custom ops: dispatch only. The forward is a `CustomOp3` over the packed inputs
+//! `qk [B, T, n+1, H, K]`, `v [B, T·n, H, V]` and the f32 gate buffer `[g | beta | h0?]`, with
+//! one packed f32 output `[o | final state]`; its backward applies [`GdpBackward`], whose packed
+//! f32 output `[dqk | dv | dg | dbeta | dh0?]` is split back onto the three inputs.
+
+use super::cpu;
+use super::shape::GdpShape;
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+/// Forward op. Holds the metadata that is not a tensor.
+#[derive(Debug, Clone)]
+pub(crate) struct GdpForward {
+    pub shape: GdpShape,
+    pub scale: f32,
+    pub has_h0: bool,
+}
+
+/// Backward op: `grad` is the packed `[do | dht]` f32 gradient of the forward's output.
+#[derive(Debug, Clone)]
+pub(crate) struct GdpBackward {
+    pub fwd: GdpForward,
+    pub grad: Tensor,
+}
+
+/// A contiguous slice of a CPU storage, or an error naming the input.
+fn cpu_slice<'a, T: candle_core::WithDType>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    name: &str,
+) -> Result<&'a [T]> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("gdp: `{name}` must be contiguous")))?;
+    Ok(&s.as_slice::<T>()?[a..b])
+}
+
+impl GdpForward {
+    fn packed<'a, T: candle_core::WithDType>(
+        &self,
+        qk: (&'a CpuStorage, &Layout),
+        v: (&'a CpuStorage, &Layout),
+        aux: (&'a CpuStorage, &Layout),
+    ) -> Result<cpu::PackedInputs<'a, T>> {
+        Ok(cpu::PackedInputs {
+            qk: cpu_slice::<T>(qk.0, qk.1, "qk")?,
+            v: cpu_slice::<T>(v.0, v.1, "v")?,
+            aux: cpu_slice::<f32>(aux.0, aux.1, "gates")?,
+            has_h0: self.has_h0,
+        })
+    }
+
+    fn output_len(&self) -> usize {
+        self.shape.o_len() + self.shape.state_len()
+    }
+}
+
+/// Runs `$body` with `$T` bound to the Rust type of `$dtype` (the float dtypes the op takes).
+macro_rules! with_float_type {
+    ($dtype:expr, $T:ident, $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            dt => candle_core::bail!("gdp: unsupported dtype {dt:?} for q/k/v"),
+        }
+    };
+}
+
+impl CustomOp3 for GdpForward {
+    fn name(&self) -> &'static str {
+        "gated-delta-product"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = with_float_type!(s1.dtype(), T, {
+            let x = self.packed::<T>((s1, l1), (s2, l2), (s3, l3))?;
+            cpu::forward(&x, &self.shape, self.scale)
+        });
+        Ok((CpuStorage::F32(out), Shape::from(self.output_len())))
+    }
+
+    fn bwd(
+        &self,
+        qk: &Tensor,
+        v: &Tensor,
+        aux: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let op = GdpBackward {
+            fwd: self.clone(),
+            grad: grad_res.contiguous()?,
+        };
+        let packed = qk.apply_op3_no_bwd(v, aux, &op)?;
+        let (qk_len, v_len) = (self.shape.qk_len(), self.shape.v_len());
+        let dqk = packed
+            .narrow(0, 0, qk_len)?
+            .reshape(qk.shape())?
+            .to_dtype(qk.dtype())?;
+        let dv = packed
+            .narrow(0, qk_len, v_len)?
+            .reshape(v.shape())?
+            .to_dtype(v.dtype())?;
+        let daux = packed.narrow(0, qk_len + v_len, aux.elem_count())?;
+        Ok((Some(dqk), Some(dv), Some(daux)))
+    }
+}
+
+impl CustomOp3 for GdpBackward {
+    fn name(&self) -> &'static str {
+        "gated-delta-product-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (gs, gl) = self.grad.storage_and_layout();
+        let grad = match &*gs {
+            candle_core::Storage::Cpu(c) => cpu_slice::<f32>(c, gl, "grad")?,
+            _ => candle_core::bail!("gdp backward: the gradient is not on the CPU"),
+        };
+        let out = with_float_type!(s1.dtype(), T, {
+            let x = self.fwd.packed::<T>((s1, l1), (s2, l2), (s3, l3))?;
+            cpu::backward(&x, &self.fwd.shape, self.fwd.scale, grad)
+        });
+        let n = out.len();
+        Ok((CpuStorage::F32(out), Shape::from(n)))
+    }
+}

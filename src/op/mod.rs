@@ -1,0 +1,322 @@
+//! The Gated DeltaProduct operator: checked public entry points, the packed layout, and the
+//! split into `naive` (the readable f64 specification), `chunk` kernels (training, in
+//! [`cpu`]) and [`recurrent`] (one decode step).
+
+pub mod cpu;
+mod custom;
+pub mod naive;
+pub mod recurrent;
+pub mod shape;
+
+use crate::error::GdpError;
+use candle_core::{DType, Device, Result, Tensor};
+use custom::GdpForward;
+use shape::{validate_cu_seqlens, GdpShape};
+
+/// Options of [`gated_delta_product`], mirroring FLA's `chunk_gated_delta_product` keywords.
+#[derive(Debug, Clone, Default)]
+pub struct GdpOptions<'a> {
+    /// Householder sub-steps per token `n`; inferred from `k.dim(1) / q.dim(1)` when `None`,
+    /// checked against it otherwise.
+    pub num_householder: Option<usize>,
+    /// Output scale; `K^-0.5` when `None`.
+    pub scale: Option<f64>,
+    /// Initial state `[N, H, K, V]` (any float dtype; used in f32). Zeros when `None`.
+    pub initial_state: Option<&'a Tensor>,
+    /// Return the final state `[N, H, K, V]` (f32).
+    pub output_final_state: bool,
+    /// Packed sequences: `N + 1` offsets over the `T` tokens of the single batch row (`B = 1`).
+    pub cu_seqlens: Option<&'a [usize]>,
+}
+
+/// Gated DeltaProduct with flash-linear-attention's layout and semantics.
+///
+/// * `q [B, T, H, K]`, `k [B, T·n, H, K]`, `v [B, T·n, H, V]`: one dtype among f32, bf16, f16,
+///   f64 (row `t·n + j` of `k`, `v`, `beta` is sub-step `j` of token `t`);
+/// * `g [B, T, H]`: natural-log forget gate, applied once per token before its `n` updates;
+/// * `beta [B, T·n, H]`: update strengths (any float dtype).
+///
+/// Returns `o [B, T, H, V]` in `q`'s dtype and, with `output_final_state`, the final state
+/// `[N, H, K, V]` in f32. Differentiable in all of `q, k, v, g, beta` and the initial state.
+///
+/// This wrapper copies `q` and `k` into the packed layout of
+/// [`gated_delta_product_packed`]; a model that produces that layout directly avoids the copy.
+pub fn gated_delta_product(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    opts: &GdpOptions,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let sh = validate_fla(q, k, v, g, beta, opts)?;
+    let k5 = k.reshape((sh.batch, sh.tokens, sh.n, sh.heads, sh.dk))?;
+    let qk = Tensor::cat(&[&q.unsqueeze(2)?, &k5], 2)?;
+    apply(&qk, v, g, beta, sh, opts)
+}
+
+/// Gated DeltaProduct on the packed query/key layout `qk [B, T, n+1, H, K]`: slot 0 holds
+/// `q_t`, slot `1 + j` holds `k_{t·n+j}`. This is what one fused projection `[q | k_0..k_{n-1}]`
+/// per token produces, so no copy of `q` or `k` is needed. `v [B, T·n, H, V]`, `g [B, T, H]`,
+/// `beta [B, T·n, H]` and the options are as in [`gated_delta_product`].
+pub fn gated_delta_product_packed(
+    qk: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    opts: &GdpOptions,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let (b, t, slots, h, k) = dims5(qk, "qk", "[B, T, n+1, H, K]")?;
+    if slots < 2 || t == 0 {
+        return Err(GdpError::Shape {
+            name: "qk".into(),
+            expected: vec![b, t.max(1), slots.max(2), h, k],
+            layout: "[B, T, n+1, H, K] with T >= 1 and n >= 1",
+            got: qk.dims().to_vec(),
+        }
+        .into());
+    }
+    let sh = validate_rest(qk, "qk", (b, t, h, k), slots - 1, v, g, beta, opts)?;
+    apply(qk, v, g, beta, sh, opts)
+}
+
+fn apply(
+    qk: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    sh: GdpShape,
+    opts: &GdpOptions,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let scale = opts.scale.unwrap_or((sh.dk as f64).powf(-0.5)) as f32;
+    let mut parts = vec![
+        g.flatten_all()?.to_dtype(DType::F32)?,
+        beta.flatten_all()?.to_dtype(DType::F32)?,
+    ];
+    if let Some(h0) = opts.initial_state {
+        parts.push(h0.flatten_all()?.to_dtype(DType::F32)?);
+    }
+    let aux = Tensor::cat(&parts, 0)?;
+    let (o_len, s_len) = (sh.o_len(), sh.state_len());
+    let o_shape = (sh.batch, sh.tokens, sh.heads, sh.dv);
+    let s_shape = (sh.num_seqs(), sh.heads, sh.dk, sh.dv);
+    let op = GdpForward {
+        shape: sh,
+        scale,
+        has_h0: opts.initial_state.is_some(),
+    };
+    let out = qk.contiguous()?.apply_op3(&v.contiguous()?, &aux, op)?;
+    let o = out.narrow(0, 0, o_len)?.reshape(o_shape)?.to_dtype(qk.dtype())?;
+    let ht = if opts.output_final_state {
+        Some(out.narrow(0, o_len, s_len)?.reshape(s_shape)?)
+    } else {
+        None
+    };
+    Ok((o, ht))
+}
+
+/// Checks the FLA-layout inputs and returns the problem geometry.
+pub(crate) fn validate_fla(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    opts: &GdpOptions,
+) -> Result<GdpShape> {
+    let (b, t, h, dk) = dims4(q, "q", "[B, T, H, K]")?;
+    if t == 0 {
+        return Err(GdpError::Empty {
+            name: "q".into(),
+            got: q.dims().to_vec(),
+        }
+        .into());
+    }
+    let (_, tn, _, _) = dims4(k, "k", "[B, T·n, H, K]")?;
+    let n = opts.num_householder.unwrap_or((tn / t).max(1));
+    check_shape(k, "k", &[b, t * n, h, dk], "[B, T·n, H, K]")?;
+    validate_rest(q, "q", (b, t, h, dk), n, v, g, beta, opts)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn validate_rest(
+    q: &Tensor,
+    q_name: &str,
+    (b, t, h, dk): (usize, usize, usize, usize),
+    n: usize,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    opts: &GdpOptions,
+) -> Result<GdpShape> {
+    if let Some(want) = opts.num_householder {
+        if want != n || want == 0 {
+            return Err(GdpError::Option {
+                name: "num_householder".into(),
+                reason: format!("is {want}, but the inputs hold {n} sub-steps per token"),
+            }
+            .into());
+        }
+    }
+    if [b, t, h, dk].contains(&0) {
+        return Err(GdpError::Empty {
+            name: q_name.into(),
+            got: q.dims().to_vec(),
+        }
+        .into());
+    }
+    let float_dtype = |x: &Tensor, name: &str| -> Result<()> {
+        match x.dtype() {
+            DType::F32 | DType::F16 | DType::BF16 | DType::F64 => Ok(()),
+            dt => Err(GdpError::DType {
+                name: name.into(),
+                expected: "a float dtype (f32, bf16, f16 or f64)",
+                got: dt,
+            }
+            .into()),
+        }
+    };
+    float_dtype(q, q_name)?;
+    let (_, _, _, dv) = dims4(v, "v", "[B, T·n, H, V]")?;
+    check_shape(v, "v", &[b, t * n, h, dv], "[B, T·n, H, V]")?;
+    if dv == 0 {
+        return Err(GdpError::Empty {
+            name: "v".into(),
+            got: v.dims().to_vec(),
+        }
+        .into());
+    }
+    check_shape(g, "g", &[b, t, h], "[B, T, H]")?;
+    check_shape(beta, "beta", &[b, t * n, h], "[B, T·n, H]")?;
+    float_dtype(v, "v")?;
+    float_dtype(g, "g")?;
+    float_dtype(beta, "beta")?;
+    if v.dtype() != q.dtype() {
+        return Err(GdpError::DType {
+            name: "v".into(),
+            expected: "the dtype of q and k",
+            got: v.dtype(),
+        }
+        .into());
+    }
+    let dev = q.device();
+    for (x, name) in [(v, "v"), (g, "g"), (beta, "beta")] {
+        same_device(x, name, dev, q_name)?;
+    }
+    if let Some(cu) = opts.cu_seqlens {
+        if b != 1 {
+            return Err(GdpError::CuSeqlens(format!(
+                "packed sequences need batch size B = 1, got B = {b}"
+            ))
+            .into());
+        }
+        validate_cu_seqlens(cu, t)?;
+    }
+    let sh = GdpShape::new(b, t, h, dk, dv, n, opts.cu_seqlens);
+    if let Some(h0) = opts.initial_state {
+        check_shape(
+            h0,
+            "initial_state",
+            &[sh.num_seqs(), h, dk, dv],
+            "[N, H, K, V]",
+        )?;
+        float_dtype(h0, "initial_state")?;
+        same_device(h0, "initial_state", dev, q_name)?;
+    }
+    if let Some(s) = opts.scale {
+        if !s.is_finite() {
+            return Err(GdpError::Option {
+                name: "scale".into(),
+                reason: format!("must be finite, got {s}"),
+            }
+            .into());
+        }
+    }
+    Ok(sh)
+}
+
+fn same_device(x: &Tensor, name: &str, dev: &Device, reference: &str) -> Result<()> {
+    if !x.device().same_device(dev) {
+        return Err(GdpError::Device {
+            name: name.into(),
+            reference: reference.into(),
+            expected: format!("{:?}", dev.location()),
+            got: format!("{:?}", x.device().location()),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+fn check_shape(x: &Tensor, name: &str, want: &[usize], layout: &'static str) -> Result<()> {
+    if x.dims() != want {
+        return Err(GdpError::Shape {
+            name: name.into(),
+            expected: want.to_vec(),
+            layout,
+            got: x.dims().to_vec(),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+fn rank_err(x: &Tensor, name: &str, expected: usize, layout: &'static str) -> candle_core::Error {
+    GdpError::Rank {
+        name: name.into(),
+        expected,
+        layout,
+        got: x.dims().to_vec(),
+    }
+    .into()
+}
+
+fn dims4(x: &Tensor, name: &str, layout: &'static str) -> Result<(usize, usize, usize, usize)> {
+    match *x.dims() {
+        [a, b, c, d] => Ok((a, b, c, d)),
+        _ => Err(rank_err(x, name, 4, layout)),
+    }
+}
+
+fn dims5(
+    x: &Tensor,
+    name: &str,
+    layout: &'static str,
+) -> Result<(usize, usize, usize, usize, usize)> {
+    match *x.dims() {
+        [a, b, c, d, e] => Ok((a, b, c, d, e)),
+        _ => Err(rank_err(x, name, 5, layout)),
+    }
+}
+
+/// Reads packed-sequence offsets from an integer tensor `[N+1]` (any integer dtype, as FLA's
+/// `cu_seqlens`), rejecting negative values.
+pub fn cu_seqlens_from_tensor(t: &Tensor) -> Result<Vec<usize>> {
+    if t.rank() != 1 {
+        return Err(GdpError::Rank {
+            name: "cu_seqlens".into(),
+            expected: 1,
+            layout: "[N+1]",
+            got: t.dims().to_vec(),
+        }
+        .into());
+    }
+    let vals: Vec<i64> = match t.dtype() {
+        DType::I64 | DType::I32 | DType::I16 | DType::U32 | DType::U8 => t.to_dtype(DType::I64)?.to_vec1::<i64>()?,
+        dt => {
+            return Err(GdpError::DType {
+                name: "cu_seqlens".into(),
+                expected: "an integer dtype (i64, i32, i16, u32 or u8)",
+                got: dt,
+            }
+            .into())
+        }
+    };
+    vals.iter()
+        .map(|&x| {
+            usize::try_from(x).map_err(|_| {
+                GdpError::CuSeqlens(format!("offsets must be non-negative, got {x}")).into()
+            })
+        })
+        .collect()
+}

@@ -1,0 +1,186 @@
+//! Problem geometry, computed once per call: sizes, packed-sequence spans, the interleaved
+//! sub-token layout and the 64-row chunking that every kernel shares.
+
+use crate::error::GdpError;
+
+/// Rows per chunk of the chunked (WY) algorithm, in interleaved sub-tokens (as in FLA).
+pub const CHUNK: usize = 64;
+
+/// One sequence of the batch: tokens `[start, start + len)` of batch row `batch`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqSpan {
+    /// Batch row holding the sequence (always 0 for packed input).
+    pub batch: usize,
+    /// First token of the sequence within its batch row.
+    pub start: usize,
+    /// Number of tokens.
+    pub len: usize,
+}
+
+/// Sizes of one Gated DeltaProduct call.
+///
+/// Inputs are `q [B, T, H, K]`, `k [B, T·n, H, K]`, `v [B, T·n, H, V]`, `g [B, T, H]`,
+/// `beta [B, T·n, H]`; states are `[N, H, K, V]` with `N = B` for dense input or the number of
+/// packed sequences.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GdpShape {
+    /// Batch size `B` (1 for packed input).
+    pub batch: usize,
+    /// Tokens per batch row `T`.
+    pub tokens: usize,
+    /// Heads `H`.
+    pub heads: usize,
+    /// Key / query head dimension `K`.
+    pub dk: usize,
+    /// Value head dimension `V`.
+    pub dv: usize,
+    /// Householder sub-steps per token `n`.
+    pub n: usize,
+    /// The sequences, in state order (`N` of them).
+    pub seqs: Vec<SeqSpan>,
+}
+
+impl GdpShape {
+    /// Geometry of a dense batch (every row is one sequence) or, with `cu_seqlens`, of `B = 1`
+    /// packed sequences. `cu_seqlens` must already be validated by [`validate_cu_seqlens`].
+    pub fn new(
+        batch: usize,
+        tokens: usize,
+        heads: usize,
+        dk: usize,
+        dv: usize,
+        n: usize,
+        cu_seqlens: Option<&[usize]>,
+    ) -> Self {
+        let seqs = match cu_seqlens {
+            Some(cu) => cu
+                .windows(2)
+                .map(|w| SeqSpan {
+                    batch: 0,
+                    start: w[0],
+                    len: w[1] - w[0],
+                })
+                .collect(),
+            None => (0..batch)
+                .map(|b| SeqSpan {
+                    batch: b,
+                    start: 0,
+                    len: tokens,
+                })
+                .collect(),
+        };
+        Self {
+            batch,
+            tokens,
+            heads,
+            dk,
+            dv,
+            n,
+            seqs,
+        }
+    }
+
+    /// Number of sequences `N` (rows of the initial and final state).
+    pub fn num_seqs(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Elements of `q` / `o`-style token tensors: `B·T·H`.
+    pub fn token_heads(&self) -> usize {
+        self.batch * self.tokens * self.heads
+    }
+
+    /// Elements of the packed `[q | k_0 .. k_{n-1}]` tensor `[B, T, n+1, H, K]`.
+    pub fn qk_len(&self) -> usize {
+        self.token_heads() * (self.n + 1) * self.dk
+    }
+
+    /// Elements of `v [B, T·n, H, V]`.
+    pub fn v_len(&self) -> usize {
+        self.token_heads() * self.n * self.dv
+    }
+
+    /// Elements of `o [B, T, H, V]`.
+    pub fn o_len(&self) -> usize {
+        self.token_heads() * self.dv
+    }
+
+    /// Elements of a state tensor `[N, H, K, V]`.
+    pub fn state_len(&self) -> usize {
+        self.num_seqs() * self.heads * self.dk * self.dv
+    }
+
+    /// Elements of the f32 gate buffer `[g (B·T·H) | beta (B·T·n·H) | h0 (N·H·K·V)?]`.
+    pub fn aux_len(&self, has_h0: bool) -> usize {
+        self.token_heads() * (1 + self.n) + if has_h0 { self.state_len() } else { 0 }
+    }
+}
+
+/// Checks packed-sequence offsets: at least two entries, starting at 0, non-decreasing, ending
+/// at `total_tokens`. Empty sequences (repeated offsets) are allowed, as in FLA.
+pub fn validate_cu_seqlens(cu: &[usize], total_tokens: usize) -> Result<(), GdpError> {
+    if cu.len() < 2 {
+        return Err(GdpError::CuSeqlens(format!(
+            "expected at least 2 offsets [0, .., T], got {cu:?}"
+        )));
+    }
+    if cu[0] != 0 {
+        return Err(GdpError::CuSeqlens(format!(
+            "must start at 0, got {} (offsets {cu:?})",
+            cu[0]
+        )));
+    }
+    if let Some(i) = cu.windows(2).position(|w| w[1] < w[0]) {
+        return Err(GdpError::CuSeqlens(format!(
+            "must be non-decreasing, but entry {} ({}) < entry {} ({})",
+            i + 1,
+            cu[i + 1],
+            i,
+            cu[i]
+        )));
+    }
+    let last = *cu.last().unwrap_or(&0);
+    if last != total_tokens {
+        return Err(GdpError::CuSeqlens(format!(
+            "must end at the number of tokens T = {total_tokens}, got {last}"
+        )));
+    }
+    Ok(())
+}
+
+/// The chunks of one sequence of `rows` interleaved sub-tokens: `[start, end)` ranges of at
+/// most [`CHUNK`] rows, restarting at the sequence start.
+pub fn chunks(rows: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    (0..rows)
+        .step_by(CHUNK)
+        .map(move |s| s..(s + CHUNK).min(rows))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cu_seqlens_rules() {
+        assert!(validate_cu_seqlens(&[0, 3, 3, 7], 7).is_ok());
+        assert!(validate_cu_seqlens(&[0], 0).is_err());
+        assert!(validate_cu_seqlens(&[1, 7], 7).is_err());
+        assert!(validate_cu_seqlens(&[0, 5, 4, 7], 7).is_err());
+        assert!(validate_cu_seqlens(&[0, 5, 6], 7).is_err());
+    }
+
+    #[test]
+    fn chunking_restarts_and_covers() {
+        let c: Vec<_> = chunks(130).collect();
+        assert_eq!(c, vec![0..64, 64..128, 128..130]);
+        assert_eq!(chunks(0).count(), 0);
+    }
+
+    #[test]
+    fn packed_geometry() {
+        let s = GdpShape::new(1, 10, 2, 4, 3, 2, Some(&[0, 4, 4, 10]));
+        assert_eq!(s.num_seqs(), 3);
+        assert_eq!(s.seqs[2], SeqSpan { batch: 0, start: 4, len: 6 });
+        assert_eq!(s.aux_len(true), 10 * 2 * 3 + 3 * 2 * 4 * 3);
+    }
+}

@@ -1,0 +1,202 @@
+//! Shared test helpers: seeded random GDP inputs, the relative-RMS metric, and running the op
+//! under autograd.
+#![allow(dead_code)]
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_gdp::op::naive::{gated_delta_product_naive, gated_delta_product_naive_backward};
+use candle_gdp::{gated_delta_product, GdpOptions};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// One test configuration.
+#[derive(Debug, Clone)]
+pub struct Case {
+    pub name: &'static str,
+    pub b: usize,
+    pub t: usize,
+    pub h: usize,
+    pub k: usize,
+    pub v: usize,
+    pub n: usize,
+    pub h0: bool,
+    pub cu: Option<Vec<usize>>,
+    /// Gates are `-U(0, gate_max)`, a fifth of them exactly 0.
+    pub gate_max: f64,
+    pub seed: u64,
+}
+
+impl Case {
+    pub fn new(name: &'static str, b: usize, t: usize, h: usize, k: usize, v: usize, n: usize) -> Self {
+        Self { name, b, t, h, k, v, n, h0: false, cu: None, gate_max: 1.0, seed: 7 }
+    }
+    pub fn h0(mut self) -> Self {
+        self.h0 = true;
+        self
+    }
+    pub fn packed(mut self, cu: &[usize]) -> Self {
+        self.cu = Some(cu.to_vec());
+        self
+    }
+    pub fn strong_gates(mut self) -> Self {
+        self.gate_max = 20.0;
+        self
+    }
+    pub fn seed(mut self, s: u64) -> Self {
+        self.seed = s;
+        self
+    }
+    pub fn num_seqs(&self) -> usize {
+        self.cu.as_ref().map_or(self.b, |c| c.len() - 1)
+    }
+}
+
+/// Inputs of a case, in f64, with the cotangents of `o` and the final state.
+pub struct Inputs {
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub g: Tensor,
+    pub beta: Tensor,
+    pub h0: Option<Tensor>,
+    pub dout: Tensor,
+    pub dht: Tensor,
+}
+
+fn normal(rng: &mut StdRng) -> f64 {
+    // Box–Muller
+    let u1: f64 = rng.random::<f64>().max(1e-300);
+    let u2: f64 = rng.random();
+    (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+}
+
+fn randn(rng: &mut StdRng, shape: &[usize], scale: f64) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let data: Vec<f64> = (0..n).map(|_| normal(rng) * scale).collect();
+    Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
+}
+
+/// Rows along the last axis scaled to unit L2 norm.
+fn unit_rows(rng: &mut StdRng, shape: &[usize]) -> Result<Tensor> {
+    let x = randn(rng, shape, 1.0)?;
+    let norm = x.sqr()?.sum_keepdim(candle_core::D::Minus1)?.sqrt()?;
+    Ok(x.broadcast_div(&norm)?)
+}
+
+/// Fresh random inputs, rounded through `dtype` (so that the f64 reference sees exactly what
+/// the op sees).
+pub fn inputs(c: &Case, dtype: DType) -> Result<Inputs> {
+    let mut rng = StdRng::seed_from_u64(c.seed);
+    let tn = c.t * c.n;
+    let round = |x: Tensor| -> Result<Tensor> { Ok(x.to_dtype(dtype)?.to_dtype(DType::F64)?) };
+    let q = round(unit_rows(&mut rng, &[c.b, c.t, c.h, c.k])?)?;
+    let k = round(unit_rows(&mut rng, &[c.b, tn, c.h, c.k])?)?;
+    let v = round(randn(&mut rng, &[c.b, tn, c.h, c.v], 1.0)?)?;
+    let beta: Vec<f64> = (0..c.b * tn * c.h)
+        .map(|_| 2.0 / (1.0 + (-normal(&mut rng)).exp()))
+        .collect();
+    let beta = round(Tensor::from_vec(beta, (c.b, tn, c.h), &Device::Cpu)?)?;
+    let g: Vec<f64> = (0..c.b * c.t * c.h)
+        .map(|_| {
+            if rng.random::<f64>() < 0.2 {
+                0.0
+            } else {
+                -rng.random::<f64>() * c.gate_max
+            }
+        })
+        .collect();
+    let g = Tensor::from_vec(g, (c.b, c.t, c.h), &Device::Cpu)?.to_dtype(DType::F32)?.to_dtype(DType::F64)?;
+    let ns = c.num_seqs();
+    let h0 = if c.h0 { Some(round(randn(&mut rng, &[ns, c.h, c.k, c.v], 0.5)?)?) } else { None };
+    let dout = randn(&mut rng, &[c.b, c.t, c.h, c.v], 1.0)?;
+    let dht = randn(&mut rng, &[ns, c.h, c.k, c.v], 1.0)?;
+    Ok(Inputs { q, k, v, g, beta, h0, dout, dht })
+}
+
+/// `RMS(a − b) / RMS(b)` over all elements, in f64.
+pub fn rel_rms(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let a = a.to_dtype(DType::F64)?.flatten_all()?;
+    let b = b.to_dtype(DType::F64)?.flatten_all()?;
+    let num = (&a - &b)?.sqr()?.mean_all()?.to_scalar::<f64>()?.sqrt();
+    let den = b.sqr()?.mean_all()?.to_scalar::<f64>()?.sqrt();
+    Ok(if den == 0.0 { num } else { num / den })
+}
+
+/// Outputs and gradients, named as in FLA.
+pub struct Results {
+    pub o: Tensor,
+    pub ht: Tensor,
+    pub grads: Vec<(&'static str, Tensor)>,
+}
+
+/// Runs the op in `dtype` under autograd; loss `Σ do·o + Σ dht·S_T`.
+pub fn run_op(c: &Case, x: &Inputs, dtype: DType) -> Result<Results> {
+    let var = |t: &Tensor, dt: DType| -> Result<Var> { Ok(Var::from_tensor(&t.to_dtype(dt)?)?) };
+    let (q, k, v) = (var(&x.q, dtype)?, var(&x.k, dtype)?, var(&x.v, dtype)?);
+    let g = var(&x.g, DType::F32)?;
+    let beta = var(&x.beta, dtype)?;
+    let h0 = match &x.h0 {
+        Some(h) => Some(var(h, DType::F32)?),
+        None => None,
+    };
+    let opts = GdpOptions {
+        initial_state: h0.as_ref().map(|v| v.as_tensor()),
+        output_final_state: true,
+        cu_seqlens: c.cu.as_deref(),
+        ..Default::default()
+    };
+    let (o, ht) = gated_delta_product(&q, &k, &v, &g, &beta, &opts)?;
+    let ht = ht.expect("final state requested");
+    let loss = ((o.to_dtype(DType::F64)? * &x.dout)?.sum_all()? + (ht.to_dtype(DType::F64)? * &x.dht)?.sum_all()?)?;
+    let gs = loss.backward()?;
+    let mut grads = vec![];
+    for (name, var) in [("dq", &q), ("dk", &k), ("dv", &v), ("dg", &g), ("dbeta", &beta)] {
+        let gr = gs.get(var.as_tensor()).expect("gradient present");
+        assert_eq!(gr.dims(), var.dims(), "{name} shape");
+        assert_eq!(gr.dtype(), var.dtype(), "{name} dtype");
+        grads.push((name, gr.clone()));
+    }
+    if let Some(h0) = &h0 {
+        grads.push(("dh0", gs.get(h0.as_tensor()).expect("dh0 present").clone()));
+    }
+    Ok(Results { o, ht, grads })
+}
+
+/// The f64 reference for the same case.
+pub fn run_reference(c: &Case, x: &Inputs) -> Result<Results> {
+    let opts = GdpOptions {
+        initial_state: x.h0.as_ref(),
+        output_final_state: true,
+        cu_seqlens: c.cu.as_deref(),
+        ..Default::default()
+    };
+    let (o, ht) = gated_delta_product_naive(&x.q, &x.k, &x.v, &x.g, &x.beta, &opts)?;
+    let gr = gated_delta_product_naive_backward(&x.q, &x.k, &x.v, &x.g, &x.beta, &opts, &x.dout, Some(&x.dht))?;
+    let mut grads = vec![("dq", gr.dq), ("dk", gr.dk), ("dv", gr.dv), ("dg", gr.dg), ("dbeta", gr.dbeta)];
+    if x.h0.is_some() {
+        grads.push(("dh0", gr.dh0));
+    }
+    Ok(Results { o, ht, grads })
+}
+
+/// Asserts every output and gradient of `got` within `tol` relative RMS of `want`; returns the
+/// worst error.
+pub fn assert_close(c: &Case, got: &Results, want: &Results, tol: f64) -> Result<f64> {
+    let mut worst = 0.0f64;
+    let mut report = vec![];
+    let mut check = |name: &str, a: &Tensor, b: &Tensor| -> Result<()> {
+        let e = rel_rms(a, b)?;
+        assert!(e.is_finite(), "{}: {name} is not finite", c.name);
+        report.push(format!("{name} {e:.1e}"));
+        assert!(e <= tol, "{}: {name} relative RMS error {e:.2e} > {tol:.0e}", c.name);
+        worst = worst.max(e);
+        Ok(())
+    };
+    check("o", &got.o, &want.o)?;
+    check("ht", &got.ht, &want.ht)?;
+    for ((name, a), (_, b)) in got.grads.iter().zip(&want.grads) {
+        check(name, a, b)?;
+    }
+    println!("{:<28} {}", c.name, report.join("  "));
+    Ok(worst)
+}

@@ -1,0 +1,46 @@
+//! The chunked CPU op (forward and every gradient) against the f64 token-by-token reference on
+//! fresh random inputs: odd sizes, K ≠ V, n = 1..3, packed sequences, strong gates, bf16/f16.
+
+mod common;
+
+use anyhow::Result;
+use candle_core::DType;
+use common::{assert_close, inputs, run_op, run_reference, Case};
+
+fn cases() -> Vec<Case> {
+    vec![
+        Case::new("dense n1 T75 K16 V24 h0", 2, 75, 2, 16, 24, 1).h0(),
+        Case::new("dense n2 T130 K32 V20", 1, 130, 3, 32, 20, 2),
+        Case::new("dense n3 T67 K20 V32 h0", 2, 67, 2, 20, 32, 3).h0().seed(11),
+        Case::new("dense n2 T1", 2, 1, 2, 8, 8, 2).h0(),
+        Case::new("strong n2 T150 K24 V16", 1, 150, 2, 24, 16, 2).strong_gates().h0(),
+        Case::new("strong n3 T100 K16 V16", 2, 100, 1, 16, 16, 3).strong_gates(),
+        Case::new("packed n2 h0", 1, 213, 2, 16, 12, 2).packed(&[0, 5, 5, 70, 200, 213]).h0(),
+        Case::new("packed n3 strong", 1, 129, 2, 12, 20, 3).packed(&[0, 1, 64, 129]).strong_gates(),
+        Case::new("packed n1", 1, 97, 3, 16, 16, 1).packed(&[0, 33, 96, 97]).h0(),
+    ]
+}
+
+#[test]
+fn f32_matches_f64_reference() -> Result<()> {
+    for c in cases() {
+        let x = inputs(&c, DType::F32)?;
+        let got = run_op(&c, &x, DType::F32)?;
+        let want = run_reference(&c, &x)?;
+        assert_close(&c, &got, &want, 1e-5)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn half_precision_matches_f64_reference() -> Result<()> {
+    for dtype in [DType::BF16, DType::F16] {
+        for c in cases().into_iter().step_by(2) {
+            let x = inputs(&c, dtype)?;
+            let got = run_op(&c, &x, dtype)?;
+            let want = run_reference(&c, &x)?;
+            assert_close(&c, &got, &want, 1e-2)?;
+        }
+    }
+    Ok(())
+}
