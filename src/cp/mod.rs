@@ -1,0 +1,14 @@
+//! Context parallelism (CP): the time axis is sharded over a group of ranks, each rank summarises
+//! its shard, the summaries are all-gathered and folded (`megatron_cp.md` §5).
+//!
+//! * [`shard`]: the shard plan and the per-rank metadata of packed sequences;
+//! * [`comm`]: the [`Communicator`] trait and its in-process transports.
+
+pub mod comm;
+pub mod shard;
+// Added later: `pub mod protocol;` (CpBackend, summaries) and `pub mod driver;` (the fold).
+
+pub use comm::{run_ranks, Communicator, SingleComm, ThreadComm};
+pub use shard::{
+    dense_rank_meta, packed_rank_meta, packed_rank_meta_from_seq_ids, RankMeta, ShardPlan,
+};
