@@ -175,13 +175,9 @@ fn reverse_chunk(
     // ds = (dO Δᵀ) ⊙ scale e^{G_i − G_j} (j ≤ i)
     matmul(&mut s.ds, dom, delta.t(), false, 0.0, 1.0);
     for (r, &(i, _)) in s.qrows.iter().enumerate() {
-        let gi = wy.g[i];
-        for (j, x) in s.ds[r * c..(r + 1) * c].iter_mut().enumerate() {
-            *x = if j <= i {
-                *x * d.scale * (gi - wy.g[j]).exp()
-            } else {
-                0.0
-            };
+        let decay = &wy.decay[i * c..(i + 1) * c];
+        for (x, &dj) in s.ds[r * c..(r + 1) * c].iter_mut().zip(decay) {
+            *x *= d.scale * dj;
         }
     }
     let dsmat = MatRef::new(&s.ds, nq, c);
@@ -189,7 +185,7 @@ fn reverse_chunk(
     // dq = scale e^{G_i} dO hᵀ + ds K
     matmul(&mut s.dqsel, dom, hm.t(), false, 0.0, 1.0);
     for (r, &(i, _)) in s.qrows.iter().enumerate() {
-        let f = d.scale * wy.g[i].exp();
+        let f = d.scale * wy.eg[i];
         s.dqsel[r * dk..(r + 1) * dk].iter_mut().for_each(|x| *x *= f);
     }
     matmul(&mut s.dqsel, dsmat, kmat, true, 1.0, 1.0);
@@ -197,7 +193,7 @@ fn reverse_chunk(
     // dk = diag(e^{G_last − G}) Δ dSᵀ + dsᵀ Q
     matmul(&mut s.dk_inter, delta, dsm.t(), false, 0.0, 1.0);
     for i in 0..c {
-        let f = (gl - wy.g[i]).exp();
+        let f = wy.decay[(c - 1) * c + i];
         s.dk_inter[i * dk..(i + 1) * dk].iter_mut().for_each(|x| *x *= f);
     }
     s.dk[..c * dk].copy_from_slice(&s.dk_inter[..c * dk]);
@@ -220,7 +216,7 @@ fn reverse_chunk(
 
     // Carry dS to the chunk start: e^{G_last} dS + Σ_r scale e^{G_r} q_r do_rᵀ − Wᵀ dΔ
     for (r, &(i, _)) in s.qrows.iter().enumerate() {
-        let f = d.scale * wy.g[i].exp();
+        let f = d.scale * wy.eg[i];
         s.qsel[r * dk..(r + 1) * dk].iter_mut().for_each(|x| *x *= f);
     }
     matmul(ds_state, MatRef::new(&s.qsel, nq, dk).t(), dom, true, gl.exp(), 1.0);
@@ -251,13 +247,10 @@ fn reverse_chunk(
     matmul(&mut s.dm, ainv.t(), MatRef::new(&s.tmp, c, c), false, 0.0, -1.0);
     for i in 0..c {
         let row = &mut s.dm[i * c..(i + 1) * c];
-        for (j, x) in row.iter_mut().enumerate() {
-            *x = if j < i {
-                *x * (wy.g[i] - wy.g[j]).exp()
-            } else {
-                0.0
-            };
+        for (x, &dj) in row[..i].iter_mut().zip(&wy.decay[i * c..i * c + i]) {
+            *x *= dj;
         }
+        row[i..].fill(0.0);
     }
     let dmm = MatRef::new(&s.dm, c, c);
     matmul(&mut s.dkb, dmm, kmat, false, 0.0, 1.0);
@@ -270,7 +263,7 @@ fn reverse_chunk(
     matmul(&mut s.dk, dmm.t(), MatRef::new(&s.kb, c, dk), true, 1.0, 1.0);
     for i in 0..c {
         let p = range.start + i;
-        let eg = wy.g[i].exp();
+        let eg = wy.eg[i];
         let krow = &kc[i * dk..(i + 1) * dk];
         let dkbg = &s.dkbg[i * dk..(i + 1) * dk];
         let dvb = &s.dvb[i * dv..(i + 1) * dv];

@@ -59,6 +59,12 @@ pub struct ChunkWy {
     pub range: Range<usize>,
     /// Chunk-local inclusive cumsum of the interleaved gate, `[c]`.
     pub g: Vec<f32>,
+    /// `e^{G_i}`, `[c]`.
+    pub eg: Vec<f32>,
+    /// `e^{G_i − G_j}` for `j ≤ i`, 0 above the diagonal, `[c, c]`. Built as running products
+    /// of the per-row gate factors: no exponential of a positive difference is ever taken
+    /// (pitfall P4) and only `c` exponentials are evaluated per chunk.
+    pub decay: Vec<f32>,
     /// `β_i (k_i·k_j)` for all `i, j` (un-masked, un-decayed), `[c, c]`.
     pub kk_beta: Vec<f32>,
     /// `A = strict_lower(β_i (k_i·k_j) e^{G_i − G_j})`, `[c, c]` (upper part unspecified).
@@ -81,6 +87,8 @@ impl ChunkWy {
         Self {
             range: 0..0,
             g: vec![0.0; CHUNK],
+            eg: vec![0.0; CHUNK],
+            decay: vec![0.0; CHUNK * CHUNK],
             kk_beta: vec![0.0; CHUNK * CHUNK],
             a: vec![0.0; CHUNK * CHUNK],
             ainv: vec![0.0; CHUNK * CHUNK],
@@ -114,6 +122,18 @@ impl ChunkWy {
             *gi = acc;
         }
         let g = &self.g[..c];
+        for (e, &gi) in self.eg[..c].iter_mut().zip(g) {
+            *e = gi.exp();
+        }
+        let step: Vec<f32> = x.gate[range.clone()].iter().map(|r| r.exp()).collect();
+        for i in 0..c {
+            let row = &mut self.decay[i * c..(i + 1) * c];
+            row[i] = 1.0;
+            for j in (0..i).rev() {
+                row[j] = row[j + 1] * step[j + 1];
+            }
+            row[i + 1..].fill(0.0);
+        }
         // kk_beta = diag(β) K Kᵀ (kept for the backward); A = strict_lower(kk_beta ⊙ e^{G_i − G_j}).
         let kmat = MatRef::new(kc, c, dk);
         matmul(&mut self.kk_beta, kmat, kmat.t(), false, 0.0, 1.0);
@@ -122,13 +142,12 @@ impl ChunkWy {
             row.iter_mut().for_each(|x| *x *= bc[i]);
             let arow = &mut self.a[i * c..(i + 1) * c];
             for j in 0..i {
-                // Only j < i is exponentiated, so e^{G_i − G_j} never overflows (pitfall P4).
-                arow[j] = row[j] * (g[i] - g[j]).exp();
+                arow[j] = row[j] * self.decay[i * c + j];
             }
         }
         unit_lower_inverse(&self.a, &mut self.ainv, c);
         for i in 0..c {
-            let f = bc[i] * g[i].exp();
+            let f = bc[i] * self.eg[i];
             for (o, &kv) in self.kbg[i * dk..(i + 1) * dk]
                 .iter_mut()
                 .zip(&kc[i * dk..(i + 1) * dk])
@@ -180,10 +199,9 @@ pub fn chunk_delta(wy: &ChunkWy, d: &Dims, state: &[f32], delta: &mut [f32]) {
 /// `kdec_i = e^{G_last − G_i} k_i`, `[c, K]`: keys decayed to the chunk end.
 pub fn decayed_keys(wy: &ChunkWy, x: &HeadInputs, d: &Dims, kdec: &mut [f32]) {
     let c = wy.len();
-    let gl = wy.g_last();
     let kc = &x.k[wy.range.start * d.dk..wy.range.end * d.dk];
     for i in 0..c {
-        let f = (gl - wy.g[i]).exp();
+        let f = wy.decay[(c - 1) * c + i];
         for (o, &kv) in kdec[i * d.dk..(i + 1) * d.dk]
             .iter_mut()
             .zip(&kc[i * d.dk..(i + 1) * d.dk])

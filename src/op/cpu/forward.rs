@@ -3,7 +3,7 @@
 //! query rows, which does `n`× less intra-chunk work than the token-chunk form on a CPU).
 
 use super::chunk::{advance_state, chunk_delta, decayed_keys, query_rows, ChunkWy, Dims, HeadInputs};
-use super::linalg::{dot, matmul, MatRef};
+use super::linalg::{matmul, MatRef};
 use crate::op::shape::{chunks, CHUNK};
 
 /// Reusable buffers of the forward.
@@ -54,14 +54,9 @@ pub fn query_key_scores(
         1.0,
     );
     for (r, &(i, _)) in qrows.iter().enumerate() {
-        let gi = wy.g[i];
-        let row = &mut p[r * c..(r + 1) * c];
-        for (j, pj) in row.iter_mut().enumerate() {
-            *pj = if j <= i {
-                *pj * d.scale * (gi - wy.g[j]).exp()
-            } else {
-                0.0
-            };
+        let decay = &wy.decay[i * c..(i + 1) * c];
+        for (pj, &dj) in p[r * c..(r + 1) * c].iter_mut().zip(decay) {
+            *pj *= d.scale * dj;
         }
     }
 }
@@ -103,7 +98,7 @@ pub fn forward_head(
                 1.0,
             );
             for (r, &(i, _)) in ws.qrows.iter().enumerate() {
-                let f = d.scale * ws.wy.g[i].exp();
+                let f = d.scale * ws.wy.eg[i];
                 ws.osel[r * dv..(r + 1) * dv]
                     .iter_mut()
                     .for_each(|x| *x *= f);
@@ -124,9 +119,4 @@ pub fn forward_head(
         decayed_keys(&ws.wy, x, d, &mut ws.kdec);
         advance_state(&ws.wy, d, &ws.kdec, &ws.delta, state);
     }
-}
-
-/// `Σ_i q_i · x_i` over rows, used by gate gradients.
-pub fn row_dot(a: &[f32], b: &[f32], width: usize, row: usize) -> f32 {
-    dot(&a[row * width..(row + 1) * width], &b[row * width..(row + 1) * width])
 }
