@@ -46,7 +46,10 @@ fn flops(s: &Shape) -> (f64, f64) {
     )
 }
 
-fn median_ms(reps: usize, mut f: impl FnMut() -> candle_core::Result<()>) -> candle_core::Result<f64> {
+fn median_ms(
+    reps: usize,
+    mut f: impl FnMut() -> candle_core::Result<()>,
+) -> candle_core::Result<f64> {
     f()?; // warm-up
     let mut times = Vec::with_capacity(reps);
     for _ in 0..reps {
@@ -71,7 +74,14 @@ fn main() -> candle_core::Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let reps = if quick { 3 } else { 11 };
     let dev = Device::Cpu;
-    let s = Shape { b: 1, t: 8192, h: 4, k: 64, v: 64, n: 2 };
+    let s = Shape {
+        b: 1,
+        t: 8192,
+        h: 4,
+        k: 64,
+        v: 64,
+        n: 2,
+    };
     let (fwd_flops, fb_flops) = flops(&s);
     let mm = matmul_gflops(reps)?;
     println!(
@@ -102,11 +112,19 @@ fn main() -> candle_core::Result<()> {
                 100.0 * fl / (ms * 1e-3) / 1e9 / mm
             )
         };
-        let ms = median_ms(reps, || gated_delta_product(&q, &k, &v, &g, &beta, &opts).map(|_| ()))?;
+        let ms = median_ms(reps, || {
+            gated_delta_product(&q, &k, &v, &g, &beta, &opts).map(|_| ())
+        })?;
         row(format!("fwd {dtype:?} (FLA layout)"), ms, fwd_flops);
-        let ms = median_ms(reps, || gated_delta_product_packed(&qk, &v, &g, &beta, &opts).map(|_| ()))?;
+        let ms = median_ms(reps, || {
+            gated_delta_product_packed(&qk, &v, &g, &beta, &opts).map(|_| ())
+        })?;
         row(format!("fwd {dtype:?} (packed qk)"), ms, fwd_flops);
-        let (qv, kv, vv) = (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
+        let (qv, kv, vv) = (
+            Var::from_tensor(&q)?,
+            Var::from_tensor(&k)?,
+            Var::from_tensor(&v)?,
+        );
         let (gv, bv) = (Var::from_tensor(&g)?, Var::from_tensor(&beta)?);
         let ms = median_ms(reps, || {
             let (o, _) = gated_delta_product(&qv, &kv, &vv, &gv, &bv, &opts)?;

@@ -18,5 +18,6 @@ pub mod cp;
 pub mod error;
 pub mod op;
 
+pub use cp::{ContextParallel, Cotangents};
 pub use error::GdpError;
 pub use op::{gated_delta_product, gated_delta_product_packed, GdpOptions};

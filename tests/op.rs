@@ -11,13 +11,23 @@ fn cases() -> Vec<Case> {
     vec![
         Case::new("dense n1 T75 K16 V24 h0", 2, 75, 2, 16, 24, 1).h0(),
         Case::new("dense n2 T130 K32 V20", 1, 130, 3, 32, 20, 2),
-        Case::new("dense n3 T67 K20 V32 h0", 2, 67, 2, 20, 32, 3).h0().seed(11),
+        Case::new("dense n3 T67 K20 V32 h0", 2, 67, 2, 20, 32, 3)
+            .h0()
+            .seed(11),
         Case::new("dense n2 T1", 2, 1, 2, 8, 8, 2).h0(),
-        Case::new("strong n2 T150 K24 V16", 1, 150, 2, 24, 16, 2).strong_gates().h0(),
+        Case::new("strong n2 T150 K24 V16", 1, 150, 2, 24, 16, 2)
+            .strong_gates()
+            .h0(),
         Case::new("strong n3 T100 K16 V16", 2, 100, 1, 16, 16, 3).strong_gates(),
-        Case::new("packed n2 h0", 1, 213, 2, 16, 12, 2).packed(&[0, 5, 5, 70, 200, 213]).h0(),
-        Case::new("packed n3 strong", 1, 129, 2, 12, 20, 3).packed(&[0, 1, 64, 129]).strong_gates(),
-        Case::new("packed n1", 1, 97, 3, 16, 16, 1).packed(&[0, 33, 96, 97]).h0(),
+        Case::new("packed n2 h0", 1, 213, 2, 16, 12, 2)
+            .packed(&[0, 5, 5, 70, 200, 213])
+            .h0(),
+        Case::new("packed n3 strong", 1, 129, 2, 12, 20, 3)
+            .packed(&[0, 1, 64, 129])
+            .strong_gates(),
+        Case::new("packed n1", 1, 97, 3, 16, 16, 1)
+            .packed(&[0, 33, 96, 97])
+            .h0(),
     ]
 }
 

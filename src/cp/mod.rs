@@ -5,10 +5,13 @@
 //! * [`comm`]: the [`Communicator`] trait and its in-process transports.
 
 pub mod comm;
+pub mod context;
+pub mod driver;
+pub mod protocol;
 pub mod shard;
-// Added later: `pub mod protocol;` (CpBackend, summaries) and `pub mod driver;` (the fold).
 
 pub use comm::{run_ranks, Communicator, SingleComm, ThreadComm};
+pub use context::{cp_gated_delta_product, ContextParallel, Cotangents, CpGrads, CpOutput, CpRank};
 pub use shard::{
     dense_rank_meta, packed_rank_meta, packed_rank_meta_from_seq_ids, RankMeta, ShardPlan,
 };

@@ -5,8 +5,10 @@
 
 use super::cpu;
 use super::shape::GdpShape;
+use crate::cp::driver::CpLink;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use std::sync::Arc;
 
 /// Forward op. Holds the metadata that is not a tensor.
 #[derive(Debug, Clone)]
@@ -14,6 +16,8 @@ pub(crate) struct GdpForward {
     pub shape: GdpShape,
     pub scale: f32,
     pub has_h0: bool,
+    /// Context parallelism: this rank's link to its group (`None` for the plain op).
+    pub cp: Option<Arc<CpLink>>,
 }
 
 /// Backward op: `grad` is the packed `[do | dht]` f32 gradient of the forward's output.
@@ -96,7 +100,10 @@ impl CustomOp3 for GdpForward {
     ) -> Result<(CpuStorage, Shape)> {
         let out = with_float_type!(s1.dtype(), T, {
             let x = self.packed::<T>((s1, l1), (s2, l2), (s3, l3))?;
-            cpu::forward(&x, &self.shape, self.scale)
+            match &self.cp {
+                None => cpu::forward(&x, &self.shape, self.scale, None),
+                Some(link) => link.forward(&x, &self.shape, self.scale)?,
+            }
         });
         Ok((CpuStorage::F32(out), Shape::from(self.output_len())))
     }
@@ -149,7 +156,11 @@ impl CustomOp3 for GdpBackward {
         };
         let out = with_float_type!(s1.dtype(), T, {
             let x = self.fwd.packed::<T>((s1, l1), (s2, l2), (s3, l3))?;
-            cpu::backward(&x, &self.fwd.shape, self.fwd.scale, grad)
+            let (sh, scale) = (&self.fwd.shape, self.fwd.scale);
+            match &self.fwd.cp {
+                None => cpu::backward(&x, sh, scale, grad, None),
+                Some(link) => link.backward(&x, sh, scale, grad)?,
+            }
         });
         let n = out.len();
         Ok((CpuStorage::F32(out), Shape::from(n)))

@@ -52,7 +52,7 @@ pub fn gated_delta_product(
     let sh = validate_fla(q, k, v, g, beta, opts)?;
     let k5 = k.reshape((sh.batch, sh.tokens, sh.n, sh.heads, sh.dk))?;
     let qk = Tensor::cat(&[&q.unsqueeze(2)?, &k5], 2)?;
-    apply(&qk, v, g, beta, sh, opts)
+    apply(&qk, v, g, beta, sh, opts, None)
 }
 
 /// Gated DeltaProduct on the packed query/key layout `qk [B, T, n+1, H, K]`: slot 0 holds
@@ -77,16 +77,18 @@ pub fn gated_delta_product_packed(
         .into());
     }
     let sh = validate_rest(qk, "qk", (b, t, h, k), slots - 1, v, g, beta, opts)?;
-    apply(qk, v, g, beta, sh, opts)
+    apply(qk, v, g, beta, sh, opts, None)
 }
 
-fn apply(
+/// Packs the gates, builds the op (with this rank's context-parallel link, if any) and applies it.
+pub(crate) fn apply(
     qk: &Tensor,
     v: &Tensor,
     g: &Tensor,
     beta: &Tensor,
     sh: GdpShape,
     opts: &GdpOptions,
+    cp: Option<std::sync::Arc<crate::cp::driver::CpLink>>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let scale = opts.scale.unwrap_or((sh.dk as f64).powf(-0.5)) as f32;
     let mut parts = vec![
@@ -104,9 +106,13 @@ fn apply(
         shape: sh,
         scale,
         has_h0: opts.initial_state.is_some(),
+        cp,
     };
     let out = qk.contiguous()?.apply_op3(&v.contiguous()?, &aux, op)?;
-    let o = out.narrow(0, 0, o_len)?.reshape(o_shape)?.to_dtype(qk.dtype())?;
+    let o = out
+        .narrow(0, 0, o_len)?
+        .reshape(o_shape)?
+        .to_dtype(qk.dtype())?;
     let ht = if opts.output_final_state {
         Some(out.narrow(0, o_len, s_len)?.reshape(s_shape)?)
     } else {
@@ -302,7 +308,9 @@ pub fn cu_seqlens_from_tensor(t: &Tensor) -> Result<Vec<usize>> {
         .into());
     }
     let vals: Vec<i64> = match t.dtype() {
-        DType::I64 | DType::I32 | DType::I16 | DType::U32 | DType::U8 => t.to_dtype(DType::I64)?.to_vec1::<i64>()?,
+        DType::I64 | DType::I32 | DType::I16 | DType::U32 | DType::U8 => {
+            t.to_dtype(DType::I64)?.to_vec1::<i64>()?
+        }
         dt => {
             return Err(GdpError::DType {
                 name: "cu_seqlens".into(),

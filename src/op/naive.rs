@@ -117,7 +117,8 @@ pub fn gated_delta_product_naive(
                     let pred = st_x(s, kp, dv);
                     let b = x.beta[r];
                     for (kk, &kv) in kp.iter().enumerate() {
-                        for ((e, &vv), &pv) in s[kk * dv..(kk + 1) * dv].iter_mut().zip(vp).zip(&pred)
+                        for ((e, &vv), &pv) in
+                            s[kk * dv..(kk + 1) * dv].iter_mut().zip(vp).zip(&pred)
                         {
                             *e += kv * b * (vv - pv);
                         }

@@ -180,7 +180,14 @@ mod tests {
     fn packed_geometry() {
         let s = GdpShape::new(1, 10, 2, 4, 3, 2, Some(&[0, 4, 4, 10]));
         assert_eq!(s.num_seqs(), 3);
-        assert_eq!(s.seqs[2], SeqSpan { batch: 0, start: 4, len: 6 });
+        assert_eq!(
+            s.seqs[2],
+            SeqSpan {
+                batch: 0,
+                start: 4,
+                len: 6
+            }
+        );
         assert_eq!(s.aux_len(true), 10 * 2 * 3 + 3 * 2 * 4 * 3);
     }
 }

@@ -27,8 +27,28 @@ pub struct Case {
 }
 
 impl Case {
-    pub fn new(name: &'static str, b: usize, t: usize, h: usize, k: usize, v: usize, n: usize) -> Self {
-        Self { name, b, t, h, k, v, n, h0: false, cu: None, gate_max: 1.0, seed: 7 }
+    pub fn new(
+        name: &'static str,
+        b: usize,
+        t: usize,
+        h: usize,
+        k: usize,
+        v: usize,
+        n: usize,
+    ) -> Self {
+        Self {
+            name,
+            b,
+            t,
+            h,
+            k,
+            v,
+            n,
+            h0: false,
+            cu: None,
+            gate_max: 1.0,
+            seed: 7,
+        }
     }
     pub fn h0(mut self) -> Self {
         self.h0 = true;
@@ -105,12 +125,27 @@ pub fn inputs(c: &Case, dtype: DType) -> Result<Inputs> {
             }
         })
         .collect();
-    let g = Tensor::from_vec(g, (c.b, c.t, c.h), &Device::Cpu)?.to_dtype(DType::F32)?.to_dtype(DType::F64)?;
+    let g = Tensor::from_vec(g, (c.b, c.t, c.h), &Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .to_dtype(DType::F64)?;
     let ns = c.num_seqs();
-    let h0 = if c.h0 { Some(round(randn(&mut rng, &[ns, c.h, c.k, c.v], 0.5)?)?) } else { None };
+    let h0 = if c.h0 {
+        Some(round(randn(&mut rng, &[ns, c.h, c.k, c.v], 0.5)?)?)
+    } else {
+        None
+    };
     let dout = randn(&mut rng, &[c.b, c.t, c.h, c.v], 1.0)?;
     let dht = randn(&mut rng, &[ns, c.h, c.k, c.v], 1.0)?;
-    Ok(Inputs { q, k, v, g, beta, h0, dout, dht })
+    Ok(Inputs {
+        q,
+        k,
+        v,
+        g,
+        beta,
+        h0,
+        dout,
+        dht,
+    })
 }
 
 /// `RMS(a − b) / RMS(b)` over all elements, in f64.
@@ -147,10 +182,17 @@ pub fn run_op(c: &Case, x: &Inputs, dtype: DType) -> Result<Results> {
     };
     let (o, ht) = gated_delta_product(&q, &k, &v, &g, &beta, &opts)?;
     let ht = ht.expect("final state requested");
-    let loss = ((o.to_dtype(DType::F64)? * &x.dout)?.sum_all()? + (ht.to_dtype(DType::F64)? * &x.dht)?.sum_all()?)?;
+    let loss = ((o.to_dtype(DType::F64)? * &x.dout)?.sum_all()?
+        + (ht.to_dtype(DType::F64)? * &x.dht)?.sum_all()?)?;
     let gs = loss.backward()?;
     let mut grads = vec![];
-    for (name, var) in [("dq", &q), ("dk", &k), ("dv", &v), ("dg", &g), ("dbeta", &beta)] {
+    for (name, var) in [
+        ("dq", &q),
+        ("dk", &k),
+        ("dv", &v),
+        ("dg", &g),
+        ("dbeta", &beta),
+    ] {
         let gr = gs.get(var.as_tensor()).expect("gradient present");
         assert_eq!(gr.dims(), var.dims(), "{name} shape");
         assert_eq!(gr.dtype(), var.dtype(), "{name} dtype");
@@ -171,8 +213,23 @@ pub fn run_reference(c: &Case, x: &Inputs) -> Result<Results> {
         ..Default::default()
     };
     let (o, ht) = gated_delta_product_naive(&x.q, &x.k, &x.v, &x.g, &x.beta, &opts)?;
-    let gr = gated_delta_product_naive_backward(&x.q, &x.k, &x.v, &x.g, &x.beta, &opts, &x.dout, Some(&x.dht))?;
-    let mut grads = vec![("dq", gr.dq), ("dk", gr.dk), ("dv", gr.dv), ("dg", gr.dg), ("dbeta", gr.dbeta)];
+    let gr = gated_delta_product_naive_backward(
+        &x.q,
+        &x.k,
+        &x.v,
+        &x.g,
+        &x.beta,
+        &opts,
+        &x.dout,
+        Some(&x.dht),
+    )?;
+    let mut grads = vec![
+        ("dq", gr.dq),
+        ("dk", gr.dk),
+        ("dv", gr.dv),
+        ("dg", gr.dg),
+        ("dbeta", gr.dbeta),
+    ];
     if x.h0.is_some() {
         grads.push(("dh0", gr.dh0));
     }
@@ -188,7 +245,11 @@ pub fn assert_close(c: &Case, got: &Results, want: &Results, tol: f64) -> Result
         let e = rel_rms(a, b)?;
         assert!(e.is_finite(), "{}: {name} is not finite", c.name);
         report.push(format!("{name} {e:.1e}"));
-        assert!(e <= tol, "{}: {name} relative RMS error {e:.2e} > {tol:.0e}", c.name);
+        assert!(
+            e <= tol,
+            "{}: {name} relative RMS error {e:.2e} > {tol:.0e}",
+            c.name
+        );
         worst = worst.max(e);
         Ok(())
     };

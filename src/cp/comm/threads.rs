@@ -72,7 +72,9 @@ struct Shared {
     cv: Condvar,
 }
 
-/// One rank's handle on an in-process group created by [`ThreadComm::group`].
+/// One rank's handle on an in-process group created by [`ThreadComm::group`]. Cloning gives
+/// another handle on the same rank (for ops that keep the communicator until their backward).
+#[derive(Clone)]
 pub struct ThreadComm {
     rank: usize,
     shared: Arc<Shared>,

@@ -3,7 +3,9 @@
 //! the q/k/gate gradients and the WY-representation adjoint, ending in the reverse chunk-local
 //! cumsum of the gate gradient.
 
-use super::chunk::{advance_state, chunk_delta, decayed_keys, query_rows, ChunkWy, Dims, HeadInputs};
+use super::chunk::{
+    advance_state, chunk_delta, decayed_keys, query_rows, ChunkWy, Dims, HeadInputs,
+};
 use super::forward::{query_key_scores, select_queries};
 use super::linalg::{dot, matmul, MatRef};
 use crate::op::shape::{chunks, CHUNK};
@@ -103,13 +105,7 @@ fn recompute(x: &HeadInputs, d: &Dims, h0: &[f32]) -> Vec<ChunkRecord> {
 }
 
 /// Backward of one (sequence, head). `dout [len, V]` is `∂L/∂o`, `dht [K, V]` is `∂L/∂S_T`.
-pub fn backward_head(
-    x: &HeadInputs,
-    d: &Dims,
-    h0: &[f32],
-    dout: &[f32],
-    dht: &[f32],
-) -> HeadGrads {
+pub fn backward_head(x: &HeadInputs, d: &Dims, h0: &[f32], dout: &[f32], dht: &[f32]) -> HeadGrads {
     let (dk, dv, n) = (d.dk, d.dv, d.n);
     let rows = x.rows();
     let len = x.q.len() / dk;
@@ -168,9 +164,23 @@ fn reverse_chunk(
 
     // dΔ = diag(e^{G_last − G}) K dS + Pᵀ dO
     decayed_keys(wy, x, d, &mut s.kdec);
-    matmul(&mut s.ddelta, MatRef::new(&s.kdec, c, dk), dsm, false, 0.0, 1.0);
+    matmul(
+        &mut s.ddelta,
+        MatRef::new(&s.kdec, c, dk),
+        dsm,
+        false,
+        0.0,
+        1.0,
+    );
     query_key_scores(wy, x, d, &s.qrows, &s.qsel, &mut s.p);
-    matmul(&mut s.ddelta, MatRef::new(&s.p, nq, c).t(), dom, true, 1.0, 1.0);
+    matmul(
+        &mut s.ddelta,
+        MatRef::new(&s.p, nq, c).t(),
+        dom,
+        true,
+        1.0,
+        1.0,
+    );
 
     // ds = (dO Δᵀ) ⊙ scale e^{G_i − G_j} (j ≤ i)
     matmul(&mut s.ds, dom, delta.t(), false, 0.0, 1.0);
@@ -186,7 +196,9 @@ fn reverse_chunk(
     matmul(&mut s.dqsel, dom, hm.t(), false, 0.0, 1.0);
     for (r, &(i, _)) in s.qrows.iter().enumerate() {
         let f = d.scale * wy.eg[i];
-        s.dqsel[r * dk..(r + 1) * dk].iter_mut().for_each(|x| *x *= f);
+        s.dqsel[r * dk..(r + 1) * dk]
+            .iter_mut()
+            .for_each(|x| *x *= f);
     }
     matmul(&mut s.dqsel, dsmat, kmat, true, 1.0, 1.0);
 
@@ -194,13 +206,22 @@ fn reverse_chunk(
     matmul(&mut s.dk_inter, delta, dsm.t(), false, 0.0, 1.0);
     for i in 0..c {
         let f = wy.decay[(c - 1) * c + i];
-        s.dk_inter[i * dk..(i + 1) * dk].iter_mut().for_each(|x| *x *= f);
+        s.dk_inter[i * dk..(i + 1) * dk]
+            .iter_mut()
+            .for_each(|x| *x *= f);
     }
     s.dk[..c * dk].copy_from_slice(&s.dk_inter[..c * dk]);
     matmul(&mut s.dk, dsmat.t(), qm, true, 1.0, 1.0);
 
     // dW = −dΔ hᵀ
-    matmul(&mut s.dw, MatRef::new(&s.ddelta, c, dv), hm.t(), false, 0.0, -1.0);
+    matmul(
+        &mut s.dw,
+        MatRef::new(&s.ddelta, c, dv),
+        hm.t(),
+        false,
+        0.0,
+        -1.0,
+    );
 
     // Gradient w.r.t. the cumulated gate, from the output and state paths.
     let dg = &mut s.dg_cum[..c];
@@ -217,9 +238,18 @@ fn reverse_chunk(
     // Carry dS to the chunk start: e^{G_last} dS + Σ_r scale e^{G_r} q_r do_rᵀ − Wᵀ dΔ
     for (r, &(i, _)) in s.qrows.iter().enumerate() {
         let f = d.scale * wy.eg[i];
-        s.qsel[r * dk..(r + 1) * dk].iter_mut().for_each(|x| *x *= f);
+        s.qsel[r * dk..(r + 1) * dk]
+            .iter_mut()
+            .for_each(|x| *x *= f);
     }
-    matmul(ds_state, MatRef::new(&s.qsel, nq, dk).t(), dom, true, gl.exp(), 1.0);
+    matmul(
+        ds_state,
+        MatRef::new(&s.qsel, nq, dk).t(),
+        dom,
+        true,
+        gl.exp(),
+        1.0,
+    );
     matmul(
         ds_state,
         MatRef::new(&wy.w, c, dk).t(),
@@ -243,8 +273,22 @@ fn reverse_chunk(
     matmul(&mut s.dkbg, ainv.t(), dwm, false, 0.0, 1.0);
     matmul(&mut s.dvb, ainv.t(), dum, false, 0.0, 1.0);
     // dA = −Ainvᵀ dAinv Ainvᵀ; dM = strict_lower(dA ⊙ e^{G_i − G_j})
-    matmul(&mut s.tmp, MatRef::new(&s.dainv, c, c), ainv.t(), false, 0.0, 1.0);
-    matmul(&mut s.dm, ainv.t(), MatRef::new(&s.tmp, c, c), false, 0.0, -1.0);
+    matmul(
+        &mut s.tmp,
+        MatRef::new(&s.dainv, c, c),
+        ainv.t(),
+        false,
+        0.0,
+        1.0,
+    );
+    matmul(
+        &mut s.dm,
+        ainv.t(),
+        MatRef::new(&s.tmp, c, c),
+        false,
+        0.0,
+        -1.0,
+    );
     for i in 0..c {
         let row = &mut s.dm[i * c..(i + 1) * c];
         for (x, &dj) in row[..i].iter_mut().zip(&wy.decay[i * c..i * c + i]) {
@@ -255,12 +299,22 @@ fn reverse_chunk(
     let dmm = MatRef::new(&s.dm, c, c);
     matmul(&mut s.dkb, dmm, kmat, false, 0.0, 1.0);
     for i in 0..c {
-        for (o, &kv) in s.kb[i * dk..(i + 1) * dk].iter_mut().zip(&kc[i * dk..(i + 1) * dk]) {
+        for (o, &kv) in s.kb[i * dk..(i + 1) * dk]
+            .iter_mut()
+            .zip(&kc[i * dk..(i + 1) * dk])
+        {
             *o = bc[i] * kv;
         }
     }
     // dk += dMᵀ (β ⊙ K)
-    matmul(&mut s.dk, dmm.t(), MatRef::new(&s.kb, c, dk), true, 1.0, 1.0);
+    matmul(
+        &mut s.dk,
+        dmm.t(),
+        MatRef::new(&s.kb, c, dk),
+        true,
+        1.0,
+        1.0,
+    );
     for i in 0..c {
         let p = range.start + i;
         let eg = wy.eg[i];
@@ -272,7 +326,12 @@ fn reverse_chunk(
         dg[i] += dot(&wy.kbg[i * dk..(i + 1) * dk], dkbg);
         let f = bc[i] * eg;
         let out = &mut gr.dk[p * dk..(p + 1) * dk];
-        for (((o, &a), &b), &kd) in out.iter_mut().zip(&s.dk[i * dk..(i + 1) * dk]).zip(dkbg).zip(dkb) {
+        for (((o, &a), &b), &kd) in out
+            .iter_mut()
+            .zip(&s.dk[i * dk..(i + 1) * dk])
+            .zip(dkbg)
+            .zip(dkb)
+        {
             *o = a + f * b + bc[i] * kd;
         }
         for (o, &x) in gr.dv[p * dv..(p + 1) * dv].iter_mut().zip(dvb) {

@@ -2,7 +2,9 @@
 //! chunk (`fla_gdp.md` §2, in the per-interleaved-chunk output form of §2.7 restricted to the
 //! query rows, which does `n`× less intra-chunk work than the token-chunk form on a CPU).
 
-use super::chunk::{advance_state, chunk_delta, decayed_keys, query_rows, ChunkWy, Dims, HeadInputs};
+use super::chunk::{
+    advance_state, chunk_delta, decayed_keys, query_rows, ChunkWy, Dims, HeadInputs,
+};
 use super::linalg::{matmul, MatRef};
 use crate::op::shape::{chunks, CHUNK};
 

@@ -118,14 +118,28 @@ mod tests {
         let a = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]; // 2x3
         let b = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0]; // 3x2
         let mut c = [0.0; 4];
-        matmul(&mut c, MatRef::new(&a, 2, 3), MatRef::new(&b, 3, 2), false, 0.0, 1.0);
+        matmul(
+            &mut c,
+            MatRef::new(&a, 2, 3),
+            MatRef::new(&b, 3, 2),
+            false,
+            0.0,
+            1.0,
+        );
         assert_eq!(c, [4.0, 5.0, 10.0, 11.0]);
         // aᵀ a = 3x3
         let mut d = [0.0; 9];
         let av = MatRef::new(&a, 2, 3);
         matmul(&mut d, av.t(), av, false, 0.0, 1.0);
         assert_eq!(d, [17.0, 22.0, 27.0, 22.0, 29.0, 36.0, 27.0, 36.0, 45.0]);
-        matmul(&mut c, MatRef::new(&a, 2, 3), MatRef::new(&b, 3, 2), true, 2.0, -1.0);
+        matmul(
+            &mut c,
+            MatRef::new(&a, 2, 3),
+            MatRef::new(&b, 3, 2),
+            true,
+            2.0,
+            -1.0,
+        );
         assert_eq!(c, [4.0, 5.0, 10.0, 11.0]);
     }
 

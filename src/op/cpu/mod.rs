@@ -56,9 +56,20 @@ impl<T: WithDType> PackedInputs<'_, T> {
         x
     }
 
-    /// The initial state of (sequence `s`, head) as `[K, V]` f32 (zeros without `h0`).
-    pub fn initial_state(&self, sh: &GdpShape, s: usize, head: usize) -> Vec<f32> {
+    /// The initial state of (sequence `s`, head) as `[K, V]` f32: from `states [N, H, K, V]`
+    /// when given, else from the gate buffer's `h0`, else zeros.
+    pub fn initial_state(
+        &self,
+        sh: &GdpShape,
+        states: Option<&[f32]>,
+        s: usize,
+        head: usize,
+    ) -> Vec<f32> {
         let kv = sh.dk * sh.dv;
+        if let Some(st) = states {
+            let off = (s * sh.heads + head) * kv;
+            return st[off..off + kv].to_vec();
+        }
         if !self.has_h0 {
             return vec![0.0; kv];
         }
@@ -106,8 +117,14 @@ fn dims(sh: &GdpShape, scale: f32) -> Dims {
     }
 }
 
-/// Forward: returns `[o (B·T·H·V) | final state (N·H·K·V)]` in f32.
-pub fn forward<T: WithDType>(x: &PackedInputs<T>, sh: &GdpShape, scale: f32) -> Vec<f32> {
+/// Forward: returns `[o (B·T·H·V) | final state (N·H·K·V)]` in f32. `h0 [N, H, K, V]`, when
+/// given, replaces the initial states of the gate buffer (context parallelism folds states in).
+pub fn forward<T: WithDType>(
+    x: &PackedInputs<T>,
+    sh: &GdpShape,
+    scale: f32,
+    h0: Option<&[f32]>,
+) -> Vec<f32> {
     let d = dims(sh, scale);
     let o_len = sh.o_len();
     let mut out = vec![0.0f32; o_len + sh.state_len()];
@@ -117,7 +134,7 @@ pub fn forward<T: WithDType>(x: &PackedInputs<T>, sh: &GdpShape, scale: f32) -> 
         |ws, (s, h)| {
             let seq = &sh.seqs[s];
             let inp = x.gather(sh, seq, h);
-            let mut state = x.initial_state(sh, s, h);
+            let mut state = x.initial_state(sh, h0, s, h);
             let mut o = vec![0.0f32; seq.len * sh.dv];
             forward::forward_head(&inp, &d, &mut state, &mut o, ws);
             for t in 0..seq.len {
@@ -134,16 +151,22 @@ pub fn forward<T: WithDType>(x: &PackedInputs<T>, sh: &GdpShape, scale: f32) -> 
 
 /// Backward. `grad` is `[do (B·T·H·V) | dht (N·H·K·V)]` f32. Returns
 /// `[dqk (B·T·(n+1)·H·K) | dv (B·T·n·H·V) | dg (B·T·H) | dbeta (B·T·n·H) | dh0 (N·H·K·V)?]`.
+/// `h0` as in [`forward`].
 pub fn backward<T: WithDType>(
     x: &PackedInputs<T>,
     sh: &GdpShape,
     scale: f32,
     grad: &[f32],
+    h0: Option<&[f32]>,
 ) -> Vec<f32> {
     let d = dims(sh, scale);
     let (h, k, v, n, tt) = (sh.heads, sh.dk, sh.dv, sh.n, sh.tokens);
     let (qk_len, v_len, th) = (sh.qk_len(), sh.v_len(), sh.token_heads());
-    let (dg_off, dbeta_off, dh0_off) = (qk_len + v_len, qk_len + v_len + th, qk_len + v_len + th * (1 + n));
+    let (dg_off, dbeta_off, dh0_off) = (
+        qk_len + v_len,
+        qk_len + v_len + th,
+        qk_len + v_len + th * (1 + n),
+    );
     let total = dh0_off + if x.has_h0 { sh.state_len() } else { 0 };
     let mut out = vec![0.0f32; total];
     let ptr = OutPtr(out.as_mut_ptr());
@@ -151,14 +174,14 @@ pub fn backward<T: WithDType>(
     tasks(sh).into_par_iter().for_each(|(s, hd)| {
         let seq = &sh.seqs[s];
         let inp = x.gather(sh, seq, hd);
-        let h0 = x.initial_state(sh, s, hd);
+        let h0s = x.initial_state(sh, h0, s, hd);
         let mut dout = Vec::with_capacity(seq.len * v);
         for t in 0..seq.len {
             let off = ((seq.batch * tt + seq.start + t) * h + hd) * v;
             dout.extend_from_slice(&grad[off..off + v]);
         }
         let st = o_len + (s * h + hd) * k * v;
-        let gr = backward::backward_head(&inp, &d, &h0, &dout, &grad[st..st + k * v]);
+        let gr = backward::backward_head(&inp, &d, &h0s, &dout, &grad[st..st + k * v]);
         // SAFETY (all writes below): the rows of token/sub-token (tok, hd) and the state slot
         // (s, hd) belong to this task only, and every offset is inside `out`.
         unsafe {

@@ -1,0 +1,407 @@
+//! [`ContextParallel`]: one long sequence (or packed batch) sharded along time over several
+//! Candle devices, one rank thread each, exact because ranks exchange affine state summaries.
+//!
+//! Two levels of API:
+//! * per rank, inside the rank's own thread: [`cp_gated_delta_product`] on the rank's shard with
+//!   a [`CpRank`] (communicator + metadata); `loss.backward()` on every rank then gives that
+//!   rank's exact gradients;
+//! * whole problem: [`ContextParallel::gated_delta_product`] shards full-sequence tensors, runs
+//!   all ranks, and returns the gathered outputs, final states and gradients.
+
+use super::comm::{run_ranks, Communicator, DEFAULT_TIMEOUT};
+use super::driver::CpLink;
+use super::shard::{dense_rank_meta, packed_rank_meta, RankMeta, ShardPlan};
+use crate::error::GdpError;
+use crate::op::{apply, validate_fla, GdpOptions};
+use candle_core::{DType, Device, Result, Tensor, Var};
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// One rank of a context-parallel group: its communicator and its packed-sequence metadata.
+#[derive(Clone)]
+pub struct CpRank {
+    /// The group's communicator, as seen by this rank.
+    pub comm: Arc<dyn Communicator>,
+    /// Local `cu_seqlens` and causal slices (see [`super::shard`]).
+    pub meta: RankMeta,
+}
+
+/// Gated DeltaProduct on one rank's shard. Inputs are the rank's contiguous slice of the
+/// global tensors (`q [B, T_r, H, K]`, `k [B, T_r·n, H, K]`, ...); with packed sequences,
+/// `opts.cu_seqlens` must be `rank.meta.local_cu_seqlens`.
+///
+/// The initial state of a sequence that continues from an earlier rank is the fold of the
+/// preceding ranks' summaries (its row of `opts.initial_state` is ignored and gets a zero
+/// gradient); the final-state gradient of a sequence that continues on a later rank receives
+/// the fold of the following ranks' summaries in the backward. Every rank of the group must
+/// call this the same number of times, in the same order.
+pub fn cp_gated_delta_product(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    opts: &GdpOptions,
+    rank: &CpRank,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let sh = validate_fla(q, k, v, g, beta, opts)?;
+    if let Some(cu) = opts.cu_seqlens {
+        if cu != rank.meta.local_cu_seqlens.as_slice() {
+            return Err(GdpError::CuSeqlens(format!(
+                "on a CP rank it must equal the rank's local offsets {:?}, got {cu:?}",
+                rank.meta.local_cu_seqlens
+            ))
+            .into());
+        }
+    }
+    let link = CpLink::new(
+        rank.comm.clone(),
+        rank.meta.preceding_rank_start,
+        rank.meta.following_rank_stop,
+        opts.cu_seqlens.is_some(),
+    )?;
+    let k5 = k.reshape((sh.batch, sh.tokens, sh.n, sh.heads, sh.dk))?;
+    let qk = Tensor::cat(&[&q.unsqueeze(2)?, &k5], 2)?;
+    apply(&qk, v, g, beta, sh, opts, Some(Arc::new(link)))
+}
+
+/// Cotangents of a [`ContextParallel::gated_delta_product`] call: the loss is
+/// `Σ dout·o + Σ dht·final_state`.
+#[derive(Debug, Clone, Copy)]
+pub struct Cotangents<'a> {
+    /// `[B, T, H, V]`
+    pub dout: &'a Tensor,
+    /// `[N, H, K, V]`, optional.
+    pub dht: Option<&'a Tensor>,
+}
+
+/// Gradients gathered from all ranks, each with its input's shape and dtype.
+#[derive(Debug, Clone)]
+pub struct CpGrads {
+    /// `[B, T, H, K]`
+    pub dq: Tensor,
+    /// `[B, T·n, H, K]`
+    pub dk: Tensor,
+    /// `[B, T·n, H, V]`
+    pub dv: Tensor,
+    /// `[B, T, H]`
+    pub dg: Tensor,
+    /// `[B, T·n, H]`
+    pub dbeta: Tensor,
+    /// `[N, H, K, V]` when an initial state was given.
+    pub dh0: Option<Tensor>,
+}
+
+/// Result of [`ContextParallel::gated_delta_product`], on the device of `q`.
+#[derive(Debug, Clone)]
+pub struct CpOutput {
+    /// `[B, T, H, V]` in `q`'s dtype.
+    pub o: Tensor,
+    /// `[N, H, K, V]` f32, when requested.
+    pub final_state: Option<Tensor>,
+    /// When cotangents were given.
+    pub grads: Option<CpGrads>,
+}
+
+/// A context-parallel group over Candle devices, one rank per device.
+#[derive(Debug, Clone)]
+pub struct ContextParallel {
+    devices: Vec<Device>,
+    timeout: Duration,
+}
+
+/// What one rank returns to the gatherer: local outputs and gradients on the CPU.
+struct RankOut {
+    o: Tensor,
+    ht: Tensor,
+    grads: Option<Vec<Tensor>>,
+    dh0: Option<Tensor>,
+}
+
+impl ContextParallel {
+    /// A group with one rank per device (rank order = time order). Create each CUDA device
+    /// once and pass clones: two `Device::new_cuda(0)` calls are different devices to Candle.
+    pub fn new(devices: Vec<Device>) -> Result<Self> {
+        if devices.is_empty() {
+            return Err(GdpError::Option {
+                name: "cp_size".into(),
+                reason: "needs at least one device (rank)".into(),
+            }
+            .into());
+        }
+        Ok(Self {
+            devices,
+            timeout: DEFAULT_TIMEOUT,
+        })
+    }
+
+    /// `cp_size` ranks on the CPU.
+    pub fn cpu(cp_size: usize) -> Result<Self> {
+        Self::new(vec![Device::Cpu; cp_size])
+    }
+
+    /// How long a collective waits for its peers before every rank fails.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Number of ranks.
+    pub fn cp_size(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// The ranks' devices.
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+
+    /// Runs `f(rank, device)` on one thread per rank with an in-process communicator; the
+    /// per-rank entry point for models. If a rank fails, every rank returns within the timeout
+    /// and the root-cause error is returned.
+    pub fn run<T: Send>(
+        &self,
+        f: impl Fn(Arc<dyn Communicator>, &Device) -> Result<T> + Sync,
+    ) -> Result<Vec<T>> {
+        run_ranks(self.cp_size(), self.timeout, |comm| {
+            let comm: Arc<dyn Communicator> = Arc::new(comm.clone());
+            f(comm.clone(), &self.devices[comm.rank()])
+        })
+    }
+
+    /// Shards full-sequence inputs along time (shards differ by at most one token), runs the
+    /// op on every rank, and gathers `o`, the final states and, with `cotangents`, all
+    /// gradients. Arguments as in [`crate::gated_delta_product`]. Equal to the single-device op.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gated_delta_product(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        beta: &Tensor,
+        opts: &GdpOptions,
+        cotangents: Option<Cotangents>,
+    ) -> Result<CpOutput> {
+        let sh = validate_fla(q, k, v, g, beta, opts)?;
+        let plan = ShardPlan::new(sh.tokens, self.cp_size())?;
+        let n = sh.n;
+        let cu = opts.cu_seqlens.map(<[usize]>::to_vec);
+        let outs = self.run(|comm, dev| {
+            let r = comm.rank();
+            let range = plan.range(r)?;
+            let (meta, ids) = match &cu {
+                Some(cu) => (packed_rank_meta(cu, &plan, r)?, local_seq_ids(cu, &range)),
+                None => (dense_rank_meta(&plan, r)?, (0..sh.batch).collect()),
+            };
+            let packed = cu.is_some();
+            let continues_out = meta.following_rank_stop > r + 1;
+            let shard = |x: &Tensor, per_token: usize| -> Result<Tensor> {
+                x.narrow(1, range.start * per_token, range.len() * per_token)?
+                    .to_device(dev)
+            };
+            let var = |t: Tensor| Var::from_tensor(&t);
+            let (qv, kv, vv) = (var(shard(q, 1)?)?, var(shard(k, n)?)?, var(shard(v, n)?)?);
+            let (gv, bv) = (var(shard(g, 1)?)?, var(shard(beta, n)?)?);
+            let h0 = match opts.initial_state {
+                Some(h0) => Some(var(rows(h0, &ids)?.to_device(dev)?)?),
+                None => None,
+            };
+            let local_opts = GdpOptions {
+                num_householder: Some(n),
+                scale: opts.scale,
+                initial_state: h0.as_ref().map(|v| v.as_tensor()),
+                output_final_state: true,
+                cu_seqlens: packed.then_some(meta.local_cu_seqlens.as_slice()),
+            };
+            let rank = CpRank {
+                comm,
+                meta: meta.clone(),
+            };
+            let (o, ht) = cp_gated_delta_product(&qv, &kv, &vv, &gv, &bv, &local_opts, &rank)?;
+            let ht = ht.expect("final state requested");
+            let (grads, dh0) = match cotangents {
+                None => (None, None),
+                Some(ct) => {
+                    let dout = shard(ct.dout, 1)?.to_dtype(DType::F32)?;
+                    let mut loss = (o.to_dtype(DType::F32)? * dout)?.sum_all()?;
+                    if let Some(dht) = ct.dht {
+                        // Only sequences that end on this rank see the final-state cotangent.
+                        let mut local = rows(dht, &ids)?.to_dtype(DType::F32)?;
+                        let last = ids.len() - 1;
+                        if continues_out {
+                            let keep: Vec<usize> =
+                                if packed { (0..last).collect() } else { vec![] };
+                            local = zero_except(&local, &keep)?;
+                        }
+                        loss = (loss + (ht.clone() * local.to_device(dev)?)?.sum_all()?)?;
+                    }
+                    let gs = loss.backward()?;
+                    let get = |v: &Var| -> Result<Tensor> {
+                        match gs.get(v.as_tensor()) {
+                            Some(g) => g.to_device(&Device::Cpu),
+                            None => v.as_tensor().zeros_like()?.to_device(&Device::Cpu),
+                        }
+                    };
+                    let grads = vec![get(&qv)?, get(&kv)?, get(&vv)?, get(&gv)?, get(&bv)?];
+                    let dh0 = match &h0 {
+                        Some(h) => Some(get(h)?),
+                        None => None,
+                    };
+                    (Some(grads), dh0)
+                }
+            };
+            Ok(RankOut {
+                o: o.to_device(&Device::Cpu)?,
+                ht: ht.to_device(&Device::Cpu)?,
+                grads,
+                dh0,
+            })
+        })?;
+        self.gather(q, opts, cotangents, &plan, cu.as_deref(), outs)
+    }
+
+    /// Concatenates the ranks' outputs along time and places every sequence's final state
+    /// (from the rank where it ends) and initial-state gradient (from the rank where it starts).
+    fn gather(
+        &self,
+        q: &Tensor,
+        opts: &GdpOptions,
+        cotangents: Option<Cotangents>,
+        plan: &ShardPlan,
+        cu: Option<&[usize]>,
+        outs: Vec<RankOut>,
+    ) -> Result<CpOutput> {
+        let dev = q.device();
+        let cat = |xs: Vec<&Tensor>| -> Result<Tensor> { Tensor::cat(&xs, 1)?.to_device(dev) };
+        let o = cat(outs.iter().map(|r| &r.o).collect())?;
+        let last = outs.len() - 1;
+        // Per global sequence: (rank, local index) where it starts and where it ends.
+        let (starts, ends): (Vec<_>, Vec<_>) = match cu {
+            None => {
+                let b = outs[0].o.dim(0)?;
+                (
+                    (0..b).map(|i| Some((0, i))).collect(),
+                    (0..b).map(|i| Some((last, i))).collect(),
+                )
+            }
+            Some(cu) => {
+                let locals: Vec<Vec<usize>> =
+                    plan.ranges().iter().map(|r| local_seq_ids(cu, r)).collect();
+                let find = |j: usize, first: bool| -> Option<(usize, usize)> {
+                    let mut it = locals
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(r, ids)| ids.iter().position(|&x| x == j).map(|i| (r, i)));
+                    if first {
+                        it.next()
+                    } else {
+                        it.last()
+                    }
+                };
+                (0..cu.len() - 1)
+                    .map(|j| (find(j, true), find(j, false)))
+                    .unzip()
+            }
+        };
+        let pick = |src: &dyn Fn(usize) -> Option<Tensor>,
+                    at: &[Option<(usize, usize)>],
+                    empty: &dyn Fn(usize) -> Result<Tensor>|
+         -> Result<Tensor> {
+            let rows: Vec<Tensor> = at
+                .iter()
+                .enumerate()
+                .map(|(j, loc)| match loc {
+                    Some((r, i)) => src(*r).expect("present").narrow(0, *i, 1),
+                    None => empty(j),
+                })
+                .collect::<Result<_>>()?;
+            Tensor::cat(&rows, 0)?.to_device(dev)
+        };
+        let h0_row = |j: usize| -> Result<Tensor> {
+            match opts.initial_state {
+                Some(h0) => h0
+                    .narrow(0, j, 1)?
+                    .to_dtype(DType::F32)?
+                    .to_device(&Device::Cpu),
+                None => {
+                    let (_, h, k, v) = outs[0].ht.dims4()?;
+                    Tensor::zeros((1, h, k, v), DType::F32, &Device::Cpu)
+                }
+            }
+        };
+        let final_state = if opts.output_final_state {
+            Some(pick(&|r| Some(outs[r].ht.clone()), &ends, &h0_row)?)
+        } else {
+            None
+        };
+        let grads = match (cotangents, outs[0].grads.is_some()) {
+            (Some(ct), true) => {
+                let g = |i: usize| {
+                    cat(outs
+                        .iter()
+                        .map(|r| &r.grads.as_ref().expect("grads")[i])
+                        .collect())
+                };
+                let dh0 = match opts.initial_state {
+                    None => None,
+                    Some(h0) => {
+                        // An empty sequence passes its state through: dh0 = dht.
+                        let dht_row = |j: usize| -> Result<Tensor> {
+                            match ct.dht {
+                                Some(d) => d
+                                    .narrow(0, j, 1)?
+                                    .to_dtype(h0.dtype())?
+                                    .to_device(&Device::Cpu),
+                                None => h0.narrow(0, j, 1)?.zeros_like()?.to_device(&Device::Cpu),
+                            }
+                        };
+                        Some(pick(&|r| outs[r].dh0.clone(), &starts, &dht_row)?)
+                    }
+                };
+                Some(CpGrads {
+                    dq: g(0)?,
+                    dk: g(1)?,
+                    dv: g(2)?,
+                    dg: g(3)?,
+                    dbeta: g(4)?,
+                    dh0,
+                })
+            }
+            _ => None,
+        };
+        Ok(CpOutput {
+            o,
+            final_state,
+            grads,
+        })
+    }
+}
+
+/// Global ids of the non-empty sequences that overlap the token range, in order.
+fn local_seq_ids(cu: &[usize], range: &Range<usize>) -> Vec<usize> {
+    (0..cu.len() - 1)
+        .filter(|&j| cu[j] < cu[j + 1] && cu[j] < range.end && cu[j + 1] > range.start)
+        .collect()
+}
+
+/// Rows `ids` of a `[N, ...]` tensor (a copy).
+fn rows(x: &Tensor, ids: &[usize]) -> Result<Tensor> {
+    let idx = Tensor::new(
+        ids.iter().map(|&i| i as u32).collect::<Vec<_>>(),
+        x.device(),
+    )?;
+    x.index_select(&idx, 0)
+}
+
+/// `x` with every row except `keep` set to zero.
+fn zero_except(x: &Tensor, keep: &[usize]) -> Result<Tensor> {
+    let n = x.dim(0)?;
+    let mask: Vec<f32> = (0..n)
+        .map(|i| if keep.contains(&i) { 1.0 } else { 0.0 })
+        .collect();
+    let mut shape = vec![n];
+    shape.extend(std::iter::repeat_n(1, x.rank() - 1));
+    x.broadcast_mul(&Tensor::from_vec(mask, shape, x.device())?.to_dtype(x.dtype())?)
+}

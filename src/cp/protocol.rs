@@ -1,0 +1,338 @@
+//! The chunkwise context-parallel algebra on one (fragment, head) (`megatron_cp.md` §2–5).
+//!
+//! A *fragment* is the part of one sequence that lies on one rank. Its chunks are affine maps
+//! of the state, `S_next = M_c S + D_c` with `M_c = e^{G_last} I − kdecᵀ W`, so the whole
+//! fragment is `S_out = M S_in + ΔS`. Its backward is the transposed map,
+//! `dS_in = Mᵀ dS_out + γ`. Summaries are packed per head as `[K, V + K]` f32, row-major:
+//! `[ΔS | M]` forward, `[γ | Mᵀ]` backward.
+
+use crate::op::cpu::chunk::{decayed_keys, query_rows, ChunkWy, Dims, HeadInputs};
+use crate::op::cpu::forward::{query_key_scores, select_queries};
+use crate::op::cpu::linalg::{matmul, MatRef};
+use crate::op::shape::{chunks, CHUNK};
+
+/// Elements of one packed summary `[K, V + K]`.
+pub fn summary_len(dk: usize, dv: usize) -> usize {
+    dk * (dv + dk)
+}
+
+fn pack(a: &[f32], m: &[f32], dk: usize, dv: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(summary_len(dk, dv));
+    for r in 0..dk {
+        out.extend_from_slice(&a[r * dv..(r + 1) * dv]);
+        out.extend_from_slice(&m[r * dk..(r + 1) * dk]);
+    }
+    out
+}
+
+/// Splits a packed summary `[K, V + K]` into its `[K, V]` and `[K, K]` parts.
+pub fn unpack(p: &[f32], dk: usize, dv: usize) -> (Vec<f32>, Vec<f32>) {
+    let (mut a, mut m) = (Vec::with_capacity(dk * dv), Vec::with_capacity(dk * dk));
+    for row in p.chunks_exact(dv + dk).take(dk) {
+        a.extend_from_slice(&row[..dv]);
+        m.extend_from_slice(&row[dv..]);
+    }
+    (a, m)
+}
+
+/// Forward summary `[ΔS | M]` of a fragment: `ΔS` is its final state from `s0` (zeros for a
+/// fragment that continues a sequence from an earlier rank; the sequence's own initial state
+/// when it starts here), `M` the product of its chunk transitions (later chunks on the left).
+pub fn forward_summary(x: &HeadInputs, d: &Dims, s0: &[f32]) -> Vec<f32> {
+    let (dk, dv) = (d.dk, d.dv);
+    let mut state = s0.to_vec();
+    let mut m = identity(dk);
+    let mut wy = ChunkWy::new(d);
+    let mut kdec = vec![0.0; CHUNK * dk];
+    let mut delta = vec![0.0; CHUNK * dv];
+    let mut wm = vec![0.0; CHUNK * dk];
+    for range in chunks(x.rows()) {
+        wy.prepare(x, d, range);
+        let c = wy.len();
+        crate::op::cpu::chunk::chunk_delta(&wy, d, &state, &mut delta);
+        decayed_keys(&wy, x, d, &mut kdec);
+        crate::op::cpu::chunk::advance_state(&wy, d, &kdec, &delta, &mut state);
+        // M ← (e^{G_last} I − kdecᵀ W) M
+        matmul(
+            &mut wm,
+            MatRef::new(&wy.w, c, dk),
+            MatRef::new(&m, dk, dk),
+            false,
+            0.0,
+            1.0,
+        );
+        let kt = MatRef::new(&kdec, c, dk).t();
+        matmul(
+            &mut m,
+            kt,
+            MatRef::new(&wm, c, dk),
+            true,
+            wy.g_last().exp(),
+            -1.0,
+        );
+    }
+    pack(&state, &m, dk, dv)
+}
+
+/// Backward summary `[γ | Mᵀ]` of a fragment: `γ` is the gradient of its start state given the
+/// output gradients `dout [len, V]` of its tokens and the end-state gradient `ds_end` (zeros
+/// for a fragment whose sequence continues on a later rank), `Mᵀ` the transposed transition.
+pub fn backward_summary(x: &HeadInputs, d: &Dims, dout: &[f32], ds_end: &[f32]) -> Vec<f32> {
+    let (dk, dv) = (d.dk, d.dv);
+    let mut ds = ds_end.to_vec();
+    let mut mt = identity(dk);
+    let mut wy = ChunkWy::new(d);
+    let mut kdec = vec![0.0; CHUNK * dk];
+    let mut qsel = vec![0.0; CHUNK * dk];
+    let mut dosel = vec![0.0; CHUNK * dv];
+    let mut p = vec![0.0; CHUNK * CHUNK];
+    let mut ddelta = vec![0.0; CHUNK * dv];
+    let mut tmp = vec![0.0; CHUNK * dk];
+    let mut qrows = Vec::with_capacity(CHUNK);
+    let ranges: Vec<_> = chunks(x.rows()).collect();
+    for range in ranges.into_iter().rev() {
+        wy.prepare(x, d, range.clone());
+        let c = wy.len();
+        let gl = wy.g_last().exp();
+        decayed_keys(&wy, x, d, &mut kdec);
+        qrows.clear();
+        qrows.extend(query_rows(&range, d.n));
+        let nq = qrows.len();
+        select_queries(x, d, &qrows, &mut qsel);
+        for (r, &(_, t)) in qrows.iter().enumerate() {
+            dosel[r * dv..(r + 1) * dv].copy_from_slice(&dout[t * dv..(t + 1) * dv]);
+        }
+        // dΔ = kdec dS + Pᵀ dO
+        matmul(
+            &mut ddelta,
+            MatRef::new(&kdec, c, dk),
+            MatRef::new(&ds, dk, dv),
+            false,
+            0.0,
+            1.0,
+        );
+        query_key_scores(&wy, x, d, &qrows, &qsel, &mut p);
+        let dom = MatRef::new(&dosel, nq, dv);
+        matmul(&mut ddelta, MatRef::new(&p, nq, c).t(), dom, true, 1.0, 1.0);
+        // dS ← e^{G_last} dS + Σ_r scale e^{G_r} q_r do_rᵀ − Wᵀ dΔ
+        for (r, &(i, _)) in qrows.iter().enumerate() {
+            let f = d.scale * wy.eg[i];
+            qsel[r * dk..(r + 1) * dk].iter_mut().for_each(|v| *v *= f);
+        }
+        matmul(&mut ds, MatRef::new(&qsel, nq, dk).t(), dom, true, gl, 1.0);
+        let wt = MatRef::new(&wy.w, c, dk).t();
+        matmul(&mut ds, wt, MatRef::new(&ddelta, c, dv), true, 1.0, -1.0);
+        // Mᵀ ← (e^{G_last} I − Wᵀ kdec) Mᵀ
+        matmul(
+            &mut tmp,
+            MatRef::new(&kdec, c, dk),
+            MatRef::new(&mt, dk, dk),
+            false,
+            0.0,
+            1.0,
+        );
+        matmul(&mut mt, wt, MatRef::new(&tmp, c, dk), true, gl, -1.0);
+    }
+    pack(&ds, &mt, dk, dv)
+}
+
+fn identity(n: usize) -> Vec<f32> {
+    let mut m = vec![0.0; n * n];
+    for i in 0..n {
+        m[i * n + i] = 1.0;
+    }
+    m
+}
+
+/// Applies one packed summary to a state: `s ← P[:, V:] · s + P[:, :V]` (`[K, V]` states).
+pub fn apply_summary(p: &[f32], s: &mut [f32], dk: usize, dv: usize) {
+    let (a, m) = unpack(p, dk, dv);
+    let prev = s.to_vec();
+    s[..dk * dv].copy_from_slice(&a);
+    matmul(
+        s,
+        MatRef::new(&m, dk, dk),
+        MatRef::new(&prev, dk, dv),
+        true,
+        1.0,
+        1.0,
+    );
+}
+
+/// Forward fold over the preceding ranks' summaries, nearest rank last:
+/// `S = 0; for P in summaries: S ← M_P S + ΔS_P`.
+pub fn fold_forward<'a>(
+    summaries: impl Iterator<Item = &'a [f32]>,
+    dk: usize,
+    dv: usize,
+) -> Vec<f32> {
+    let mut s = vec![0.0; dk * dv];
+    for p in summaries {
+        apply_summary(p, &mut s, dk, dv);
+    }
+    s
+}
+
+/// Backward fold over the following ranks' summaries, given nearest first; applied farthest
+/// first: `dS = 0; for P in reversed: dS ← Mᵀ_P dS + γ_P`.
+pub fn fold_backward<'a>(
+    summaries: impl DoubleEndedIterator<Item = &'a [f32]>,
+    dk: usize,
+    dv: usize,
+) -> Vec<f32> {
+    fold_forward(summaries.rev(), dk, dv)
+}
+
+/// Composes two packed summaries into one: applying `first` then `second` equals applying the
+/// result (`[ΔS₂ + M₂ΔS₁ | M₂M₁]`). Associative, so a log-depth (Hillis–Steele) scan over ranks
+/// can replace the sequential fold; see [`scan_forward`].
+pub fn compose(first: &[f32], second: &[f32], dk: usize, dv: usize) -> Vec<f32> {
+    let (a1, m1) = unpack(first, dk, dv);
+    let (mut a, m2) = unpack(second, dk, dv);
+    matmul(
+        &mut a,
+        MatRef::new(&m2, dk, dk),
+        MatRef::new(&a1, dk, dv),
+        true,
+        1.0,
+        1.0,
+    );
+    let mut m = vec![0.0; dk * dk];
+    matmul(
+        &mut m,
+        MatRef::new(&m2, dk, dk),
+        MatRef::new(&m1, dk, dk),
+        false,
+        0.0,
+        1.0,
+    );
+    pack(&a, &m, dk, dv)
+}
+
+/// Inclusive prefix composition of `summaries` (rank order) by Hillis–Steele doubling:
+/// `log2(R)` rounds of independent [`compose`] calls instead of `R − 1` dependent ones. Entry
+/// `r` maps the state before rank 0 to the state after rank `r`. It costs `O(R log R)` `K×K`
+/// products in total against the fold's `O(R)` per rank, so it wins only when the ranks'
+/// compositions run in parallel (one per rank, on a large group); the plain fold is cheaper on
+/// a single host.
+pub fn scan_forward(summaries: &[Vec<f32>], dk: usize, dv: usize) -> Vec<Vec<f32>> {
+    let mut cur = summaries.to_vec();
+    let mut step = 1;
+    while step < cur.len() {
+        let prev = cur.clone();
+        for r in step..cur.len() {
+            cur[r] = compose(&prev[r - step], &prev[r], dk, dv);
+        }
+        step *= 2;
+    }
+    cur
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::op::cpu::backward::backward_head;
+    use crate::op::cpu::forward::{forward_head, ForwardWorkspace};
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+    }
+
+    fn head(len: usize, d: &Dims, seed: &mut u64) -> HeadInputs {
+        let rows = len * d.n;
+        let unit = |v: Vec<f32>, w: usize| -> Vec<f32> {
+            v.chunks(w)
+                .flat_map(|r| {
+                    let nrm = r.iter().map(|x| x * x).sum::<f32>().sqrt();
+                    r.iter().map(move |x| x / nrm).collect::<Vec<_>>()
+                })
+                .collect()
+        };
+        let mut gate = vec![0.0; rows];
+        for t in 0..len {
+            gate[t * d.n] = -(lcg(seed) + 0.5) * 0.7;
+        }
+        HeadInputs {
+            q: unit((0..len * d.dk).map(|_| lcg(seed)).collect(), d.dk),
+            k: unit((0..rows * d.dk).map(|_| lcg(seed)).collect(), d.dk),
+            v: (0..rows * d.dv).map(|_| lcg(seed)).collect(),
+            beta: (0..rows).map(|_| 1.0 + 1.8 * lcg(seed)).collect(),
+            gate,
+        }
+    }
+
+    fn rel(a: &[f32], b: &[f32]) -> f32 {
+        let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+        let den: f32 = b.iter().map(|y| y * y).sum();
+        (num / den.max(1e-30)).sqrt()
+    }
+
+    #[test]
+    fn forward_summary_is_the_affine_map_of_the_fragment() {
+        let mut seed = 1;
+        for (len, n) in [(1, 1), (50, 2), (97, 3), (200, 1)] {
+            let d = Dims {
+                dk: 12,
+                dv: 7,
+                n,
+                scale: 0.3,
+            };
+            let x = head(len, &d, &mut seed);
+            let s_in: Vec<f32> = (0..d.dk * d.dv).map(|_| lcg(&mut seed)).collect();
+            let mut s = s_in.clone();
+            let mut o = vec![0.0; len * d.dv];
+            forward_head(&x, &d, &mut s, &mut o, &mut ForwardWorkspace::new(&d));
+            let p = forward_summary(&x, &d, &vec![0.0; d.dk * d.dv]);
+            let mut via = s_in.clone();
+            apply_summary(&p, &mut via, d.dk, d.dv);
+            assert!(rel(&via, &s) < 1e-5, "len {len} n {n}: {}", rel(&via, &s));
+        }
+    }
+
+    #[test]
+    fn backward_summary_is_the_transposed_map() {
+        let mut seed = 5;
+        for (len, n) in [(1, 2), (70, 2), (130, 3)] {
+            let d = Dims {
+                dk: 9,
+                dv: 11,
+                n,
+                scale: 0.5,
+            };
+            let x = head(len, &d, &mut seed);
+            let h0: Vec<f32> = (0..d.dk * d.dv).map(|_| lcg(&mut seed)).collect();
+            let dout: Vec<f32> = (0..len * d.dv).map(|_| lcg(&mut seed)).collect();
+            let ds_out: Vec<f32> = (0..d.dk * d.dv).map(|_| lcg(&mut seed)).collect();
+            let want = backward_head(&x, &d, &h0, &dout, &ds_out).dh0;
+            let p = backward_summary(&x, &d, &dout, &vec![0.0; d.dk * d.dv]);
+            let mut got = ds_out.clone();
+            apply_summary(&p, &mut got, d.dk, d.dv);
+            assert!(rel(&got, &want) < 1e-5, "len {len}: {}", rel(&got, &want));
+            // Mᵀ of the backward is the transpose of the forward M of the same fragment.
+            let (_, mf) = unpack(&forward_summary(&x, &d, &h0), d.dk, d.dv);
+            let (_, mb) = unpack(&p, d.dk, d.dv);
+            let mft: Vec<f32> = (0..d.dk * d.dk)
+                .map(|i| mf[(i % d.dk) * d.dk + i / d.dk])
+                .collect();
+            assert!(rel(&mb, &mft) < 1e-5);
+        }
+    }
+
+    #[test]
+    fn scan_equals_fold() {
+        let mut seed = 9;
+        let (dk, dv) = (5, 4);
+        let sums: Vec<Vec<f32>> = (0..7)
+            .map(|_| (0..summary_len(dk, dv)).map(|_| lcg(&mut seed)).collect())
+            .collect();
+        let scan = scan_forward(&sums, dk, dv);
+        for r in 0..sums.len() {
+            let fold = fold_forward(sums[..=r].iter().map(|v| v.as_slice()), dk, dv);
+            let (a, _) = unpack(&scan[r], dk, dv);
+            assert!(rel(&a, &fold) < 1e-5);
+        }
+    }
+}

@@ -1,0 +1,140 @@
+//! Context parallelism on 1..8 CPU ranks equals the single-device op: outputs, final states and
+//! every gradient, for dense and packed inputs, n = 1..3, with and without an initial state,
+//! sequences spanning many ranks and sequences shorter than a shard, uneven shards.
+
+mod common;
+
+use anyhow::Result;
+use candle_core::{DType, Tensor};
+use candle_gdp::{ContextParallel, Cotangents, GdpOptions};
+use common::{inputs, rel_rms, run_op, Case};
+
+fn check(c: &Case, ranks: &[usize]) -> Result<()> {
+    let x = inputs(c, DType::F32)?;
+    let want = run_op(c, &x, DType::F32)?;
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+    let (q, k, v, g, beta) = (
+        f32(&x.q)?,
+        f32(&x.k)?,
+        f32(&x.v)?,
+        f32(&x.g)?,
+        f32(&x.beta)?,
+    );
+    let h0 = x.h0.as_ref().map(f32).transpose()?;
+    let (dout, dht) = (f32(&x.dout)?, f32(&x.dht)?);
+    for &r in ranks {
+        let opts = GdpOptions {
+            initial_state: h0.as_ref(),
+            output_final_state: true,
+            cu_seqlens: c.cu.as_deref(),
+            ..Default::default()
+        };
+        let cp = ContextParallel::cpu(r)?;
+        let got = cp.gated_delta_product(
+            &q,
+            &k,
+            &v,
+            &g,
+            &beta,
+            &opts,
+            Some(Cotangents {
+                dout: &dout,
+                dht: Some(&dht),
+            }),
+        )?;
+        let grads = got.grads.expect("grads");
+        let mut pairs = vec![
+            ("o", got.o, want.o.clone()),
+            ("ht", got.final_state.expect("ht"), want.ht.clone()),
+            ("dq", grads.dq, want.grads[0].1.clone()),
+            ("dk", grads.dk, want.grads[1].1.clone()),
+            ("dv", grads.dv, want.grads[2].1.clone()),
+            ("dg", grads.dg, want.grads[3].1.clone()),
+            ("dbeta", grads.dbeta, want.grads[4].1.clone()),
+        ];
+        if let Some(dh0) = grads.dh0 {
+            pairs.push(("dh0", dh0, want.grads[5].1.clone()));
+        }
+        let mut report = vec![];
+        for (name, a, b) in pairs {
+            assert_eq!(a.dims(), b.dims(), "{} cp={r}: {name} shape", c.name);
+            let e = rel_rms(&a, &b)?;
+            report.push(format!("{name} {e:.0e}"));
+            assert!(e <= 1e-5, "{} cp={r}: {name} relative RMS {e:.2e}", c.name);
+        }
+        println!("{:<26} cp={r} {}", c.name, report.join(" "));
+    }
+    Ok(())
+}
+
+#[test]
+fn dense_equals_single_device() -> Result<()> {
+    check(
+        &Case::new("dense n1 h0", 2, 75, 2, 16, 12, 1).h0(),
+        &[1, 2, 3, 8],
+    )?;
+    check(
+        &Case::new("dense n2", 1, 130, 2, 12, 16, 2),
+        &[1, 2, 4, 5, 7],
+    )?;
+    check(
+        &Case::new("dense n3 h0 strong", 2, 61, 1, 8, 10, 3)
+            .h0()
+            .strong_gates(),
+        &[3, 6, 8],
+    )?;
+    Ok(())
+}
+
+#[test]
+fn packed_equals_single_device() -> Result<()> {
+    // Long sequences spanning many ranks, short ones inside a shard, and empty ones.
+    let cu = [0, 3, 3, 90, 95, 96, 160, 200];
+    check(
+        &Case::new("packed n2 h0", 1, 200, 2, 12, 8, 2)
+            .packed(&cu)
+            .h0(),
+        &[1, 2, 3, 4, 6, 8],
+    )?;
+    check(
+        &Case::new("packed n1", 1, 200, 2, 8, 12, 1).packed(&cu),
+        &[3, 7],
+    )?;
+    check(
+        &Case::new("packed n3 h0", 1, 200, 1, 10, 10, 3)
+            .packed(&[0, 150, 151, 200])
+            .h0(),
+        &[2, 5, 8],
+    )?;
+    check(
+        &Case::new("packed one seq", 1, 97, 2, 8, 8, 2)
+            .packed(&[0, 97])
+            .h0(),
+        &[4, 8],
+    )?;
+    Ok(())
+}
+
+#[test]
+fn forward_only_and_bad_sizes() -> Result<()> {
+    let c = Case::new("fwd", 1, 10, 1, 4, 4, 1);
+    let x = inputs(&c, DType::F32)?;
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+    let (q, k, v, g, b) = (
+        f32(&x.q)?,
+        f32(&x.k)?,
+        f32(&x.v)?,
+        f32(&x.g)?,
+        f32(&x.beta)?,
+    );
+    let opts = GdpOptions::default();
+    let out = ContextParallel::cpu(3)?.gated_delta_product(&q, &k, &v, &g, &b, &opts, None)?;
+    assert!(out.grads.is_none() && out.final_state.is_none());
+    let err = ContextParallel::cpu(11)?
+        .gated_delta_product(&q, &k, &v, &g, &b, &opts, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("cp_size"), "{err}");
+    assert!(ContextParallel::cpu(0).is_err());
+    Ok(())
+}
