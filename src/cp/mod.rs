@@ -10,7 +10,7 @@ pub mod driver;
 pub mod protocol;
 pub mod shard;
 
-pub use comm::{run_ranks, Communicator, SingleComm, ThreadComm};
+pub use comm::{run_ranks, Communicator, SingleComm, ThreadComm, DEFAULT_TIMEOUT};
 pub use context::{cp_gated_delta_product, ContextParallel, Cotangents, CpGrads, CpOutput, CpRank};
 pub use shard::{
     dense_rank_meta, packed_rank_meta, packed_rank_meta_from_seq_ids, RankMeta, ShardPlan,
