@@ -1,0 +1,340 @@
+//! `gdp run`: the op (and, given cotangents, its gradients) on the tensors of a file.
+//!
+//! Dtypes: `q`, `k`, `v`, `beta` and `h0` are cast to `--dtype`; `g` is always kept in f32
+//! (a log-space gate loses too much in 16 bits, and the op reads it in f32 anyway, as FLA
+//! does); the cotangents `do`, `dht` are used in f32. Every output is written in f32.
+
+use crate::error::CliError;
+use crate::input::LoadedInput;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_gdp::{gated_delta_product, GdpOptions};
+use clap::{Args, ValueEnum};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Compute dtype of `q`, `k`, `v`, `beta`, `h0`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DTypeArg {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl DTypeArg {
+    pub fn dtype(self) -> DType {
+        match self {
+            Self::F32 => DType::F32,
+            Self::Bf16 => DType::BF16,
+            Self::F16 => DType::F16,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::F16 => "f16",
+        }
+    }
+}
+
+/// `--device`: `cpu` or `cuda:N` (`cuda` alone is `cuda:0`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceArg {
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::fmt::Display for DeviceArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cpu => f.write_str("cpu"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl DeviceArg {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Self::Cuda)
+                .ok_or_else(|| "expected `cpu` or `cuda:N`".to_string()),
+        }
+    }
+
+    /// Opens the device; a build without CUDA fails here, naming `--device`.
+    pub fn open(self) -> Result<Device, CliError> {
+        match self {
+            Self::Cpu => Ok(Device::Cpu),
+            Self::Cuda(n) => Device::new_cuda(n).map_err(|e| {
+                CliError::new(format!(
+                    "--device {self}: cannot open the device: {}",
+                    CliError::from_lib(&e)
+                ))
+            }),
+        }
+    }
+}
+
+/// Arguments of `gdp run`.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// Input: tensors `q k v g beta` (required), `h0 cu_seqlens do dht` (optional), FLA layout.
+    #[arg(long, value_name = "IN.safetensors")]
+    pub input: PathBuf,
+    /// Output: `o`, `ht` and, given `do` or `dht`, `dq dk dv dg dbeta` (+ `dh0`), all f32.
+    #[arg(long, value_name = "OUT.safetensors")]
+    pub output: PathBuf,
+    /// Compute dtype of q, k, v, beta, h0 (g stays f32).
+    #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
+    pub dtype: DTypeArg,
+    /// Device: cpu or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = DeviceArg::parse)]
+    pub device: DeviceArg,
+    /// Output scale (default K^-0.5).
+    #[arg(long, value_name = "S", allow_negative_numbers = true)]
+    pub scale: Option<f64>,
+    /// Time the op: one warm-up then N runs; prints `fwd_ms=` (and `fwd_bwd_ms=`) medians.
+    #[arg(long, value_name = "N",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+    pub repeat: Option<usize>,
+}
+
+/// Median timings in milliseconds.
+#[derive(Debug, Clone, Default)]
+pub struct Timings {
+    pub fwd_ms: f64,
+    pub fwd_bwd_ms: Option<f64>,
+}
+
+/// What `run` computed: named f32 CPU tensors, in output order, and timings under `--repeat`.
+#[derive(Debug, Clone)]
+pub struct RunOutput {
+    pub tensors: Vec<(String, Tensor)>,
+    pub timings: Option<Timings>,
+}
+
+impl RunOutput {
+    /// `fwd_ms=<median>` and `fwd_bwd_ms=<median>` lines (empty without `--repeat`).
+    pub fn timing_lines(&self) -> Vec<String> {
+        let Some(t) = &self.timings else {
+            return vec![];
+        };
+        let mut lines = vec![format!("fwd_ms={:.3}", t.fwd_ms)];
+        if let Some(fb) = t.fwd_bwd_ms {
+            lines.push(format!("fwd_bwd_ms={fb:.3}"));
+        }
+        lines
+    }
+}
+
+/// The inputs cast and placed on the device, ready for repeated calls.
+pub struct Prepared<'a> {
+    q: Var,
+    k: Var,
+    v: Var,
+    g: Var,
+    beta: Var,
+    h0: Option<Var>,
+    dout: Option<Tensor>,
+    dht: Option<Tensor>,
+    cu_seqlens: Option<&'a [usize]>,
+    scale: Option<f64>,
+}
+
+impl<'a> Prepared<'a> {
+    pub fn new(
+        x: &'a LoadedInput,
+        dtype: DType,
+        device: &Device,
+        scale: Option<f64>,
+    ) -> Result<Self, CliError> {
+        let put = |t: &Tensor, name: &str, dt: DType| -> Result<Tensor, CliError> {
+            t.to_dtype(dt)
+                .and_then(|t| t.to_device(device))
+                .map_err(|e| CliError::tensor(name, &e))
+        };
+        let var = |t: &Tensor, name: &str, dt: DType| -> Result<Var, CliError> {
+            Var::from_tensor(&put(t, name, dt)?).map_err(|e| CliError::tensor(name, &e))
+        };
+        Ok(Self {
+            q: var(&x.q, "q", dtype)?,
+            k: var(&x.k, "k", dtype)?,
+            v: var(&x.v, "v", dtype)?,
+            g: var(&x.g, "g", DType::F32)?,
+            beta: var(&x.beta, "beta", dtype)?,
+            h0: x.h0.as_ref().map(|t| var(t, "h0", dtype)).transpose()?,
+            dout: x
+                .dout
+                .as_ref()
+                .map(|t| put(t, "do", DType::F32))
+                .transpose()?,
+            dht: x
+                .dht
+                .as_ref()
+                .map(|t| put(t, "dht", DType::F32))
+                .transpose()?,
+            cu_seqlens: x.cu_seqlens.as_deref(),
+            scale,
+        })
+    }
+
+    /// `(o, final state)` in the compute dtype / f32.
+    pub fn forward(&self) -> Result<(Tensor, Tensor), CliError> {
+        let opts = GdpOptions {
+            scale: self.scale,
+            initial_state: self.h0.as_ref().map(|v| v.as_tensor()),
+            output_final_state: true,
+            cu_seqlens: self.cu_seqlens,
+            ..Default::default()
+        };
+        let (o, ht) = gated_delta_product(&self.q, &self.k, &self.v, &self.g, &self.beta, &opts)
+            .map_err(|e| CliError::from_lib(&e))?;
+        let ht = ht.ok_or_else(|| CliError::new("the op returned no final state"))?;
+        Ok((o, ht))
+    }
+
+    /// Forward, then the gradients of `L = Σ do·o + Σ dht·ht` (a missing cotangent is zero).
+    pub fn forward_backward(&self) -> Result<Vec<(String, Tensor)>, CliError> {
+        let (o, ht) = self.forward()?;
+        let lib = |e: candle_core::Error| CliError::from_lib(&e);
+        let mut terms = vec![];
+        for (name, cot, out, layout) in [
+            ("do", &self.dout, &o, "[B, T, H, V] (the shape of o)"),
+            ("dht", &self.dht, &ht, "[N, H, K, V] (the shape of ht)"),
+        ] {
+            let Some(cot) = cot else { continue };
+            if cot.dims() != out.dims() {
+                return Err(CliError::new(format!(
+                    "`{name}`: expected shape {:?} {layout}, got {:?}",
+                    out.dims(),
+                    cot.dims()
+                )));
+            }
+            let term = out.to_dtype(DType::F32).and_then(|x| (x * cot)?.sum_all());
+            terms.push(term.map_err(lib)?);
+        }
+        let mut loss = terms
+            .pop()
+            .ok_or_else(|| CliError::new("gradients need a `do` or `dht` tensor"))?;
+        for t in terms {
+            loss = (loss + t).map_err(lib)?;
+        }
+        let grads = loss.backward().map_err(lib)?;
+        let mut out = vec![("o".to_string(), o), ("ht".to_string(), ht)];
+        let mut vars = vec![
+            ("dq", &self.q),
+            ("dk", &self.k),
+            ("dv", &self.v),
+            ("dg", &self.g),
+            ("dbeta", &self.beta),
+        ];
+        if let Some(h0) = &self.h0 {
+            vars.push(("dh0", h0));
+        }
+        for (name, var) in vars {
+            let gr = match grads.get(var.as_tensor()) {
+                Some(gr) => gr.clone(),
+                None => var.zeros_like().map_err(lib)?,
+            };
+            out.push((name.to_string(), gr));
+        }
+        Ok(out)
+    }
+}
+
+/// One call, timed to completion on the device, in milliseconds.
+fn timed<T>(device: &Device, f: impl Fn() -> Result<T, CliError>) -> Result<(T, f64), CliError> {
+    let t0 = Instant::now();
+    let r = f()?;
+    device.synchronize().map_err(|e| CliError::from_lib(&e))?;
+    Ok((r, t0.elapsed().as_secs_f64() * 1e3))
+}
+
+/// Median of the runs of `f` after one warm-up; returns the warm-up's result too.
+pub fn bench<T>(
+    device: &Device,
+    repeat: usize,
+    f: impl Fn() -> Result<T, CliError>,
+) -> Result<(T, f64), CliError> {
+    let (first, _) = timed(device, &f)?;
+    let mut ms = Vec::with_capacity(repeat);
+    for _ in 0..repeat {
+        ms.push(timed(device, &f)?.1);
+    }
+    Ok((first, median(&mut ms)))
+}
+
+pub fn median(xs: &mut [f64]) -> f64 {
+    if xs.is_empty() {
+        return f64::NAN;
+    }
+    xs.sort_by(f64::total_cmp);
+    let m = xs.len() / 2;
+    if xs.len() % 2 == 1 {
+        xs[m]
+    } else {
+        0.5 * (xs[m - 1] + xs[m])
+    }
+}
+
+/// Runs `gdp run` on loaded inputs. No file I/O here, so that other drivers (e.g. a
+/// context-parallel `--cp-size`) can share the loading and writing around it.
+pub fn run(args: &RunArgs, input: &LoadedInput) -> Result<RunOutput, CliError> {
+    let device = args.device.open()?;
+    let p = Prepared::new(input, args.dtype.dtype(), &device, args.scale)?;
+    let with_grads = input.wants_grads();
+    let (tensors, timings) = match args.repeat {
+        None if with_grads => (p.forward_backward()?, None),
+        None => {
+            let (o, ht) = p.forward()?;
+            (vec![("o".to_string(), o), ("ht".to_string(), ht)], None)
+        }
+        Some(n) => {
+            let ((o, ht), fwd_ms) = bench(&device, n, || p.forward())?;
+            if with_grads {
+                let (all, fb) = bench(&device, n, || p.forward_backward())?;
+                let t = Timings {
+                    fwd_ms,
+                    fwd_bwd_ms: Some(fb),
+                };
+                (all, Some(t))
+            } else {
+                let t = Timings {
+                    fwd_ms,
+                    fwd_bwd_ms: None,
+                };
+                (vec![("o".to_string(), o), ("ht".to_string(), ht)], Some(t))
+            }
+        }
+    };
+    let tensors = tensors
+        .into_iter()
+        .map(|(name, t)| {
+            let t = t
+                .to_dtype(DType::F32)
+                .and_then(|t| t.to_device(&Device::Cpu))
+                .map_err(|e| CliError::tensor(&name, &e))?;
+            Ok((name, t))
+        })
+        .collect::<Result<Vec<_>, CliError>>()?;
+    Ok(RunOutput { tensors, timings })
+}
+
+/// Writes the outputs with `candle_core::safetensors::save`.
+pub fn write_output(path: &Path, out: &RunOutput) -> Result<(), CliError> {
+    let map: HashMap<String, Tensor> = out.tensors.iter().cloned().collect();
+    candle_core::safetensors::save(&map, path).map_err(|e| {
+        CliError::new(format!(
+            "--output {}: cannot write: {}",
+            path.display(),
+            CliError::from_lib(&e)
+        ))
+    })
+}
