@@ -104,7 +104,7 @@ fn main() -> candle_core::Result<()> {
             &[&q.unsqueeze(2)?, &k.reshape((s.b, s.t, s.n, s.h, s.k))?],
             2,
         )?;
-        let mut row = |name: String, ms: f64, fl: f64| {
+        let row = |name: String, ms: f64, fl: f64| {
             println!(
                 "{name:<34} {ms:>9.2} {:>12.0} {:>9.1} {:>9.1}%",
                 tokens / (ms * 1e-3),

@@ -645,3 +645,150 @@ fn unexpected_panic_is_one_line() -> Result<()> {
     let r = child.wait_with_output()?;
     expect_error("closed stdout", &r, 1, "internal error")
 }
+
+/// `gdp run` with the given extra flags; returns the written tensors and the stdout.
+fn run_file(inp: &Path, out: &Path, extra: &[&str]) -> Result<(HashMap<String, Tensor>, String)> {
+    let mut args = vec![
+        "--threads",
+        "2",
+        "run",
+        "--input",
+        inp.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let r = gdp(&args)?;
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    ensure!(r.status.success(), "gdp run {extra:?} failed: {stderr}");
+    ensure!(
+        stderr.is_empty(),
+        "gdp run {extra:?}: unexpected stderr: {stderr}"
+    );
+    let got = candle_core::safetensors::load(out, &Device::Cpu)?;
+    Ok((got, String::from_utf8_lossy(&r.stdout).into_owned()))
+}
+
+/// Every tensor of `got` equals `want` (same names, f32, same shapes, rel RMS <= 1e-5).
+fn same_outputs(
+    what: &str,
+    got: &HashMap<String, Tensor>,
+    want: &HashMap<String, Tensor>,
+) -> Result<()> {
+    let mut names: Vec<&String> = got.keys().collect();
+    let mut want_names: Vec<&String> = want.keys().collect();
+    names.sort();
+    want_names.sort();
+    ensure!(
+        names == want_names,
+        "{what}: tensors {names:?}, want {want_names:?}"
+    );
+    for (name, w) in want {
+        let g = &got[name];
+        ensure!(
+            g.dtype() == DType::F32,
+            "{what}: `{name}` is {:?}",
+            g.dtype()
+        );
+        ensure!(
+            g.dims() == w.dims(),
+            "{what}: `{name}` shape {:?} vs {:?}",
+            g.dims(),
+            w.dims()
+        );
+        let e = rel_rms(g, w)?;
+        ensure!(
+            e <= 1e-5,
+            "{what}: `{name}` relative RMS {e:.2e} vs --cp-size 1"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn cp_size_matches_plain_run() -> Result<()> {
+    let dir = TempDir::new("cp")?;
+    let out = dir.path("out.safetensors");
+    let all = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"];
+    // Dense B=2; packed: a sequence shorter than a shard, an empty one, one spanning several
+    // ranks (T=24: shards of 3..24 tokens).
+    let cases = [
+        Case::new("cp dense", 2, 20, 2, 8, 8, 2).h0(),
+        Case::new("cp packed", 1, 24, 2, 8, 8, 2)
+            .packed(&[0, 2, 2, 19, 24])
+            .h0(),
+    ];
+    for (i, c) in cases.iter().enumerate() {
+        let x = inputs(c, DType::F32)?;
+        let inp = dir.path(&format!("in{i}.safetensors"));
+        let tensors = file_tensors(c, &x, true, DType::I64)?;
+        save(&inp, &tensors)?;
+        let (want, _) = run_file(&inp, &out, &[])?;
+        let mut names: Vec<&str> = want.keys().map(String::as_str).collect();
+        names.sort();
+        let mut all_sorted = all.to_vec();
+        all_sorted.sort();
+        ensure!(names == all_sorted, "{}: plain run wrote {names:?}", c.name);
+        for r in 1..=8 {
+            let rs = r.to_string();
+            let (got, _) = run_file(&inp, &out, &["--cp-size", &rs])?;
+            same_outputs(&format!("{} cp={r}", c.name), &got, &want)?;
+        }
+        // Only `dht` (a zero `do`), and forward only, on 3 ranks, timed.
+        for (tag, drop) in [("dht only", &["do"][..]), ("fwd only", &["do", "dht"])] {
+            let part = dir.path(&format!("in{i}-{}.safetensors", drop.len()));
+            let kept: Vec<(&str, Tensor)> = tensors
+                .iter()
+                .filter(|(n, _)| !drop.contains(n))
+                .cloned()
+                .collect();
+            save(&part, &kept)?;
+            let (want, _) = run_file(&part, &out, &[])?;
+            let (got, stdout) = run_file(&part, &out, &["--cp-size", "3", "--repeat", "1"])?;
+            same_outputs(&format!("{} {tag} cp=3", c.name), &got, &want)?;
+            let keys: Vec<String> = timing_lines(stdout.as_bytes())
+                .into_iter()
+                .map(|(k, _)| k)
+                .collect();
+            let want_keys: &[&str] = if drop.len() == 1 {
+                &["fwd_ms", "fwd_bwd_ms"]
+            } else {
+                &["fwd_ms"]
+            };
+            ensure!(keys == want_keys, "{} {tag}: stdout {stdout:?}", c.name);
+        }
+    }
+
+    // Bad rank counts: one line naming `--cp-size`.
+    let c = &cases[0];
+    let x = inputs(c, DType::F32)?;
+    let inp = dir.path("bad.safetensors");
+    save(&inp, &file_tensors(c, &x, true, DType::I64)?)?;
+    let too_many = (c.t + 1).to_string();
+    let (i, o) = (inp.to_str().unwrap(), out.to_str().unwrap());
+    std::fs::remove_file(&out)?;
+    for (what, r, code) in [
+        ("cp-size 0", "0", 1),
+        ("cp-size T+1", too_many.as_str(), 1),
+        ("cp-size text", "x", 2),
+        ("cp-size negative", "-1", 2),
+    ] {
+        let r = gdp(&["run", "--input", i, "--output", o, "--cp-size", r])?;
+        expect_error(what, &r, code, "--cp-size")?;
+        ensure!(!out.exists(), "{what}: an output file was written");
+    }
+    // Without CUDA in the build, opening the ranks' devices fails naming `--device`.
+    let r = gdp(&[
+        "run",
+        "--input",
+        i,
+        "--output",
+        o,
+        "--cp-size",
+        "2",
+        "--device",
+        "cuda:0",
+    ])?;
+    expect_error("cp no cuda", &r, 1, "--device")?;
+    Ok(())
+}

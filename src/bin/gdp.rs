@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! gdp run  --input IN.safetensors --output OUT.safetensors [--dtype f32|bf16|f16]
-//!          [--device cpu|cuda:N] [--scale S] [--repeat N] [--threads N]
+//!          [--device cpu|cuda:N] [--scale S] [--repeat N] [--cp-size R] [--threads N]
 //! gdp demo [--dtype f32|bf16|f16] [--tokens T] [--repeat N] [--threads N]
 //! ```
 //!

@@ -297,7 +297,7 @@ impl ContextParallel {
                     if first {
                         it.next()
                     } else {
-                        it.last()
+                        it.next_back()
                     }
                 };
                 (0..cu.len() - 1)

@@ -13,11 +13,13 @@ impl CliError {
     }
 
     /// A library (Candle or candle-gdp) error, its FLA option names mapped to the CLI's names:
-    /// `initial_state` is the file's `h0`, `scale` is the `--scale` flag.
+    /// `initial_state` is the file's `h0`, `scale` is the `--scale` flag, `cp_size` (the number
+    /// of context-parallel ranks) is the `--cp-size` flag.
     pub fn from_lib(e: &candle_core::Error) -> Self {
         let msg = flatten(e)
             .replace("`initial_state`", "`h0`")
-            .replace("`scale`", "`--scale`");
+            .replace("`scale`", "`--scale`")
+            .replace("cp_size", "--cp-size");
         Self::new(msg)
     }
 
@@ -99,5 +101,7 @@ mod tests {
         assert_eq!(CliError::from_lib(&e).0, "ctx: `h0`: expected shape");
         let e = candle_core::Error::Msg("rank".into());
         assert_eq!(CliError::tensor("do", &e).0, "`do`: rank");
+        let e = candle_core::Error::Msg("`cp_size`: cp_size 9 exceeds".into());
+        assert_eq!(CliError::from_lib(&e).0, "`--cp-size`: --cp-size 9 exceeds");
     }
 }

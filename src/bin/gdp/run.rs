@@ -3,11 +3,16 @@
 //! Dtypes: `q`, `k`, `v`, `beta` and `h0` are cast to `--dtype`; `g` is always kept in f32
 //! (a log-space gate loses too much in 16 bits, and the op reads it in f32 anyway, as FLA
 //! does); the cotangents `do`, `dht` are used in f32. Every output is written in f32.
+//!
+//! With `--cp-size R > 1` the op runs context-parallel ([`ContextParallel`]): the time axis is
+//! cut into `R` shards, one rank (thread) per shard, on `R` CPU ranks or `R` separately opened
+//! CUDA devices; the outputs and gradients are gathered and written as without CP.
 
 use crate::error::CliError;
 use crate::input::LoadedInput;
 use candle_core::{DType, Device, Tensor, Var};
-use candle_gdp::{gated_delta_product, GdpOptions};
+use candle_gdp::cp::{CpOutput, ShardPlan};
+use candle_gdp::{gated_delta_product, ContextParallel, Cotangents, GdpOptions};
 use clap::{Args, ValueEnum};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -104,6 +109,15 @@ pub struct RunArgs {
     #[arg(long, value_name = "N",
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
     pub repeat: Option<usize>,
+    /// Context-parallel ranks: the time axis is sharded over R ranks (R devices); 1 runs the
+    /// plain op.
+    #[arg(
+        long,
+        value_name = "R",
+        default_value_t = 1,
+        allow_negative_numbers = true
+    )]
+    pub cp_size: usize,
 }
 
 /// Median timings in milliseconds.
@@ -204,19 +218,10 @@ impl<'a> Prepared<'a> {
     pub fn forward_backward(&self) -> Result<Vec<(String, Tensor)>, CliError> {
         let (o, ht) = self.forward()?;
         let lib = |e: candle_core::Error| CliError::from_lib(&e);
+        check_cotangents(&self.dout, &self.dht, o.dims(), ht.dims())?;
         let mut terms = vec![];
-        for (name, cot, out, layout) in [
-            ("do", &self.dout, &o, "[B, T, H, V] (the shape of o)"),
-            ("dht", &self.dht, &ht, "[N, H, K, V] (the shape of ht)"),
-        ] {
+        for (cot, out) in [(&self.dout, &o), (&self.dht, &ht)] {
             let Some(cot) = cot else { continue };
-            if cot.dims() != out.dims() {
-                return Err(CliError::new(format!(
-                    "`{name}`: expected shape {:?} {layout}, got {:?}",
-                    out.dims(),
-                    cot.dims()
-                )));
-            }
             let term = out.to_dtype(DType::F32).and_then(|x| (x * cot)?.sum_all());
             terms.push(term.map_err(lib)?);
         }
@@ -249,11 +254,180 @@ impl<'a> Prepared<'a> {
     }
 }
 
-/// One call, timed to completion on the device, in milliseconds.
-fn timed<T>(device: &Device, f: impl Fn() -> Result<T, CliError>) -> Result<(T, f64), CliError> {
+/// Checks the shapes of the cotangents `do` and `dht` against those of `o` and the final state.
+fn check_cotangents(
+    dout: &Option<Tensor>,
+    dht: &Option<Tensor>,
+    o_dims: &[usize],
+    ht_dims: &[usize],
+) -> Result<(), CliError> {
+    for (name, cot, want, layout) in [
+        ("do", dout, o_dims, "[B, T, H, V] (the shape of o)"),
+        ("dht", dht, ht_dims, "[N, H, K, V] (the shape of ht)"),
+    ] {
+        let Some(cot) = cot else { continue };
+        if cot.dims() != want {
+            return Err(CliError::new(format!(
+                "`{name}`: expected shape {want:?} {layout}, got {:?}",
+                cot.dims()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The inputs of a context-parallel run: plain tensors on the CPU (each rank copies its shard
+/// to its device), cast as for the plain op.
+struct CpPrepared<'a> {
+    cp: ContextParallel,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    h0: Option<Tensor>,
+    /// `do`, or zeros when only `dht` was given (a missing cotangent is zero).
+    dout: Option<Tensor>,
+    dht: Option<Tensor>,
+    cu_seqlens: Option<&'a [usize]>,
+    scale: Option<f64>,
+}
+
+impl<'a> CpPrepared<'a> {
+    fn new(x: &'a LoadedInput, args: &RunArgs) -> Result<Self, CliError> {
+        let r = args.cp_size;
+        // Check the rank count before opening R devices (the library checks it again); a
+        // malformed `q` is left to the op's own validation, which names it.
+        match x.q.dims4() {
+            Ok((_, t, _, _)) if t > 0 => {
+                ShardPlan::new(t, r).map_err(|e| CliError::from_lib(&e))?;
+            }
+            _ if r == 0 => {
+                ShardPlan::new(1, r).map_err(|e| CliError::from_lib(&e))?;
+            }
+            _ => {}
+        }
+        // Every `Device::new_cuda` call is a distinct Candle device: one per rank.
+        let devices = (0..r)
+            .map(|_| args.device.open())
+            .collect::<Result<Vec<_>, _>>()?;
+        let cp = ContextParallel::new(devices).map_err(|e| CliError::from_lib(&e))?;
+        let dtype = args.dtype.dtype();
+        let put = |t: &Tensor, name: &str, dt: DType| -> Result<Tensor, CliError> {
+            t.to_dtype(dt).map_err(|e| CliError::tensor(name, &e))
+        };
+        let q = put(&x.q, "q", dtype)?;
+        let v = put(&x.v, "v", dtype)?;
+        let dout = x
+            .dout
+            .as_ref()
+            .map(|t| put(t, "do", DType::F32))
+            .transpose()?;
+        let dht = x
+            .dht
+            .as_ref()
+            .map(|t| put(t, "dht", DType::F32))
+            .transpose()?;
+        // `o` is [B, T, H, V], the final state [N, H, K, V]; malformed q or v are left to the op.
+        let shapes = q.dims4().and_then(|(b, t, h, k)| {
+            let vd = v.dim(3)?;
+            let n = x
+                .cu_seqlens
+                .as_ref()
+                .map_or(b, |cu| cu.len().saturating_sub(1));
+            Ok((vec![b, t, h, vd], vec![n, h, k, vd]))
+        });
+        if let (Ok((o_dims, ht_dims)), 4) = (&shapes, v.rank()) {
+            check_cotangents(&dout, &dht, o_dims, ht_dims)?;
+        }
+        let dout = match (dout, &dht, &shapes) {
+            (None, Some(_), Ok((o_dims, _))) => Some(
+                Tensor::zeros(o_dims.as_slice(), DType::F32, &Device::Cpu)
+                    .map_err(|e| CliError::tensor("do", &e))?,
+            ),
+            (dout, _, _) => dout,
+        };
+        Ok(Self {
+            cp,
+            k: put(&x.k, "k", dtype)?,
+            g: put(&x.g, "g", DType::F32)?,
+            beta: put(&x.beta, "beta", dtype)?,
+            h0: x.h0.as_ref().map(|t| put(t, "h0", dtype)).transpose()?,
+            q,
+            v,
+            dout,
+            dht,
+            cu_seqlens: x.cu_seqlens.as_deref(),
+            scale: args.scale,
+        })
+    }
+
+    /// The context-parallel call; with `grads`, the gradients of `L = Σ do·o + Σ dht·ht`.
+    fn call(&self, grads: bool) -> Result<CpOutput, CliError> {
+        let opts = GdpOptions {
+            scale: self.scale,
+            initial_state: self.h0.as_ref(),
+            output_final_state: true,
+            cu_seqlens: self.cu_seqlens,
+            ..Default::default()
+        };
+        let cotangents = match (grads, &self.dout) {
+            (false, _) => None,
+            (true, Some(dout)) => Some(Cotangents {
+                dout,
+                dht: self.dht.as_ref(),
+            }),
+            // No zero `do` could be shaped: the inputs are malformed, let the op name them.
+            (true, None) => None,
+        };
+        let (q, k, v, g, beta) = (&self.q, &self.k, &self.v, &self.g, &self.beta);
+        let out = self
+            .cp
+            .gated_delta_product(q, k, v, g, beta, &opts, cotangents)
+            .map_err(|e| CliError::from_lib(&e))?;
+        if grads && out.grads.is_none() {
+            return Err(CliError::new("gradients need a `do` or `dht` tensor"));
+        }
+        Ok(out)
+    }
+
+    /// `o`, `ht` and, with `grads`, `dq dk dv dg dbeta` (+ `dh0`), named as without CP.
+    fn outputs(&self, grads: bool) -> Result<Vec<(String, Tensor)>, CliError> {
+        let out = self.call(grads)?;
+        let ht = out
+            .final_state
+            .ok_or_else(|| CliError::new("the op returned no final state"))?;
+        let mut named = vec![("o".to_string(), out.o), ("ht".to_string(), ht)];
+        if grads {
+            let gr = out
+                .grads
+                .ok_or_else(|| CliError::new("the op returned no gradients"))?;
+            let mut all = vec![
+                ("dq", gr.dq),
+                ("dk", gr.dk),
+                ("dv", gr.dv),
+                ("dg", gr.dg),
+                ("dbeta", gr.dbeta),
+            ];
+            if self.h0.is_some() {
+                let dh0 = gr
+                    .dh0
+                    .ok_or_else(|| CliError::new("the op returned no `dh0`"))?;
+                all.push(("dh0", dh0));
+            }
+            named.extend(all.into_iter().map(|(n, t)| (n.to_string(), t)));
+        }
+        Ok(named)
+    }
+}
+
+/// One call, timed to completion on every device, in milliseconds.
+fn timed<T>(devices: &[Device], f: impl Fn() -> Result<T, CliError>) -> Result<(T, f64), CliError> {
     let t0 = Instant::now();
     let r = f()?;
-    device.synchronize().map_err(|e| CliError::from_lib(&e))?;
+    for device in devices {
+        device.synchronize().map_err(|e| CliError::from_lib(&e))?;
+    }
     Ok((r, t0.elapsed().as_secs_f64() * 1e3))
 }
 
@@ -263,10 +437,19 @@ pub fn bench<T>(
     repeat: usize,
     f: impl Fn() -> Result<T, CliError>,
 ) -> Result<(T, f64), CliError> {
-    let (first, _) = timed(device, &f)?;
+    bench_on(std::slice::from_ref(device), repeat, f)
+}
+
+/// [`bench`], synchronising every device of `devices` after each call.
+fn bench_on<T>(
+    devices: &[Device],
+    repeat: usize,
+    f: impl Fn() -> Result<T, CliError>,
+) -> Result<(T, f64), CliError> {
+    let (first, _) = timed(devices, &f)?;
     let mut ms = Vec::with_capacity(repeat);
     for _ in 0..repeat {
-        ms.push(timed(device, &f)?.1);
+        ms.push(timed(devices, &f)?.1);
     }
     Ok((first, median(&mut ms)))
 }
@@ -284,9 +467,12 @@ pub fn median(xs: &mut [f64]) -> f64 {
     }
 }
 
-/// Runs `gdp run` on loaded inputs. No file I/O here, so that other drivers (e.g. a
-/// context-parallel `--cp-size`) can share the loading and writing around it.
+/// Runs `gdp run` on loaded inputs (context-parallel when `--cp-size` is not 1). No file I/O
+/// here, so that other drivers can share the loading and writing around it.
 pub fn run(args: &RunArgs, input: &LoadedInput) -> Result<RunOutput, CliError> {
+    if args.cp_size != 1 {
+        return run_cp(args, input);
+    }
     let device = args.device.open()?;
     let p = Prepared::new(input, args.dtype.dtype(), &device, args.scale)?;
     let with_grads = input.wants_grads();
@@ -314,6 +500,39 @@ pub fn run(args: &RunArgs, input: &LoadedInput) -> Result<RunOutput, CliError> {
             }
         }
     };
+    finish(tensors, timings)
+}
+
+/// `gdp run --cp-size R`: the same outputs through [`ContextParallel`] on `R` ranks.
+fn run_cp(args: &RunArgs, input: &LoadedInput) -> Result<RunOutput, CliError> {
+    let p = CpPrepared::new(input, args)?;
+    let with_grads = input.wants_grads();
+    let (tensors, timings) = match args.repeat {
+        None => (p.outputs(with_grads)?, None),
+        Some(n) => {
+            let devices = p.cp.devices();
+            let (fwd, fwd_ms) = bench_on(devices, n, || p.outputs(false))?;
+            if with_grads {
+                let (all, fb) = bench_on(devices, n, || p.outputs(true))?;
+                let t = Timings {
+                    fwd_ms,
+                    fwd_bwd_ms: Some(fb),
+                };
+                (all, Some(t))
+            } else {
+                let t = Timings {
+                    fwd_ms,
+                    fwd_bwd_ms: None,
+                };
+                (fwd, Some(t))
+            }
+        }
+    };
+    finish(tensors, timings)
+}
+
+/// The outputs as f32 CPU tensors.
+fn finish(tensors: Vec<(String, Tensor)>, timings: Option<Timings>) -> Result<RunOutput, CliError> {
     let tensors = tensors
         .into_iter()
         .map(|(name, t)| {

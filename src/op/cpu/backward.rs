@@ -351,7 +351,7 @@ fn reverse_chunk(
     for i in (0..c).rev() {
         acc += dg[i];
         let p = range.start + i;
-        if p % n == 0 {
+        if p.is_multiple_of(n) {
             gr.dg[p / n] = acc;
         }
     }

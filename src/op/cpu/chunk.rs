@@ -104,6 +104,11 @@ impl ChunkWy {
         self.range.len()
     }
 
+    /// Whether the chunk has no rows (never, once prepared).
+    pub fn is_empty(&self) -> bool {
+        self.range.is_empty()
+    }
+
     /// Gate cumsum at the last row, `G_last`.
     pub fn g_last(&self) -> f32 {
         self.g[self.len() - 1]
@@ -137,12 +142,12 @@ impl ChunkWy {
         // kk_beta = diag(β) K Kᵀ (kept for the backward); A = strict_lower(kk_beta ⊙ e^{G_i − G_j}).
         let kmat = MatRef::new(kc, c, dk);
         matmul(&mut self.kk_beta, kmat, kmat.t(), false, 0.0, 1.0);
-        for i in 0..c {
+        for (i, &b) in bc.iter().enumerate() {
             let row = &mut self.kk_beta[i * c..(i + 1) * c];
-            row.iter_mut().for_each(|x| *x *= bc[i]);
-            let arow = &mut self.a[i * c..(i + 1) * c];
-            for j in 0..i {
-                arow[j] = row[j] * self.decay[i * c + j];
+            row.iter_mut().for_each(|x| *x *= b);
+            let decay = &self.decay[i * c..i * c + i];
+            for ((a, &m), &e) in self.a[i * c..i * c + i].iter_mut().zip(&row[..i]).zip(decay) {
+                *a = m * e;
             }
         }
         unit_lower_inverse(&self.a, &mut self.ainv, c);
