@@ -139,7 +139,33 @@ pub(crate) fn validate_fla(
         .into());
     }
     let (_, tn, _, _) = dims4(k, "k", "[B, T·n, H, K]")?;
+    if opts.num_householder == Some(0) {
+        return Err(GdpError::Option {
+            name: "num_householder".into(),
+            reason: "must be at least 1, got 0".into(),
+        }
+        .into());
+    }
     let n = opts.num_householder.unwrap_or((tn / t).max(1));
+    if !matches!(
+        q.dtype(),
+        DType::F32 | DType::F16 | DType::BF16 | DType::F64
+    ) {
+        return Err(GdpError::DType {
+            name: "q".into(),
+            expected: "a float dtype (f32, bf16, f16 or f64)",
+            got: q.dtype(),
+        }
+        .into());
+    }
+    if k.dtype() != q.dtype() {
+        return Err(GdpError::DType {
+            name: "k".into(),
+            expected: "the dtype of q",
+            got: k.dtype(),
+        }
+        .into());
+    }
     check_shape(k, "k", &[b, t * n, h, dk], "[B, T·n, H, K]")?;
     validate_rest(q, "q", (b, t, h, dk), n, v, g, beta, opts)
 }

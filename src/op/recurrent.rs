@@ -55,6 +55,17 @@ pub fn gated_delta_product_step(
             }
             .into());
         }
+        if !matches!(
+            x.dtype(),
+            DType::F32 | DType::F16 | DType::BF16 | DType::F64
+        ) {
+            return Err(GdpError::DType {
+                name: name.into(),
+                expected: "a float dtype (f32, bf16, f16 or f64)",
+                got: x.dtype(),
+            }
+            .into());
+        }
         if !x.device().same_device(state.device()) {
             return Err(GdpError::Device {
                 name: name.into(),
@@ -65,19 +76,38 @@ pub fn gated_delta_product_step(
             .into());
         }
     }
+    if !matches!(
+        state.dtype(),
+        DType::F32 | DType::F16 | DType::BF16 | DType::F64
+    ) {
+        return Err(GdpError::DType {
+            name: "state".into(),
+            expected: "a float dtype (f32, bf16, f16 or f64)",
+            got: state.dtype(),
+        }
+        .into());
+    }
     let scale = scale.unwrap_or((dk as f64).powf(-0.5));
+    if !scale.is_finite() {
+        return Err(GdpError::Option {
+            name: "scale".into(),
+            reason: format!("must be finite, got {scale}"),
+        }
+        .into());
+    }
     let f32 = |x: &Tensor| x.to_dtype(DType::F32);
     let decay = f32(g)?.exp()?.reshape((b, h, 1, 1))?;
     let mut s = f32(state)?.broadcast_mul(&decay)?;
     let (k, v, beta) = (f32(k)?, f32(v)?, f32(beta)?);
     for j in 0..n {
-        let kj = k.narrow(1, j, 1)?.squeeze(1)?; // [B, H, K]
-        let vj = v.narrow(1, j, 1)?.squeeze(1)?; // [B, H, V]
+        let kj = k.narrow(1, j, 1)?.squeeze(1)?.contiguous()?; // [B, H, K]
+        let vj = v.narrow(1, j, 1)?.squeeze(1)?.contiguous()?; // [B, H, V]
         let bj = beta.narrow(1, j, 1)?.squeeze(1)?.unsqueeze(D::Minus1)?; // [B, H, 1]
         let pred = kj.unsqueeze(2)?.matmul(&s)?.squeeze(2)?; // Sᵀ k: [B, H, V]
         let delta = (vj - pred)?.broadcast_mul(&bj)?;
         s = (s + kj.unsqueeze(3)?.matmul(&delta.unsqueeze(2)?)?)?;
     }
-    let o = (f32(q)?.unsqueeze(2)?.matmul(&s)?.squeeze(2)? * scale)?.to_dtype(q.dtype())?;
+    let o = (f32(q)?.contiguous()?.unsqueeze(2)?.matmul(&s)?.squeeze(2)? * scale)?
+        .to_dtype(q.dtype())?;
     Ok((o, s))
 }

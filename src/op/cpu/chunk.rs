@@ -146,7 +146,11 @@ impl ChunkWy {
             let row = &mut self.kk_beta[i * c..(i + 1) * c];
             row.iter_mut().for_each(|x| *x *= b);
             let decay = &self.decay[i * c..i * c + i];
-            for ((a, &m), &e) in self.a[i * c..i * c + i].iter_mut().zip(&row[..i]).zip(decay) {
+            for ((a, &m), &e) in self.a[i * c..i * c + i]
+                .iter_mut()
+                .zip(&row[..i])
+                .zip(decay)
+            {
                 *a = m * e;
             }
         }
