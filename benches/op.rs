@@ -4,9 +4,10 @@
 //!
 //! FLOP model (per head, per interleaved chunk of `c ≤ 64` sub-token rows with `q` query rows,
 //! counting a multiply-add as 2): forward = 2c²K (KKᵀ) + c³/3 (triangular inverse) + 2c²(K+V)
-//! (W, U) + 4cKV (Δ, state update) + 2qKV + 2qc(K+V) (output). The backward recomputes the
-//! forward (without the output) and adds the matrix products of `cpu/backward.rs`:
-//! 6cKV + 4qKV + 4qc(K+V) + 2qcK + 4c²(K+V) + 4c²K + 4c³.
+//! (W, U) + 4cKV (Δ, state update) + 2qKV + 2qc(K+V) (output). The backward runs the state
+//! scan again (the forward without the output), rebuilds the WY factors and Δ of each chunk in
+//! the reverse pass (the same minus the state update), and adds the matrix products of
+//! `cpu/backward.rs`: 6cKV + 4qKV + 4qc(K+V) + 2qcK + 4c²(K+V) + 4c²K + 4c³.
 //!
 //! Run: `cargo bench --bench op` (add `-- --quick` for fewer repetitions).
 
@@ -42,7 +43,7 @@ fn flops(s: &Shape) -> (f64, f64) {
     let per_head = chunks * (s.b * s.h) as f64;
     (
         per_head * (fwd_nout + out),
-        per_head * (fwd_nout + out + fwd_nout + bwd_extra),
+        per_head * (fwd_nout + out + fwd_nout + (fwd_nout - 2.0 * c * k * v) + bwd_extra),
     )
 }
 

@@ -27,13 +27,13 @@ pub struct HeadGrads {
     pub dh0: Vec<f32>,
 }
 
-/// What the forward recomputation keeps per chunk.
-struct ChunkRecord {
-    wy: ChunkWy,
+/// The forward quantities of one chunk, rebuilt in the reverse pass from the saved start state.
+struct ChunkRecord<'a> {
+    wy: &'a ChunkWy,
     /// State at the chunk start `[K, V]`.
-    h: Vec<f32>,
+    h: &'a [f32],
     /// `Δ [c, V]`.
-    delta: Vec<f32>,
+    delta: &'a [f32],
 }
 
 /// Per-chunk scratch of the reverse pass.
@@ -86,22 +86,23 @@ impl Scratch {
     }
 }
 
-/// Recomputes the forward of one (sequence, head), keeping what the reverse pass needs.
-fn recompute(x: &HeadInputs, d: &Dims, h0: &[f32]) -> Vec<ChunkRecord> {
+/// Runs the forward state scan of one (sequence, head) and returns the state at the start of
+/// every chunk, `[chunks, K, V]`: the only thing kept between the two passes, so memory stays at
+/// `K·V` floats per chunk (as FLA's backward, which recomputes `h`).
+fn chunk_start_states(x: &HeadInputs, d: &Dims, h0: &[f32], wy: &mut ChunkWy) -> Vec<f32> {
+    let kv = d.dk * d.dv;
     let mut state = h0.to_vec();
     let mut kdec = vec![0.0; CHUNK * d.dk];
-    chunks(x.rows())
-        .map(|range| {
-            let mut wy = ChunkWy::new(d);
-            wy.prepare(x, d, range);
-            let mut delta = vec![0.0; wy.len() * d.dv];
-            chunk_delta(&wy, d, &state, &mut delta);
-            let h = state.clone();
-            decayed_keys(&wy, x, d, &mut kdec);
-            advance_state(&wy, d, &kdec, &delta, &mut state);
-            ChunkRecord { wy, h, delta }
-        })
-        .collect()
+    let mut delta = vec![0.0; CHUNK * d.dv];
+    let mut hs = Vec::with_capacity(x.rows().div_ceil(CHUNK) * kv);
+    for range in chunks(x.rows()) {
+        wy.prepare(x, d, range);
+        hs.extend_from_slice(&state);
+        chunk_delta(wy, d, &state, &mut delta);
+        decayed_keys(wy, x, d, &mut kdec);
+        advance_state(wy, d, &kdec, &delta, &mut state);
+    }
+    hs
 }
 
 /// Backward of one (sequence, head). `dout [len, V]` is `∂L/∂o`, `dht [K, V]` is `∂L/∂S_T`.
@@ -117,11 +118,23 @@ pub fn backward_head(x: &HeadInputs, d: &Dims, h0: &[f32], dout: &[f32], dht: &[
         dg: vec![0.0; len],
         dh0: Vec::new(),
     };
-    let records = recompute(x, d, h0);
+    let mut wy = ChunkWy::new(d);
+    let hs = chunk_start_states(x, d, h0, &mut wy);
+    let kv = dk * dv;
+    let mut delta = vec![0.0; CHUNK * dv];
     let mut ds_state = dht.to_vec();
     let mut s = Scratch::new(d);
-    for rec in records.iter().rev() {
-        reverse_chunk(x, d, rec, dout, &mut ds_state, &mut s, &mut gr);
+    let ranges: Vec<_> = chunks(rows).collect();
+    for (ci, range) in ranges.into_iter().enumerate().rev() {
+        wy.prepare(x, d, range);
+        let h = &hs[ci * kv..(ci + 1) * kv];
+        chunk_delta(&wy, d, h, &mut delta);
+        let rec = ChunkRecord {
+            wy: &wy,
+            h,
+            delta: &delta[..wy.len() * dv],
+        };
+        reverse_chunk(x, d, &rec, dout, &mut ds_state, &mut s, &mut gr);
     }
     debug_assert!(n >= 1);
     gr.dh0 = ds_state;
@@ -140,7 +153,7 @@ fn reverse_chunk(
     gr: &mut HeadGrads,
 ) {
     let (dk, dv, n) = (d.dk, d.dv, d.n);
-    let wy = &rec.wy;
+    let wy = rec.wy;
     let range = wy.range.clone();
     let c = range.len();
     let gl = wy.g_last();
@@ -149,8 +162,8 @@ fn reverse_chunk(
     let bc = &x.beta[range.clone()];
     let kmat = MatRef::new(kc, c, dk);
     let dsm = MatRef::new(ds_state, dk, dv);
-    let hm = MatRef::new(&rec.h, dk, dv);
-    let delta = MatRef::new(&rec.delta, c, dv);
+    let hm = MatRef::new(rec.h, dk, dv);
+    let delta = MatRef::new(rec.delta, c, dv);
 
     s.qrows.clear();
     s.qrows.extend(query_rows(&range, n));
@@ -233,7 +246,7 @@ fn reverse_chunk(
         dg[i] += dot(&s.qsel[r * dk..(r + 1) * dk], dq_row);
         gr.dq[t * dk..(t + 1) * dk].copy_from_slice(dq_row);
     }
-    dg[c - 1] += gl.exp() * dot(&rec.h, ds_state) + dot(&kc[..c * dk], &s.dk_inter[..c * dk]);
+    dg[c - 1] += gl.exp() * dot(rec.h, ds_state) + dot(&kc[..c * dk], &s.dk_inter[..c * dk]);
 
     // Carry dS to the chunk start: e^{G_last} dS + Σ_r scale e^{G_r} q_r do_rᵀ − Wᵀ dΔ
     for (r, &(i, _)) in s.qrows.iter().enumerate() {
