@@ -16,6 +16,7 @@
 
 pub mod cp;
 pub mod error;
+pub mod nn;
 pub mod op;
 
 pub use cp::{ContextParallel, Cotangents};
