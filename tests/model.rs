@@ -67,13 +67,6 @@ fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
     Ok(d / m.max(f32::MIN_POSITIVE))
 }
 
-/// `RMS(a - b) / RMS(b)`, FLA's test metric.
-fn rms_rel(a: &Tensor, b: &Tensor) -> Result<f32> {
-    let d = (a - b)?.sqr()?.mean_all()?.to_scalar::<f32>()?;
-    let m = b.sqr()?.mean_all()?.to_scalar::<f32>()?;
-    Ok((d / m.max(f32::MIN_POSITIVE)).sqrt())
-}
-
 fn variants() -> Vec<(&'static str, GdpConfig)> {
     let with = |edit: fn(&mut GdpConfig)| {
         let mut c = GdpConfig::tiny();
@@ -388,58 +381,6 @@ fn bad_inputs_are_errors() -> Result<()> {
         let vm = VarMap::new();
         assert!(bad.validate().is_err());
         assert!(GdpForCausalLM::new(&bad, VarBuilder::from_varmap(&vm, DType::F32, &dev)).is_err());
-    }
-    Ok(())
-}
-
-/// Cross-check against flash-linear-attention itself, when `GDP_FLA_FIXTURE` names a folder
-/// holding `config.json`, `weights.safetensors` (FLA's `state_dict`) and `io.safetensors`
-/// (token ids and FLA's logits), as written by running FLA 0.6 on a GPU. Skipped otherwise.
-#[test]
-fn matches_fla_fixture_when_given() -> Result<()> {
-    let Ok(dir) = std::env::var("GDP_FLA_FIXTURE") else {
-        println!("GDP_FLA_FIXTURE unset: skipped");
-        return Ok(());
-    };
-    let dir = std::path::PathBuf::from(dir);
-    let dev = Device::Cpu;
-    let cfg = GdpConfig::from_json(&std::fs::read_to_string(dir.join("config.json"))?)?;
-    let io = candle_core::safetensors::load(dir.join("io.safetensors"), &dev)?;
-    let weights = dir.join("weights.safetensors");
-    // SAFETY: a fixture file nobody writes while the test runs.
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, &dev)? };
-    let model = GdpForCausalLM::new(&cfg, vb)?;
-    let ids40 = io["ids40"].to_dtype(DType::U32)?;
-    let err = rel_err(&model.forward(&ids40, None)?, &io["logits40"])?;
-    println!("f32 prefill T=40 vs FLA f32 (fused_recurrent): rel err {err:.2e}");
-    assert!(err < 1e-4);
-    if let Some(fla_dec) = io.get("logits40_decode") {
-        let mut cache = Cache::new(&cfg, 2, DType::F32, &dev)?;
-        let mut parts = vec![model.forward(&ids40.narrow(1, 0, 30)?, Some(&mut cache))?];
-        for i in 30..40 {
-            parts.push(model.forward(&ids40.narrow(1, i, 1)?, Some(&mut cache))?);
-        }
-        let err = rel_err(&Tensor::cat(&parts, 1)?, fla_dec)?;
-        println!("f32 prefill 30 + 10 decode steps vs FLA's cache path: rel err {err:.2e}");
-        assert!(err < 1e-4);
-    }
-    if let Some(fla_bf16) = io.get("logits100_bf16") {
-        let ids100 = io["ids100"].to_dtype(DType::U32)?;
-        let ours32 = model.forward(&ids100, None)?;
-        let err32 = rel_err(&ours32, fla_bf16)?;
-        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&weights], DType::BF16, &dev)? };
-        let bf = GdpForCausalLM::new(&cfg, vb)?
-            .forward(&ids100, None)?
-            .to_dtype(DType::F32)?;
-        let err16 = rel_err(&bf, fla_bf16)?;
-        let (fla_noise, our_noise) = (rms_rel(fla_bf16, &ours32)?, rms_rel(&bf, &ours32)?);
-        println!(
-            "T=100 vs FLA bf16 (chunk): max-rel ours f32 {err32:.2e}, ours bf16 {err16:.2e}; \
-             RMS-rel to our f32: FLA bf16 {fla_noise:.2e}, ours bf16 {our_noise:.2e}, \
-             ours bf16 to FLA bf16 {:.2e}",
-            rms_rel(&bf, fla_bf16)?
-        );
-        assert!(err32 < 5e-2 && err16 < 5e-2 && fla_noise < 2e-2);
     }
     Ok(())
 }
