@@ -108,6 +108,33 @@ impl CustomOp3 for GdpForward {
         Ok((CpuStorage::F32(out), Shape::from(self.output_len())))
     }
 
+    // --- CUDA forward (feature `cuda`; owned by the CUDA kernel work, see src/op/cuda) ---
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        if self.cp.is_some() {
+            candle_core::bail!("gdp: context parallelism on CUDA is not implemented yet");
+        }
+        let out = super::cuda::forward(
+            (s1, l1),
+            (s2, l2),
+            (s3, l3),
+            &self.shape,
+            self.scale,
+            self.has_h0,
+            None,
+        )?;
+        Ok((out, Shape::from(self.output_len())))
+    }
+    // --- end CUDA forward ---
+
     fn bwd(
         &self,
         qk: &Tensor,

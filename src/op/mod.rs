@@ -3,6 +3,9 @@
 //! [`cpu`]) and [`recurrent`] (one decode step).
 
 pub mod cpu;
+// CUDA kernels (feature `cuda`; owned by the CUDA kernel work).
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod custom;
 pub mod naive;
 pub mod recurrent;
