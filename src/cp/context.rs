@@ -12,6 +12,7 @@ use super::comm::{run_ranks, Communicator, DEFAULT_TIMEOUT};
 use super::driver::CpLink;
 use super::shard::{dense_rank_meta, packed_rank_meta, RankMeta, ShardPlan};
 use crate::error::GdpError;
+use crate::op::shape::GdpShape;
 use crate::op::{apply, validate_fla, GdpOptions};
 use candle_core::{DType, Device, Result, Tensor, Var};
 use std::ops::Range;
@@ -46,6 +47,52 @@ pub fn cp_gated_delta_product(
     rank: &CpRank,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let sh = validate_fla(q, k, v, g, beta, opts)?;
+    let k5 = k.reshape((sh.batch, sh.tokens, sh.n, sh.heads, sh.dk))?;
+    let qk = Tensor::cat(&[&q.unsqueeze(2)?, &k5], 2)?;
+    apply_on_rank(&qk, v, g, beta, sh, opts, rank)
+}
+
+/// [`cp_gated_delta_product`] on the packed query/key layout `qk [B, T_r, n+1, H, K]` of
+/// [`crate::gated_delta_product_packed`] (slot 0 holds `q_t`, slot `1 + j` holds `k_{t·n+j}`),
+/// so a model's fused `[q | k]` projection needs no copy. `v [B, T_r·n, H, V]`, `g [B, T_r, H]`,
+/// `beta [B, T_r·n, H]`; returns `o [B, T_r, H, V]` and, when requested, the final states.
+pub fn cp_gated_delta_product_packed(
+    qk: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    opts: &GdpOptions,
+    rank: &CpRank,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let (b, t, h, dk, n) = match *qk.dims() {
+        [b, t, slots, h, dk] if slots >= 2 => (b, t, h, dk, slots - 1),
+        _ => {
+            return Err(GdpError::Shape {
+                name: "qk".into(),
+                expected: vec![1, 1, 2, 1, 1],
+                layout: "[B, T, n+1, H, K] with n >= 1",
+                got: qk.dims().to_vec(),
+            }
+            .into())
+        }
+    };
+    // The FLA checks on views: `q` is slot 0; `k`'s checks read only its shape, dtype, device.
+    let q = qk.narrow(2, 0, 1)?.squeeze(2)?;
+    let k = q.narrow(1, 0, t.min(1))?.broadcast_as((b, t * n, h, dk))?;
+    let sh = validate_fla(&q, &k, v, g, beta, opts)?;
+    apply_on_rank(qk, v, g, beta, sh, opts, rank)
+}
+
+/// Checks the rank's offsets and applies the op with this rank's link to its group.
+fn apply_on_rank(
+    qk: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    sh: GdpShape,
+    opts: &GdpOptions,
+    rank: &CpRank,
+) -> Result<(Tensor, Option<Tensor>)> {
     if let Some(cu) = opts.cu_seqlens {
         if cu != rank.meta.local_cu_seqlens.as_slice() {
             return Err(GdpError::CuSeqlens(format!(
@@ -61,9 +108,7 @@ pub fn cp_gated_delta_product(
         rank.meta.following_rank_stop,
         opts.cu_seqlens.is_some(),
     )?;
-    let k5 = k.reshape((sh.batch, sh.tokens, sh.n, sh.heads, sh.dk))?;
-    let qk = Tensor::cat(&[&q.unsqueeze(2)?, &k5], 2)?;
-    apply(&qk, v, g, beta, sh, opts, Some(Arc::new(link)))
+    apply(qk, v, g, beta, sh, opts, Some(Arc::new(link)))
 }
 
 /// Cotangents of a [`ContextParallel::gated_delta_product`] call: the loss is

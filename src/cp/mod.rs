@@ -11,7 +11,10 @@ pub mod protocol;
 pub mod shard;
 
 pub use comm::{run_ranks, Communicator, SingleComm, ThreadComm, DEFAULT_TIMEOUT};
-pub use context::{cp_gated_delta_product, ContextParallel, Cotangents, CpGrads, CpOutput, CpRank};
+pub use context::{
+    cp_gated_delta_product, cp_gated_delta_product_packed, ContextParallel, Cotangents, CpGrads,
+    CpOutput, CpRank,
+};
 pub use shard::{
     dense_rank_meta, packed_rank_meta, packed_rank_meta_from_seq_ids, RankMeta, ShardPlan,
 };

@@ -185,21 +185,16 @@ impl GatedDeltaProduct {
     /// The cache is only updated when the whole call succeeds.
     pub fn forward(&self, x: &Tensor, cache: Option<&mut LayerCache>) -> Result<Tensor> {
         let (b, t) = self.check_input(x, cache.as_deref())?;
-        let (n, h, hv, dk, dv) = (self.n, self.heads, self.v_heads, self.dk, self.dv);
-
-        // q | k_0 .. k_{n-1} in one matmul from the live weights: the packed layout.
-        let w_qk = Tensor::cat(&[&self.q_proj, &self.k_proj], 0)?;
-        let qk = Linear::new(w_qk, None).forward(x)?; // [B, T, (1+n)·H·K]
-        let v = self.v_proj.forward(x)?; // [B, T, n·Hv·V]
-                                         // New conv histories, committed to the cache only once the whole call has succeeded.
+        let n = self.n;
+        let (qk, v) = self.project(x)?;
+        // New conv histories, committed to the cache only once the whole call has succeeded.
         let mut new_conv = None;
-        let (qk, v) = match (&self.convs, cache.as_deref()) {
+        let (qk, v) = match (self.short_convs()?, cache.as_deref()) {
             (None, _) => (qk.silu()?, v.silu()?),
-            (Some(c), None) => {
-                let qk_conv = ShortConv::cat(&[&c.q, &c.k])?;
-                (qk_conv.forward(&qk, None)?, c.v.forward(&v, None)?)
+            (Some((qk_conv, v_conv)), None) => {
+                (qk_conv.forward(&qk, None)?, v_conv.forward(&v, None)?)
             }
-            (Some(c), Some(lc)) => {
+            (Some((qk_conv, v_conv)), Some(lc)) => {
                 let (Some(cq), Some(ck), Some(cv)) = (&lc.conv_q, &lc.conv_k, &lc.conv_v) else {
                     return Err(GdpError::Option {
                         name: "cache".into(),
@@ -209,45 +204,14 @@ impl GatedDeltaProduct {
                 };
                 let mut s_qk = Tensor::cat(&[cq, ck], 1)?;
                 let mut s_v = cv.clone();
-                let qk = ShortConv::cat(&[&c.q, &c.k])?.forward(&qk, Some(&mut s_qk))?;
-                let v = c.v.forward(&v, Some(&mut s_v))?;
-                let kd = c.q.channels();
-                new_conv = Some((
-                    s_qk.narrow(1, 0, kd)?.contiguous()?,
-                    s_qk.narrow(1, kd, c.k.channels())?.contiguous()?,
-                    s_v,
-                ));
+                let qk = qk_conv.forward(&qk, Some(&mut s_qk))?;
+                let v = v_conv.forward(&v, Some(&mut s_v))?;
+                new_conv = Some(self.split_qk_state(&s_qk, s_v)?);
                 (qk, v)
             }
         };
-
-        let qk = l2_norm(&qk.reshape((b, t, n + 1, h, dk))?, QK_L2_EPS)?;
-        let qk = if hv > h {
-            let groups = hv / h;
-            qk.unsqueeze(4)?
-                .broadcast_as((b, t, n + 1, h, groups, dk))?
-                .reshape((b, t, n + 1, hv, dk))?
-        } else {
-            qk
-        };
-        let v = v.reshape((b, t * n, hv, dv))?;
-        let mut beta = candle_nn::ops::sigmoid(&self.b_proj.forward(x)?)?;
-        if self.allow_neg_eigval {
-            beta = (beta * 2.0)?;
-        }
-        let beta = beta.reshape((b, t * n, hv))?;
-        let g = match &self.gate {
-            Some(fg) => {
-                let a = fg.a_log.to_dtype(DType::F32)?.exp()?.neg()?;
-                let dt = fg
-                    .a_proj
-                    .forward(x)?
-                    .to_dtype(DType::F32)?
-                    .broadcast_add(&fg.dt_bias.to_dtype(DType::F32)?)?;
-                softplus(&dt)?.broadcast_mul(&a)?
-            }
-            None => Tensor::zeros((b, t, hv), DType::F32, x.device())?,
-        };
+        let (qk, v, g, beta) = self.op_inputs(x, &qk, &v)?;
+        let (hv, dk, dv) = (self.v_heads, self.dk, self.dv);
 
         let (o, new_state) = match cache.as_deref() {
             Some(lc) if t == 1 => {
@@ -276,15 +240,7 @@ impl GatedDeltaProduct {
                 gated_delta_product_packed(&qk, &v, &g, &beta, &opts)?
             }
         };
-
-        let o = match &self.o_norm {
-            OutNorm::Gated { g_proj, norm } => {
-                let gate = g_proj.forward(x)?.reshape((b, t, hv, dv))?;
-                norm.forward(&o, &gate)?
-            }
-            OutNorm::Plain(norm) => norm.forward(&o)?,
-        };
-        let y = self.o_proj.forward(&o.reshape((b, t, hv * dv))?)?;
+        let y = self.output(x, &o)?;
 
         // Everything succeeded: commit the new conv histories and state.
         if let Some(lc) = cache {
@@ -298,7 +254,108 @@ impl GatedDeltaProduct {
         Ok(y)
     }
 
-    fn check_input(&self, x: &Tensor, cache: Option<&LayerCache>) -> Result<(usize, usize)> {
+    // --- Pieces of `forward`, shared with the context-parallel forward (`super::cp`). ---
+
+    /// Householder sub-steps per token `n`.
+    pub(super) fn num_householder(&self) -> usize {
+        self.n
+    }
+
+    /// The input projections, before the convolutions: `x [B, T, D] ->` (`qk [B, T, (1+n)·H·K]`
+    /// from one matmul of the live `[q_proj | k_proj]` weights, `v [B, T, n·Hv·V]`).
+    pub(super) fn project(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let w_qk = Tensor::cat(&[&self.q_proj, &self.k_proj], 0)?;
+        let qk = Linear::new(w_qk, None).forward(x)?;
+        Ok((qk, self.v_proj.forward(x)?))
+    }
+
+    /// The short convolutions as (fused `q|k` over `(1+n)·H·K` channels, `v` over `n·Hv·V`),
+    /// built from the live weights; `None` without short convolutions.
+    pub(super) fn short_convs(&self) -> Result<Option<(ShortConv, ShortConv)>> {
+        match &self.convs {
+            None => Ok(None),
+            Some(c) => Ok(Some((ShortConv::cat(&[&c.q, &c.k])?, c.v.clone()))),
+        }
+    }
+
+    /// Splits a fused `q|k` conv state `[B, (1+n)·H·K, W]` into the cache's
+    /// (`conv_q [B, H·K, W]`, `conv_k [B, n·H·K, W]`, `conv_v`).
+    pub(super) fn split_qk_state(
+        &self,
+        s_qk: &Tensor,
+        s_v: Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let kd = self.heads * self.dk;
+        Ok((
+            s_qk.narrow(1, 0, kd)?.contiguous()?,
+            s_qk.narrow(1, kd, self.n * kd)?.contiguous()?,
+            s_v,
+        ))
+    }
+
+    /// The op's inputs from the convolved (or SiLU'd) projections `qk [B, T, (1+n)·H·K]`,
+    /// `v [B, T, n·Hv·V]` and the layer input `x [B, T, D]`: (`qk [B, T, n+1, Hv, K]`
+    /// L2-normed and repeated over value-head groups, `v [B, T·n, Hv, V]`, `g [B, T, Hv]` f32,
+    /// `beta [B, T·n, Hv]`).
+    pub(super) fn op_inputs(
+        &self,
+        x: &Tensor,
+        qk: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        let (b, t, _) = x.dims3()?;
+        let (n, h, hv, dk, dv) = (self.n, self.heads, self.v_heads, self.dk, self.dv);
+        let qk = l2_norm(&qk.reshape((b, t, n + 1, h, dk))?, QK_L2_EPS)?;
+        let qk = if hv > h {
+            let groups = hv / h;
+            qk.unsqueeze(4)?
+                .broadcast_as((b, t, n + 1, h, groups, dk))?
+                .reshape((b, t, n + 1, hv, dk))?
+        } else {
+            qk
+        };
+        let v = v.reshape((b, t * n, hv, dv))?;
+        let mut beta = candle_nn::ops::sigmoid(&self.b_proj.forward(x)?)?;
+        if self.allow_neg_eigval {
+            beta = (beta * 2.0)?;
+        }
+        let beta = beta.reshape((b, t * n, hv))?;
+        let g = match &self.gate {
+            Some(fg) => {
+                let a = fg.a_log.to_dtype(DType::F32)?.exp()?.neg()?;
+                let dt = fg
+                    .a_proj
+                    .forward(x)?
+                    .to_dtype(DType::F32)?
+                    .broadcast_add(&fg.dt_bias.to_dtype(DType::F32)?)?;
+                softplus(&dt)?.broadcast_mul(&a)?
+            }
+            None => Tensor::zeros((b, t, hv), DType::F32, x.device())?,
+        };
+        Ok((qk, v, g, beta))
+    }
+
+    /// The output norm (gated by `g_proj x` with the output gate) and `o_proj`:
+    /// `o [B, T, Hv, V] -> y [B, T, D]`.
+    pub(super) fn output(&self, x: &Tensor, o: &Tensor) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (hv, dv) = (self.v_heads, self.dv);
+        let o = match &self.o_norm {
+            OutNorm::Gated { g_proj, norm } => {
+                let gate = g_proj.forward(x)?.reshape((b, t, hv, dv))?;
+                norm.forward(o, &gate)?
+            }
+            OutNorm::Plain(norm) => norm.forward(o)?,
+        };
+        self.o_proj.forward(&o.reshape((b, t, hv * dv))?)
+    }
+
+    /// Checks `x [B, T, D]` (and the cache's state shape); returns `(B, T)`.
+    pub(super) fn check_input(
+        &self,
+        x: &Tensor,
+        cache: Option<&LayerCache>,
+    ) -> Result<(usize, usize)> {
         let (b, t, d) = x.dims3().map_err(|_| GdpError::Rank {
             name: "x".into(),
             expected: 3,

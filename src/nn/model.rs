@@ -65,6 +65,16 @@ impl GdpBlock {
         let x = (x + self.attn.forward(&self.attn_norm.forward(x)?, cache)?)?;
         &x + self.mlp.forward(&self.mlp_norm.forward(&x)?)?
     }
+
+    /// The block with the token mixer replaced by `mix(attn, attn_norm x)` (e.g. the
+    /// context-parallel mixer of `super::cp`): `x [B, T, D] -> [B, T, D]`.
+    pub(super) fn forward_with<F>(&self, x: &Tensor, mix: F) -> Result<Tensor>
+    where
+        F: FnOnce(&GatedDeltaProduct, &Tensor) -> Result<Tensor>,
+    {
+        let x = (x + mix(&self.attn, &self.attn_norm.forward(x)?)?)?;
+        &x + self.mlp.forward(&self.mlp_norm.forward(&x)?)?
+    }
 }
 
 /// The causal LM with FLA's parameter names: `model.embeddings.weight [vocab, D]`,
@@ -120,6 +130,44 @@ impl GdpForCausalLM {
 
     /// Final hidden states: `input_ids [B, T]` (u32 or i64) `-> [B, T, D]`, after `model.norm`.
     pub fn forward_hidden(&self, input_ids: &Tensor, cache: Option<&mut Cache>) -> Result<Tensor> {
+        self.check_ids(input_ids)?;
+        let mut x = self.embeddings.forward(input_ids)?;
+        match cache {
+            None => {
+                for layer in &self.layers {
+                    x = layer.forward(&x, None)?;
+                }
+            }
+            Some(cache) => {
+                if cache.layers.len() != self.layers.len() {
+                    return Err(GdpError::Option {
+                        name: "cache".into(),
+                        reason: format!(
+                            "has {} layer caches, the model {} layers",
+                            cache.layers.len(),
+                            self.layers.len()
+                        ),
+                    }
+                    .into());
+                }
+                for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
+                    x = layer.forward(&x, Some(lc))?;
+                }
+            }
+        }
+        self.norm.forward(&x)
+    }
+
+    /// Logits: `input_ids [B, T]` (u32 or i64) `-> [B, T, vocab]`. With a cache (see
+    /// [`Cache::new`]) the call continues the cached sequences: prefill with `T > 1`, decode
+    /// with `T == 1`, in any mix.
+    pub fn forward(&self, input_ids: &Tensor, cache: Option<&mut Cache>) -> Result<Tensor> {
+        self.lm_head
+            .forward(&self.forward_hidden(input_ids, cache)?)
+    }
+
+    /// Checks `input_ids [B, T]` (non-empty, integer, inside the vocabulary); returns `(B, T)`.
+    pub(super) fn check_ids(&self, input_ids: &Tensor) -> Result<(usize, usize)> {
         let (b, t) = input_ids.dims2().map_err(|_| GdpError::Rank {
             name: "input_ids".into(),
             expected: 2,
@@ -157,38 +205,12 @@ impl GdpForCausalLM {
             }
             .into());
         }
-        let mut x = self.embeddings.forward(input_ids)?;
-        match cache {
-            None => {
-                for layer in &self.layers {
-                    x = layer.forward(&x, None)?;
-                }
-            }
-            Some(cache) => {
-                if cache.layers.len() != self.layers.len() {
-                    return Err(GdpError::Option {
-                        name: "cache".into(),
-                        reason: format!(
-                            "has {} layer caches, the model {} layers",
-                            cache.layers.len(),
-                            self.layers.len()
-                        ),
-                    }
-                    .into());
-                }
-                for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
-                    x = layer.forward(&x, Some(lc))?;
-                }
-            }
-        }
-        self.norm.forward(&x)
+        Ok((b, t))
     }
 
-    /// Logits: `input_ids [B, T]` (u32 or i64) `-> [B, T, vocab]`. With a cache (see
-    /// [`Cache::new`]) the call continues the cached sequences: prefill with `T > 1`, decode
-    /// with `T == 1`, in any mix.
-    pub fn forward(&self, input_ids: &Tensor, cache: Option<&mut Cache>) -> Result<Tensor> {
-        self.lm_head
-            .forward(&self.forward_hidden(input_ids, cache)?)
+    /// The pieces of the model, for the context-parallel forward (`super::cp`): the embedding,
+    /// the blocks, the final norm and the LM head.
+    pub(super) fn parts(&self) -> (&Embedding, &[GdpBlock], &RmsNorm, &Linear) {
+        (&self.embeddings, &self.layers, &self.norm, &self.lm_head)
     }
 }
