@@ -403,3 +403,5 @@ __device__ void gdp_fwd(const T* __restrict__ qk, const T* __restrict__ vv,
 GDP_FWD_ENTRY(gdp_fwd_f32, float)
 GDP_FWD_ENTRY(gdp_fwd_bf16, __nv_bfloat16)
 GDP_FWD_ENTRY(gdp_fwd_f16, __half)
+
+#include "gdp_bwd.cuh"

@@ -251,3 +251,134 @@ fn dims(sh: &GdpShape, scale: f32) -> Dims {
 fn poisoned() -> candle_core::Error {
     GdpError::Comm("the op's saved state lock is poisoned".into()).into()
 }
+
+/// The same protocol on CUDA storages (feature `cuda`): the summaries of the boundary fragments
+/// come from the CUDA backward kernel's summary modes (the forward run on `[v | 0_K]` from
+/// `[h0 | I_K]`, the backward run with `[do | 0_K]`, `[dht | I_K]`), go to the host for the
+/// all-gather and the fold, and the folded states come back as the initial-state override /
+/// are added to the final-state gradient.
+#[cfg(feature = "cuda")]
+impl CpLink {
+    /// The forward on this rank, like [`CpLink::forward`], on CUDA storages.
+    pub fn forward_cuda(
+        &self,
+        qk: CudaIn,
+        v: CudaIn,
+        aux: CudaIn,
+        sh: &GdpShape,
+        scale: f32,
+        has_h0: bool,
+    ) -> Result<candle_core::CudaStorage> {
+        use crate::op::cuda;
+        use candle_core::backend::BackendStorage;
+        let dev = qk.0.device().clone();
+        let (h, kv, sl, ns) = (
+            sh.heads,
+            sh.dk * sh.dv,
+            summary_len(sh.dk, sh.dv),
+            sh.num_seqs(),
+        );
+        let mut h0 = if has_h0 {
+            cuda::initial_states_to_host(aux, sh)?
+        } else {
+            vec![0.0f32; ns * h * kv]
+        };
+        let incoming = self.continuing_in(ns);
+        for &s in &incoming {
+            h0[s * h * kv..(s + 1) * h * kv].fill(0.0);
+        }
+        let frags = self.fragments(ns, true);
+        let local = if self.bwd_slice.is_empty() {
+            vec![0.0; frags.len() * h * sl]
+        } else {
+            let h0_dev = dev.clone_htod(&h0)?;
+            cuda::forward_summaries(qk, v, aux, sh, scale, has_h0, &frags, &h0_dev)?
+        };
+        let all = self.gather(local)?;
+        let per_rank = frags.len() * h * sl;
+        for (f, &s) in incoming.iter().enumerate() {
+            for hd in 0..h {
+                let at = |r: usize| &all[r * per_rank + (f * h + hd) * sl..][..sl];
+                let s_in = fold_forward(self.fwd_slice.clone().map(at), sh.dk, sh.dv);
+                h0[(s * h + hd) * kv..(s * h + hd + 1) * kv].copy_from_slice(&s_in);
+            }
+        }
+        let h0_dev = dev.clone_htod(&h0)?;
+        let out = cuda::forward(qk, v, aux, sh, scale, has_h0, Some(&h0_dev))?;
+        *self.saved_h0.lock().map_err(|_| poisoned())? = Some(h0);
+        Ok(out)
+    }
+
+    /// The backward on this rank, like [`CpLink::backward`], on CUDA storages; `grad` is
+    /// `[do | dht]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_cuda(
+        &self,
+        qk: CudaIn,
+        v: CudaIn,
+        aux: CudaIn,
+        grad: CudaIn,
+        sh: &GdpShape,
+        scale: f32,
+        has_h0: bool,
+    ) -> Result<candle_core::CudaStorage> {
+        use crate::op::cuda;
+        use candle_core::backend::BackendStorage;
+        let dev = qk.0.device().clone();
+        let (h, kv, sl, ns) = (
+            sh.heads,
+            sh.dk * sh.dv,
+            summary_len(sh.dk, sh.dv),
+            sh.num_seqs(),
+        );
+        let frags = self.fragments(ns, false);
+        let local = if self.fwd_slice.is_empty() {
+            vec![0.0; frags.len() * h * sl]
+        } else {
+            cuda::backward_summaries(qk, v, aux, grad, sh, scale, has_h0, &frags)?
+        };
+        let all = self.gather(local)?;
+        let per_rank = frags.len() * h * sl;
+        let mut dht = cuda::dht_to_host(grad, sh)?;
+        for (f, &s) in self.continuing_out(ns).iter().enumerate() {
+            for hd in 0..h {
+                let at = |r: usize| &all[r * per_rank + (f * h + hd) * sl..][..sl];
+                let ds_out = fold_backward(self.bwd_slice.clone().map(at), sh.dk, sh.dv);
+                dht[(s * h + hd) * kv..(s * h + hd + 1) * kv]
+                    .iter_mut()
+                    .zip(&ds_out)
+                    .for_each(|(g, d)| *g += d);
+            }
+        }
+        let h0 = self
+            .saved_h0
+            .lock()
+            .map_err(|_| poisoned())?
+            .clone()
+            .ok_or_else(|| candle_core::Error::Msg("gdp cp: backward before forward".into()))?;
+        let (h0_dev, dht_dev) = (dev.clone_htod(&h0)?, dev.clone_htod(&dht)?);
+        // The initial state of a continuing sequence came from earlier ranks; its gradient
+        // travelled there as γ, so the given initial-state row gets none.
+        let zero = if has_h0 {
+            self.continuing_in(ns)
+        } else {
+            vec![]
+        };
+        cuda::backward(
+            qk,
+            v,
+            aux,
+            grad,
+            sh,
+            scale,
+            has_h0,
+            Some(&h0_dev),
+            Some(&dht_dev),
+            &zero,
+        )
+    }
+}
+
+/// A CUDA storage and its layout.
+#[cfg(feature = "cuda")]
+type CudaIn<'a> = (&'a candle_core::CudaStorage, &'a candle_core::Layout);

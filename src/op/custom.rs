@@ -119,18 +119,25 @@ impl CustomOp3 for GdpForward {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        if self.cp.is_some() {
-            candle_core::bail!("gdp: context parallelism on CUDA is not implemented yet");
-        }
-        let out = super::cuda::forward(
-            (s1, l1),
-            (s2, l2),
-            (s3, l3),
-            &self.shape,
-            self.scale,
-            self.has_h0,
-            None,
-        )?;
+        let out = match &self.cp {
+            None => super::cuda::forward(
+                (s1, l1),
+                (s2, l2),
+                (s3, l3),
+                &self.shape,
+                self.scale,
+                self.has_h0,
+                None,
+            )?,
+            Some(link) => link.forward_cuda(
+                (s1, l1),
+                (s2, l2),
+                (s3, l3),
+                &self.shape,
+                self.scale,
+                self.has_h0,
+            )?,
+        };
         Ok((out, Shape::from(self.output_len())))
     }
     // --- end CUDA forward ---
@@ -192,4 +199,42 @@ impl CustomOp3 for GdpBackward {
         let n = out.len();
         Ok((CpuStorage::F32(out), Shape::from(n)))
     }
+
+    // --- CUDA backward (feature `cuda`; owned by the CUDA kernel work, see src/op/cuda) ---
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (gs, gl) = self.grad.storage_and_layout();
+        let grad = match &*gs {
+            candle_core::Storage::Cuda(c) => c,
+            _ => candle_core::bail!("gdp backward: the gradient is not on a CUDA device"),
+        };
+        let (sh, scale, has_h0) = (&self.fwd.shape, self.fwd.scale, self.fwd.has_h0);
+        let out = match &self.fwd.cp {
+            None => super::cuda::backward(
+                (s1, l1),
+                (s2, l2),
+                (s3, l3),
+                (grad, gl),
+                sh,
+                scale,
+                has_h0,
+                None,
+                None,
+                &[],
+            )?,
+            Some(link) => {
+                link.backward_cuda((s1, l1), (s2, l2), (s3, l3), (grad, gl), sh, scale, has_h0)?
+            }
+        };
+        Ok((out, Shape::from(super::cuda::backward_len(sh, has_h0))))
+    }
+    // --- end CUDA backward ---
 }

@@ -108,7 +108,7 @@ impl LaunchPlan {
 }
 
 /// The contiguous view of a storage slice, checked against the expected element count.
-fn view<'a, T: CudaDType>(
+pub(super) fn view<'a, T: CudaDType>(
     s: &'a CudaStorage,
     l: &Layout,
     len: usize,
@@ -126,12 +126,12 @@ fn view<'a, T: CudaDType>(
     Ok(s.as_cuda_slice::<T>()?.slice(a..b))
 }
 
-fn to_i32(x: usize, what: &str) -> Result<i32> {
+pub(super) fn to_i32(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x)
         .map_err(|_| candle_core::Error::Msg(format!("gdp cuda: {what} = {x} exceeds i32")))
 }
 
-fn device_attr(dev: &CudaDevice, attr: CUdevice_attribute) -> Result<usize> {
+pub(super) fn device_attr(dev: &CudaDevice, attr: CUdevice_attribute) -> Result<usize> {
     let v = dev.cuda_stream().context().attribute(attr).w()?;
     Ok(v.max(0) as usize)
 }

@@ -1,8 +1,14 @@
-//! CUDA kernels of the operator (feature `cuda`): the chunked forward of `cuda/gdp.cu`, compiled
-//! to PTX by `build.rs` and loaded lazily per device. The backward has no CUDA kernel yet.
+//! CUDA kernels of the operator (feature `cuda`): the chunked forward and backward of
+//! `cuda/gdp.cu` (`cuda/gdp_bwd.cuh`), compiled to PTX by `build.rs` and loaded lazily per
+//! device, and the context-parallel summaries built on the backward kernel.
 
+mod backward;
 mod launch;
 
+pub use backward::{
+    backward, backward_len, backward_summaries, bwd_smem_bytes, dht_to_host, forward_summaries,
+    initial_states_to_host, BwdPlan,
+};
 pub use launch::{forward, smem_bytes, LaunchPlan, THREADS};
 
 /// PTX of `cuda/gdp.cu` (nvcc `--ptx -arch=compute_XX`, see `build.rs`).
