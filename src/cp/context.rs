@@ -165,8 +165,10 @@ struct RankOut {
 }
 
 impl ContextParallel {
-    /// A group with one rank per device (rank order = time order). Create each CUDA device
-    /// once and pass clones: two `Device::new_cuda(0)` calls are different devices to Candle.
+    /// A group with one rank per device (rank order = time order). Each rank's inputs are
+    /// moved to its device. Every `Device::new_cuda(i)` call makes a distinct Candle device
+    /// (own stream), so several ranks can share one GPU by calling it once per rank; keep using
+    /// the same handle for a rank's tensors.
     pub fn new(devices: Vec<Device>) -> Result<Self> {
         if devices.is_empty() {
             return Err(GdpError::Option {
