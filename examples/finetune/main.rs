@@ -5,7 +5,10 @@
 //! * `OUT/config.json`: the `GdpConfig` (FLA's `GatedDeltaProductConfig` keys);
 //! * `OUT/loss.svg`, `OUT/loss.csv`: the loss curve (training and held-out loss);
 //!
-//! and prints a short sample. See `README.md` beside this file for the command and numbers.
+//! and prints a short sample. With `--cp-size R > 1` every window is split along time over R
+//! context-parallel ranks (one thread each, `candle_gdp::ContextParallel::cpu`), each rank
+//! holding the same model and optimiser. See `README.md` beside this file for the command and
+//! numbers.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -13,8 +16,10 @@ mod plot;
 
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor, Var};
-use candle_gdp::nn::{Cache, GdpConfig, GdpForCausalLM};
+use candle_core::{Device, Tensor, Var, D};
+use candle_gdp::cp::ShardPlan;
+use candle_gdp::nn::{all_reduce_var_grads, Cache, CpContext, GdpConfig, GdpForCausalLM};
+use candle_gdp::ContextParallel;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use clap::Parser;
 use common::{ByteCorpus, Sampler, Utf8Stream};
@@ -45,7 +50,11 @@ struct Args {
     /// Seed of the initial weights, the windows and the sample.
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// CPU threads (default: all cores).
+    /// Context-parallel ranks: every window is split along time over this many rank threads
+    /// (1: no context parallelism). Each rank needs at least `conv_size - 1` = 3 bytes.
+    #[arg(long, default_value_t = 1)]
+    cp_size: usize,
+    /// CPU threads (default: all cores), shared by all ranks.
     #[arg(long)]
     threads: Option<usize>,
     /// Training text (default: the bundled `examples/data/devils_dictionary.txt`).
@@ -144,8 +153,8 @@ fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], clip: f64) -> Result<f32>
 }
 
 /// One optimisation step on one batch of windows: forward, loss, backward, gradient clipping,
-/// AdamW update. A context-parallel variant keeps this signature (same batch in, same
-/// statistics out) and only changes how the forward and backward are computed.
+/// AdamW update. [`train_step_cp`] is the context-parallel variant (same batch in, same
+/// statistics out; only the forward and backward are split over the ranks).
 fn train_step(
     model: &GdpForCausalLM,
     opt: &mut AdamW,
@@ -163,13 +172,105 @@ fn train_step(
     })
 }
 
-/// Mean loss over fixed held-out batches (forward only).
-fn evaluate(model: &GdpForCausalLM, batches: &[(Tensor, Tensor)]) -> Result<f32> {
-    let mut total = 0f32;
-    for (x, y) in batches {
-        total += lm_loss(model, x, y)?.to_scalar::<f32>()?;
+/// `Σ -log p(target)` over `logits [B, T, V]` and `targets [B, T]` (a scalar).
+fn nll_sum(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let lp = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+    Ok(lp
+        .gather(&targets.contiguous()?.unsqueeze(2)?, 2)?
+        .sum_all()?
+        .neg()?)
+}
+
+/// This rank's contiguous time shard of `x [B, T]` (shards differ by at most one token).
+fn time_shard(x: &Tensor, ctx: &CpContext) -> Result<Tensor> {
+    let comm = ctx.comm();
+    let range = ShardPlan::new(x.dim(1)?, comm.world_size())?.range(comm.rank())?;
+    Ok(x.narrow(1, range.start, range.len())?)
+}
+
+/// This rank's share of the batch loss: the local cross-entropy sum over its shard (still in
+/// the graph) and the global `[Σ loss, token count]`, all-reduced over the ranks.
+fn cp_loss(
+    model: &GdpForCausalLM,
+    (inputs, targets): (&Tensor, &Tensor),
+    ctx: &CpContext,
+) -> Result<(Tensor, [f32; 2])> {
+    let (xs, ys) = (time_shard(inputs, ctx)?, time_shard(targets, ctx)?);
+    let local = nll_sum(&model.forward_cp(&xs, ctx)?, &ys)?;
+    let mut total = [local.to_scalar::<f32>()?, ys.elem_count() as f32];
+    ctx.comm().all_reduce_sum(&mut total)?;
+    Ok((local, total))
+}
+
+/// [`train_step`] as one rank of a context-parallel group: the same full batch in (every rank
+/// passes the same windows; this rank keeps its time shard), the same statistics out. The
+/// local loss sum is divided by the global token count, so the gradients summed over the ranks
+/// are those of the single-device mean loss; every rank then clips and steps its own AdamW
+/// with identical gradients, so the ranks' weights stay identical. A collective: all ranks
+/// call it in the same order.
+fn train_step_cp(
+    model: &GdpForCausalLM,
+    opt: &mut AdamW,
+    vars: &[Var],
+    batch: (&Tensor, &Tensor),
+    clip: f64,
+    ctx: &CpContext,
+) -> Result<StepStats> {
+    let (local, [sum, count]) = cp_loss(model, batch, ctx)?;
+    let mut grads = (local / count as f64)?.backward()?;
+    all_reduce_var_grads(&mut grads, vars, ctx.comm().as_ref())?;
+    let grad_norm = clip_grad_norm(&mut grads, vars, clip)?;
+    opt.step(&grads)?;
+    Ok(StepStats {
+        loss: sum / count,
+        grad_norm,
+    })
+}
+
+/// How a step and the evaluation are computed: on the whole batch, or as one rank of a
+/// context-parallel group.
+#[derive(Clone, Copy)]
+enum Parallel<'a> {
+    Single,
+    Context(&'a CpContext),
+}
+
+impl Parallel<'_> {
+    fn is_main(&self) -> bool {
+        match self {
+            Parallel::Single => true,
+            Parallel::Context(ctx) => ctx.comm().rank() == 0,
+        }
     }
-    Ok(total / batches.len().max(1) as f32)
+
+    fn train_step(
+        &self,
+        model: &GdpForCausalLM,
+        opt: &mut AdamW,
+        vars: &[Var],
+        batch: (&Tensor, &Tensor),
+        clip: f64,
+    ) -> Result<StepStats> {
+        match self {
+            Parallel::Single => train_step(model, opt, vars, batch, clip),
+            Parallel::Context(ctx) => train_step_cp(model, opt, vars, batch, clip, ctx),
+        }
+    }
+
+    /// Mean loss over fixed held-out batches (forward only; with CP a collective).
+    fn evaluate(&self, model: &GdpForCausalLM, batches: &[(Tensor, Tensor)]) -> Result<f32> {
+        let mut total = 0f32;
+        for (x, y) in batches {
+            total += match self {
+                Parallel::Single => lm_loss(model, x, y)?.to_scalar::<f32>()?,
+                Parallel::Context(ctx) => {
+                    let (_, [sum, count]) = cp_loss(model, (x, y), ctx)?;
+                    sum / count
+                }
+            };
+        }
+        Ok(total / batches.len().max(1) as f32)
+    }
 }
 
 /// Linear warm-up over `warmup` steps, then cosine decay from `peak` to `peak / 10`.
@@ -183,26 +284,109 @@ fn learning_rate(step: usize, steps: usize, peak: f64) -> f64 {
     peak * (0.1 + 0.9 * cosine)
 }
 
+/// What the training leaves behind (on rank 0).
+struct Trained {
+    varmap: VarMap,
+    model: GdpForCausalLM,
+    train_curve: Vec<(f64, f64)>,
+    val_curve: Vec<(f64, f64)>,
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     if args.steps == 0 || args.batch == 0 || args.seq_len == 0 || args.eval_every == 0 {
         bail!("--steps, --batch, --seq-len and --eval-every must be at least 1");
     }
+    let cfg = byte_config(&args);
+    // forward_cp needs W - 1 tokens per shard (the short-convolution halo), at least one.
+    let per_rank = if cfg.use_short_conv {
+        cfg.conv_size.saturating_sub(1).max(1)
+    } else {
+        1
+    };
+    let max_ranks = args.seq_len / per_rank;
+    if args.cp_size == 0 || args.cp_size > max_ranks {
+        bail!(
+            "--cp-size must be between 1 and {max_ranks} (--seq-len {} / {per_rank} bytes per \
+             rank for the width-{} short convolution), got {}",
+            args.seq_len,
+            cfg.conv_size,
+            args.cp_size
+        );
+    }
     common::set_threads(args.threads)?;
-    let device = Device::Cpu;
     let data_path = args
         .data
         .clone()
         .unwrap_or_else(|| PathBuf::from(common::DEFAULT_DATA));
     let corpus = ByteCorpus::load(&data_path, 0.05)?;
+    println!(
+        "data: {} ({} bytes train, {} held out)",
+        data_path.display(),
+        corpus.train.len(),
+        corpus.valid.len()
+    );
 
-    let cfg = byte_config(&args);
+    let trained = if args.cp_size == 1 {
+        train(&args, &cfg, &corpus, Parallel::Single)?
+    } else {
+        // One thread per rank; every rank trains its own identical copy of the model.
+        let ranks = ContextParallel::cpu(args.cp_size)?.run(|comm, _| {
+            let ctx = CpContext::new(comm);
+            train(&args, &cfg, &corpus, Parallel::Context(&ctx))
+                .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+        })?;
+        ranks.into_iter().flatten().next()
+    }
+    .ok_or_else(|| anyhow::anyhow!("rank 0 returned no model"))?;
+
+    let weights = common::save_checkpoint(&args.out, &trained.varmap, &cfg)?;
+    let title = format!(
+        "GDP byte LM: D={} L={} H={} K={} n={}, batch {}x{}, lr {:e}{}",
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+        cfg.num_heads,
+        cfg.head_dim,
+        cfg.num_householder,
+        args.batch,
+        args.seq_len,
+        args.lr,
+        if args.cp_size > 1 {
+            format!(", CP {}", args.cp_size)
+        } else {
+            String::new()
+        }
+    );
+    plot::write_curves(&args.out, &title, &trained.train_curve, &trained.val_curve)?;
+    println!(
+        "wrote {}, config.json, loss.svg, loss.csv in {}",
+        weights.file_name().and_then(|f| f.to_str()).unwrap_or(""),
+        args.out.display()
+    );
+
+    if args.sample_len > 0 {
+        print_sample(&trained.model, &cfg, &args, &Device::Cpu)?;
+    }
+    Ok(())
+}
+
+/// The training run of one rank (or of the single device): builds the seeded model, draws the
+/// same windows on every rank, trains and evaluates. Rank 0 prints, shows the progress bar and
+/// returns the model and the loss curves; the other ranks return `None`.
+fn train(
+    args: &Args,
+    cfg: &GdpConfig,
+    corpus: &ByteCorpus,
+    par: Parallel,
+) -> Result<Option<Trained>> {
+    let main = par.is_main();
+    let device = Device::Cpu;
     let varmap = VarMap::new();
     let model = GdpForCausalLM::new(
-        &cfg,
+        cfg,
         VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &device),
     )?;
-    common::seed_vars(&varmap, &cfg, args.seed)?;
+    common::seed_vars(&varmap, cfg, args.seed)?;
     let vars = common::sorted_vars(&varmap)?;
     let n_params: usize = vars.iter().map(|v| v.elem_count()).sum();
     let mut opt = AdamW::new(
@@ -213,27 +397,34 @@ fn main() -> Result<()> {
             ..Default::default()
         },
     )?;
-    println!(
-        "data: {} ({} bytes train, {} held out)",
-        data_path.display(),
-        corpus.train.len(),
-        corpus.valid.len()
-    );
-    println!(
-        "model: D={} layers={} H={} K={} V={} n={} ({:.2}M parameters), {} threads",
-        cfg.hidden_size,
-        cfg.num_hidden_layers,
-        cfg.num_heads,
-        cfg.head_k_dim(),
-        cfg.head_v_dim(),
-        cfg.num_householder,
-        n_params as f64 / 1e6,
-        candle_core::utils::get_num_threads()
-    );
-    println!(
-        "training: {} steps x {} windows x {} bytes, AdamW lr {:e}",
-        args.steps, args.batch, args.seq_len, args.lr
-    );
+    if main {
+        println!(
+            "model: D={} layers={} H={} K={} V={} n={} ({:.2}M parameters), {} threads",
+            cfg.hidden_size,
+            cfg.num_hidden_layers,
+            cfg.num_heads,
+            cfg.head_k_dim(),
+            cfg.head_v_dim(),
+            cfg.num_householder,
+            n_params as f64 / 1e6,
+            candle_core::utils::get_num_threads()
+        );
+        let cp = match par {
+            Parallel::Single => String::new(),
+            Parallel::Context(ctx) => {
+                let plan = ShardPlan::new(args.seq_len, ctx.comm().world_size())?;
+                format!(
+                    ", context parallel over {} ranks (bytes {:?} of each window)",
+                    plan.cp_size(),
+                    plan.ranges()
+                )
+            }
+        };
+        println!(
+            "training: {} steps x {} windows x {} bytes, AdamW lr {:e}{cp}",
+            args.steps, args.batch, args.seq_len, args.lr
+        );
+    }
 
     let mut rng = StdRng::seed_from_u64(args.seed);
     let mut eval_rng = StdRng::seed_from_u64(args.seed.wrapping_add(1));
@@ -249,15 +440,21 @@ fn main() -> Result<()> {
         })
         .collect::<Result<Vec<_>>>()?;
     let mut train_curve: Vec<(f64, f64)> = Vec::with_capacity(args.steps);
-    let mut val_curve = vec![(0.0, evaluate(&model, &eval_batches)? as f64)];
-    println!(
-        "step 0: held-out loss {:.3} (ln 256 = 5.545)",
-        val_curve[0].1
-    );
+    let mut val_curve = vec![(0.0, par.evaluate(&model, &eval_batches)? as f64)];
+    if main {
+        println!(
+            "step 0: held-out loss {:.3} (ln 256 = 5.545)",
+            val_curve[0].1
+        );
+    }
 
-    let pb = ProgressBar::new(args.steps as u64).with_style(ProgressStyle::with_template(
-        "{elapsed_precise} [{bar:30}] {pos}/{len} {msg}",
-    )?);
+    let pb = if main {
+        ProgressBar::new(args.steps as u64).with_style(ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:30}] {pos}/{len} {msg}",
+        )?)
+    } else {
+        ProgressBar::hidden()
+    };
     let tokens_per_step = (args.batch * args.seq_len) as f64;
     let (mut train_secs, mut ema_tok_s) = (0f64, 0f64);
     let t_start = Instant::now();
@@ -266,7 +463,7 @@ fn main() -> Result<()> {
         let (x, y) =
             common::sample_windows(&corpus.train, args.batch, args.seq_len, &mut rng, &device)?;
         let t0 = Instant::now();
-        let stats = train_step(&model, &mut opt, &vars, (&x, &y), args.clip)?;
+        let stats = par.train_step(&model, &mut opt, &vars, (&x, &y), args.clip)?;
         let dt = t0.elapsed().as_secs_f64();
         train_secs += dt;
         let tok_s = tokens_per_step / dt;
@@ -276,28 +473,35 @@ fn main() -> Result<()> {
             0.9 * ema_tok_s + 0.1 * tok_s
         };
         train_curve.push((step as f64, stats.loss as f64));
-        pb.set_message(format!(
-            "loss {:.3} | {:.0} tok/s | lr {:.1e} | |g| {:.2}",
-            stats.loss,
-            ema_tok_s,
-            opt.learning_rate(),
-            stats.grad_norm
-        ));
-        pb.inc(1);
+        if main {
+            pb.set_message(format!(
+                "loss {:.3} | {:.0} tok/s | lr {:.1e} | |g| {:.2}",
+                stats.loss,
+                ema_tok_s,
+                opt.learning_rate(),
+                stats.grad_norm
+            ));
+            pb.inc(1);
+        }
         if step % args.eval_every == 0 || step == args.steps {
-            let val = evaluate(&model, &eval_batches)?;
+            let val = par.evaluate(&model, &eval_batches)?;
             val_curve.push((step as f64, val as f64));
             let recent = &train_curve[train_curve.len().saturating_sub(args.eval_every)..];
             let train_avg = recent.iter().map(|p| p.1).sum::<f64>() / recent.len() as f64;
-            pb.suspend(|| {
-                println!(
-                    "step {step}: train loss {train_avg:.3} (mean of last {}), held-out {val:.3}, {:.0} tok/s, {:.0}s",
-                    recent.len(),
-                    tokens_per_step * step as f64 / train_secs,
-                    t_start.elapsed().as_secs_f64()
-                )
-            });
+            if main {
+                pb.suspend(|| {
+                    println!(
+                        "step {step}: train loss {train_avg:.3} (mean of last {}), held-out {val:.3}, {:.0} tok/s, {:.0}s",
+                        recent.len(),
+                        tokens_per_step * step as f64 / train_secs,
+                        t_start.elapsed().as_secs_f64()
+                    )
+                });
+            }
         }
+    }
+    if !main {
+        return Ok(None);
     }
     pb.finish();
     let wall = t_start.elapsed().as_secs_f64();
@@ -313,30 +517,12 @@ fn main() -> Result<()> {
         val_curve[0].1,
         val_curve[val_curve.len() - 1].1
     );
-
-    let weights = common::save_checkpoint(&args.out, &varmap, &cfg)?;
-    let title = format!(
-        "GDP byte LM: D={} L={} H={} K={} n={}, batch {}x{}, lr {:e}",
-        cfg.hidden_size,
-        cfg.num_hidden_layers,
-        cfg.num_heads,
-        cfg.head_dim,
-        cfg.num_householder,
-        args.batch,
-        args.seq_len,
-        args.lr
-    );
-    plot::write_curves(&args.out, &title, &train_curve, &val_curve)?;
-    println!(
-        "wrote {}, config.json, loss.svg, loss.csv in {}",
-        weights.file_name().and_then(|f| f.to_str()).unwrap_or(""),
-        args.out.display()
-    );
-
-    if args.sample_len > 0 {
-        print_sample(&model, &cfg, &args, &device)?;
-    }
-    Ok(())
+    Ok(Some(Trained {
+        varmap,
+        model,
+        train_curve,
+        val_curve,
+    }))
 }
 
 /// Samples `--sample-len` bytes after `--prompt` (temperature 0.8, top-p 0.95).
