@@ -102,6 +102,40 @@ impl CpLink {
         }
     }
 
+    /// Apply step of the forward: folds the preceding ranks' gathered `[ΔS | M]` summaries
+    /// (`all`: `[ranks, frags, H, K, V+K]`) into the initial states `h0 [N, H, K, V]` of the
+    /// sequences that continue from an earlier rank.
+    fn fold_into_initial_states(&self, all: &[f32], frags: usize, sh: &GdpShape, h0: &mut [f32]) {
+        let (h, kv, sl) = (sh.heads, sh.dk * sh.dv, summary_len(sh.dk, sh.dv));
+        let per_rank = frags * h * sl;
+        for (f, &s) in self.continuing_in(sh.num_seqs()).iter().enumerate() {
+            for hd in 0..h {
+                let at = |r: usize| &all[r * per_rank + (f * h + hd) * sl..][..sl];
+                let s_in = fold_forward(self.fwd_slice.clone().map(at), sh.dk, sh.dv);
+                h0[(s * h + hd) * kv..(s * h + hd + 1) * kv].copy_from_slice(&s_in);
+            }
+        }
+    }
+
+    /// Apply step of the backward: adds the fold of the following ranks' gathered `[γ | Mᵀ]`
+    /// summaries to the final-state gradients `dht [N, H, K, V]` of the sequences that continue
+    /// on a later rank.
+    fn fold_into_final_grads(&self, all: &[f32], frags: usize, sh: &GdpShape, dht: &mut [f32]) {
+        let (h, kv, sl) = (sh.heads, sh.dk * sh.dv, summary_len(sh.dk, sh.dv));
+        let per_rank = frags * h * sl;
+        for (f, &s) in self.continuing_out(sh.num_seqs()).iter().enumerate() {
+            for hd in 0..h {
+                let at = |r: usize| &all[r * per_rank + (f * h + hd) * sl..][..sl];
+                let ds_out = fold_backward(self.bwd_slice.clone().map(at), sh.dk, sh.dv);
+                let st = (s * h + hd) * kv;
+                dht[st..st + kv]
+                    .iter_mut()
+                    .zip(&ds_out)
+                    .for_each(|(g, d)| *g += d);
+            }
+        }
+    }
+
     /// All-gathers `local` (`frags · H` summaries); a group of one skips the collective.
     fn gather(&self, local: Vec<f32>) -> Result<Vec<f32>> {
         if self.comm.world_size() == 1 {
@@ -152,14 +186,7 @@ impl CpLink {
             .collect();
         let all = self.gather(local)?;
         // Apply: fold the preceding ranks into the initial state of the continuing sequences.
-        let per_rank = frags.len() * h * sl;
-        for (f, &s) in incoming.iter().enumerate() {
-            for hd in 0..h {
-                let at = |r: usize| &all[r * per_rank + (f * h + hd) * sl..][..sl];
-                let s_in = fold_forward(self.fwd_slice.clone().map(at), sh.dk, sh.dv);
-                h0[(s * h + hd) * kv..(s * h + hd + 1) * kv].copy_from_slice(&s_in);
-            }
-        }
+        self.fold_into_initial_states(&all, frags.len(), sh, &mut h0);
         let out = cpu::forward(x, sh, scale, Some(&h0));
         *self.saved_h0.lock().map_err(|_| poisoned())? = Some(h0);
         Ok(out)
@@ -201,18 +228,7 @@ impl CpLink {
             .collect();
         let all = self.gather(local)?;
         let mut grad = grad.to_vec();
-        let per_rank = frags.len() * h * sl;
-        for (f, &s) in self.continuing_out(ns).iter().enumerate() {
-            for hd in 0..h {
-                let at = |r: usize| &all[r * per_rank + (f * h + hd) * sl..][..sl];
-                let ds_out = fold_backward(self.bwd_slice.clone().map(at), sh.dk, sh.dv);
-                let st = o_len + (s * h + hd) * kv;
-                grad[st..st + kv]
-                    .iter_mut()
-                    .zip(&ds_out)
-                    .for_each(|(g, d)| *g += d);
-            }
-        }
+        self.fold_into_final_grads(&all, frags.len(), sh, &mut grad[o_len..]);
         let h0 = self
             .saved_h0
             .lock()
@@ -295,14 +311,7 @@ impl CpLink {
             cuda::forward_summaries(qk, v, aux, sh, scale, has_h0, &frags, &h0_dev)?
         };
         let all = self.gather(local)?;
-        let per_rank = frags.len() * h * sl;
-        for (f, &s) in incoming.iter().enumerate() {
-            for hd in 0..h {
-                let at = |r: usize| &all[r * per_rank + (f * h + hd) * sl..][..sl];
-                let s_in = fold_forward(self.fwd_slice.clone().map(at), sh.dk, sh.dv);
-                h0[(s * h + hd) * kv..(s * h + hd + 1) * kv].copy_from_slice(&s_in);
-            }
-        }
+        self.fold_into_initial_states(&all, frags.len(), sh, &mut h0);
         let h0_dev = dev.clone_htod(&h0)?;
         let out = cuda::forward(qk, v, aux, sh, scale, has_h0, Some(&h0_dev))?;
         *self.saved_h0.lock().map_err(|_| poisoned())? = Some(h0);
@@ -325,12 +334,7 @@ impl CpLink {
         use crate::op::cuda;
         use candle_core::backend::BackendStorage;
         let dev = qk.0.device().clone();
-        let (h, kv, sl, ns) = (
-            sh.heads,
-            sh.dk * sh.dv,
-            summary_len(sh.dk, sh.dv),
-            sh.num_seqs(),
-        );
+        let (h, sl, ns) = (sh.heads, summary_len(sh.dk, sh.dv), sh.num_seqs());
         let frags = self.fragments(ns, false);
         let local = if self.fwd_slice.is_empty() {
             vec![0.0; frags.len() * h * sl]
@@ -338,18 +342,8 @@ impl CpLink {
             cuda::backward_summaries(qk, v, aux, grad, sh, scale, has_h0, &frags)?
         };
         let all = self.gather(local)?;
-        let per_rank = frags.len() * h * sl;
         let mut dht = cuda::dht_to_host(grad, sh)?;
-        for (f, &s) in self.continuing_out(ns).iter().enumerate() {
-            for hd in 0..h {
-                let at = |r: usize| &all[r * per_rank + (f * h + hd) * sl..][..sl];
-                let ds_out = fold_backward(self.bwd_slice.clone().map(at), sh.dk, sh.dv);
-                dht[(s * h + hd) * kv..(s * h + hd + 1) * kv]
-                    .iter_mut()
-                    .zip(&ds_out)
-                    .for_each(|(g, d)| *g += d);
-            }
-        }
+        self.fold_into_final_grads(&all, frags.len(), sh, &mut dht);
         let h0 = self
             .saved_h0
             .lock()
