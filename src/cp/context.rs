@@ -13,7 +13,7 @@ use super::driver::CpLink;
 use super::shard::{dense_rank_meta, packed_rank_meta, RankMeta, ShardPlan};
 use crate::error::GdpError;
 use crate::op::shape::GdpShape;
-use crate::op::{apply, validate_fla, GdpOptions};
+use crate::op::{apply, pack_qk, validate_fla, validate_packed, GdpOptions};
 use candle_core::{DType, Device, Result, Tensor, Var};
 use std::ops::Range;
 use std::sync::Arc;
@@ -47,8 +47,7 @@ pub fn cp_gated_delta_product(
     rank: &CpRank,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let sh = validate_fla(q, k, v, g, beta, opts)?;
-    let k5 = k.reshape((sh.batch, sh.tokens, sh.n, sh.heads, sh.dk))?;
-    let qk = Tensor::cat(&[&q.unsqueeze(2)?, &k5], 2)?;
+    let qk = pack_qk(q, k, &sh)?;
     apply_on_rank(&qk, v, g, beta, sh, opts, rank)
 }
 
@@ -64,22 +63,7 @@ pub fn cp_gated_delta_product_packed(
     opts: &GdpOptions,
     rank: &CpRank,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let (b, t, h, dk, n) = match *qk.dims() {
-        [b, t, slots, h, dk] if slots >= 2 => (b, t, h, dk, slots - 1),
-        _ => {
-            return Err(GdpError::Shape {
-                name: "qk".into(),
-                expected: vec![1, 1, 2, 1, 1],
-                layout: "[B, T, n+1, H, K] with n >= 1",
-                got: qk.dims().to_vec(),
-            }
-            .into())
-        }
-    };
-    // The FLA checks on views: `q` is slot 0; `k`'s checks read only its shape, dtype, device.
-    let q = qk.narrow(2, 0, 1)?.squeeze(2)?;
-    let k = q.narrow(1, 0, t.min(1))?.broadcast_as((b, t * n, h, dk))?;
-    let sh = validate_fla(&q, &k, v, g, beta, opts)?;
+    let sh = validate_packed(qk, v, g, beta, opts)?;
     apply_on_rank(qk, v, g, beta, sh, opts, rank)
 }
 

@@ -53,9 +53,14 @@ pub fn gated_delta_product(
     opts: &GdpOptions,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let sh = validate_fla(q, k, v, g, beta, opts)?;
-    let k5 = k.reshape((sh.batch, sh.tokens, sh.n, sh.heads, sh.dk))?;
-    let qk = Tensor::cat(&[&q.unsqueeze(2)?, &k5], 2)?;
+    let qk = pack_qk(q, k, &sh)?;
     apply(&qk, v, g, beta, sh, opts, None)
+}
+
+/// The packed `qk [B, T, n+1, H, K]` of validated FLA-layout `q` and `k` (a copy).
+pub(crate) fn pack_qk(q: &Tensor, k: &Tensor, sh: &GdpShape) -> Result<Tensor> {
+    let k5 = k.reshape((sh.batch, sh.tokens, sh.n, sh.heads, sh.dk))?;
+    Tensor::cat(&[&q.unsqueeze(2)?, &k5], 2)
 }
 
 /// Gated DeltaProduct on the packed query/key layout `qk [B, T, n+1, H, K]`: slot 0 holds
@@ -69,6 +74,18 @@ pub fn gated_delta_product_packed(
     beta: &Tensor,
     opts: &GdpOptions,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    let sh = validate_packed(qk, v, g, beta, opts)?;
+    apply(qk, v, g, beta, sh, opts, None)
+}
+
+/// Checks the packed-layout inputs of [`gated_delta_product_packed`] and returns the geometry.
+pub(crate) fn validate_packed(
+    qk: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    opts: &GdpOptions,
+) -> Result<GdpShape> {
     let (b, t, slots, h, k) = dims5(qk, "qk", "[B, T, n+1, H, K]")?;
     if slots < 2 || t == 0 {
         return Err(GdpError::Shape {
@@ -79,8 +96,7 @@ pub fn gated_delta_product_packed(
         }
         .into());
     }
-    let sh = validate_rest(qk, "qk", (b, t, h, k), slots - 1, v, g, beta, opts)?;
-    apply(qk, v, g, beta, sh, opts, None)
+    validate_rest(qk, "qk", (b, t, h, k), slots - 1, v, g, beta, opts)
 }
 
 /// Packs the gates, builds the op (with this rank's context-parallel link, if any) and applies it.
