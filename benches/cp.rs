@@ -75,6 +75,7 @@ fn main() -> candle_core::Result<()> {
     let rank = CpRank {
         comm: Arc::new(SingleComm::new()),
         meta: dense_rank_meta(&ShardPlan::new(t, 1)?, 0)?,
+        composition: Default::default(),
     };
     let cp1_step = || -> candle_core::Result<()> {
         let v: Vec<Var> = x

@@ -6,6 +6,7 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Tensor};
+use candle_gdp::cp::Composition;
 use candle_gdp::{ContextParallel, Cotangents, GdpOptions};
 use common::{inputs, rel_rms, run_op, Case};
 
@@ -112,6 +113,49 @@ fn packed_equals_single_device() -> Result<()> {
             .h0(),
         &[4, 8],
     )?;
+    Ok(())
+}
+
+#[test]
+fn hillis_steele_composition_equals_single_device() -> Result<()> {
+    let c = Case::new("packed scan", 1, 120, 2, 8, 8, 2)
+        .packed(&[0, 100, 120])
+        .h0();
+    let x = inputs(&c, DType::F32)?;
+    let want = run_op(&c, &x, DType::F32)?;
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+    let h0 = f32(x.h0.as_ref().expect("h0"))?;
+    let opts = GdpOptions {
+        initial_state: Some(&h0),
+        output_final_state: true,
+        cu_seqlens: c.cu.as_deref(),
+        ..Default::default()
+    };
+    let (dout, dht) = (f32(&x.dout)?, f32(&x.dht)?);
+    let cp = ContextParallel::cpu(7)?.with_composition(Composition::Scan);
+    let got = cp.gated_delta_product(
+        &f32(&x.q)?,
+        &f32(&x.k)?,
+        &f32(&x.v)?,
+        &f32(&x.g)?,
+        &f32(&x.beta)?,
+        &opts,
+        Some(Cotangents {
+            dout: &dout,
+            dht: Some(&dht),
+        }),
+    )?;
+    let grads = got.grads.expect("grads");
+    for (name, a, b) in [
+        ("o", &got.o, &want.o),
+        ("ht", got.final_state.as_ref().expect("ht"), &want.ht),
+        ("dk", &grads.dk, &want.grads[1].1),
+        ("dg", &grads.dg, &want.grads[3].1),
+        ("dh0", grads.dh0.as_ref().expect("dh0"), &want.grads[5].1),
+    ] {
+        let e = rel_rms(a, b)?;
+        assert!(e <= 1e-5, "scan: {name} relative RMS {e:.2e}");
+    }
     Ok(())
 }
 

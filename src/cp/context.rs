@@ -10,6 +10,7 @@
 
 use super::comm::{run_ranks, Communicator, DEFAULT_TIMEOUT};
 use super::driver::CpLink;
+use super::protocol::Composition;
 use super::shard::{dense_rank_meta, packed_rank_meta, RankMeta, ShardPlan};
 use crate::error::GdpError;
 use crate::op::shape::GdpShape;
@@ -26,6 +27,8 @@ pub struct CpRank {
     pub comm: Arc<dyn Communicator>,
     /// Local `cu_seqlens` and causal slices (see [`super::shard`]).
     pub meta: RankMeta,
+    /// How the gathered summaries are composed (the sequential fold by default).
+    pub composition: Composition,
 }
 
 /// Gated DeltaProduct on one rank's shard. Inputs are the rank's contiguous slice of the
@@ -91,6 +94,7 @@ fn apply_on_rank(
         rank.meta.preceding_rank_start,
         rank.meta.following_rank_stop,
         opts.cu_seqlens.is_some(),
+        rank.composition,
     )?;
     apply(qk, v, g, beta, sh, opts, Some(Arc::new(link)))
 }
@@ -138,6 +142,7 @@ pub struct CpOutput {
 pub struct ContextParallel {
     devices: Vec<Device>,
     timeout: Duration,
+    composition: Composition,
 }
 
 /// What one rank returns to the gatherer: local outputs and gradients on the CPU.
@@ -164,6 +169,7 @@ impl ContextParallel {
         Ok(Self {
             devices,
             timeout: DEFAULT_TIMEOUT,
+            composition: Composition::Fold,
         })
     }
 
@@ -175,6 +181,14 @@ impl ContextParallel {
     /// How long a collective waits for its peers before every rank fails.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// How ranks compose the gathered summaries: the sequential fold (default, cheapest when
+    /// every rank composes its whole prefix itself, as here) or the log-depth Hillis–Steele scan
+    /// (see [`super::protocol::scan_forward`]). Both give the same result up to rounding.
+    pub fn with_composition(mut self, composition: Composition) -> Self {
+        self.composition = composition;
         self
     }
 
@@ -249,6 +263,7 @@ impl ContextParallel {
             let rank = CpRank {
                 comm,
                 meta: meta.clone(),
+                composition: self.composition,
             };
             let (o, ht) = cp_gated_delta_product(&qv, &kv, &vv, &gv, &bv, &local_opts, &rank)?;
             let ht = ht.expect("final state requested");

@@ -10,7 +10,7 @@
 
 use super::comm::Communicator;
 use super::protocol::{
-    backward_summary, fold_backward, fold_forward, forward_summary, summary_len,
+    backward_summary, compose_backward, compose_forward, forward_summary, summary_len, Composition,
 };
 use crate::error::GdpError;
 use crate::op::cpu::chunk::Dims;
@@ -30,6 +30,8 @@ pub struct CpLink {
     bwd_slice: Range<usize>,
     /// Packed sequences (fragments are the first and last sequence) or dense rows (all rows).
     packed: bool,
+    /// How the gathered summaries are composed.
+    composition: Composition,
     /// The initial states `[N, H, K, V]` the forward used, for the backward's recomputation.
     saved_h0: Mutex<Option<Vec<f32>>>,
 }
@@ -53,6 +55,7 @@ impl CpLink {
         preceding_rank_start: usize,
         following_rank_stop: usize,
         packed: bool,
+        composition: Composition,
     ) -> Result<Self> {
         let (rank, world) = (comm.rank(), comm.world_size());
         if preceding_rank_start > rank || following_rank_stop <= rank || following_rank_stop > world
@@ -71,6 +74,7 @@ impl CpLink {
             fwd_slice: preceding_rank_start..rank,
             bwd_slice: rank + 1..following_rank_stop,
             packed,
+            composition,
             saved_h0: Mutex::new(None),
         })
     }
@@ -111,7 +115,12 @@ impl CpLink {
         for (f, &s) in self.continuing_in(sh.num_seqs()).iter().enumerate() {
             for hd in 0..h {
                 let at = |r: usize| &all[r * per_rank + (f * h + hd) * sl..][..sl];
-                let s_in = fold_forward(self.fwd_slice.clone().map(at), sh.dk, sh.dv);
+                let s_in = compose_forward(
+                    self.fwd_slice.clone().map(at),
+                    sh.dk,
+                    sh.dv,
+                    self.composition,
+                );
                 h0[(s * h + hd) * kv..(s * h + hd + 1) * kv].copy_from_slice(&s_in);
             }
         }
@@ -126,7 +135,12 @@ impl CpLink {
         for (f, &s) in self.continuing_out(sh.num_seqs()).iter().enumerate() {
             for hd in 0..h {
                 let at = |r: usize| &all[r * per_rank + (f * h + hd) * sl..][..sl];
-                let ds_out = fold_backward(self.bwd_slice.clone().map(at), sh.dk, sh.dv);
+                let ds_out = compose_backward(
+                    self.bwd_slice.clone().map(at),
+                    sh.dk,
+                    sh.dv,
+                    self.composition,
+                );
                 let st = (s * h + hd) * kv;
                 dht[st..st + kv]
                     .iter_mut()

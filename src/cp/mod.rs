@@ -2,6 +2,9 @@
 //! its shard, the summaries are all-gathered and folded (`megatron_cp.md` §5).
 //!
 //! * [`shard`]: the shard plan and the per-rank metadata of packed sequences;
+//! * [`protocol`]: the summaries `[ΔS | M]`, `[γ | Mᵀ]` and their composition (fold or scan);
+//! * [`driver`]: prepare → all-gather → compose → apply, run inside the op's forward/backward;
+//! * [`context`]: [`ContextParallel`] and the per-rank entry points;
 //! * [`comm`]: the [`Communicator`] trait and its in-process transports.
 
 pub mod comm;
@@ -15,6 +18,7 @@ pub use context::{
     cp_gated_delta_product, cp_gated_delta_product_packed, ContextParallel, Cotangents, CpGrads,
     CpOutput, CpRank,
 };
+pub use protocol::Composition;
 pub use shard::{
     dense_rank_meta, packed_rank_meta, packed_rank_meta_from_seq_ids, RankMeta, ShardPlan,
 };

@@ -159,6 +159,47 @@ pub fn apply_summary(p: &[f32], s: &mut [f32], dk: usize, dv: usize) {
     );
 }
 
+/// How a rank composes the gathered summaries of its causal slice.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Composition {
+    /// Sequential fold, `R − 1` dependent `K×K` products at most (Megatron's choice).
+    #[default]
+    Fold,
+    /// Hillis–Steele doubling ([`scan_forward`]): `log2(R)` rounds of independent compositions.
+    Scan,
+}
+
+/// The state carried into a rank by `summaries` (rank order, nearest last), composed with
+/// `method`; both give the same state up to rounding.
+pub fn compose_forward<'a>(
+    summaries: impl Iterator<Item = &'a [f32]>,
+    dk: usize,
+    dv: usize,
+    method: Composition,
+) -> Vec<f32> {
+    match method {
+        Composition::Fold => fold_forward(summaries, dk, dv),
+        Composition::Scan => {
+            let all: Vec<Vec<f32>> = summaries.map(<[f32]>::to_vec).collect();
+            match scan_forward(&all, dk, dv).last() {
+                Some(p) => unpack(p, dk, dv).0,
+                None => vec![0.0; dk * dv],
+            }
+        }
+    }
+}
+
+/// The backward counterpart of [`compose_forward`]: `summaries` in rank order (nearest first),
+/// applied farthest first.
+pub fn compose_backward<'a>(
+    summaries: impl DoubleEndedIterator<Item = &'a [f32]>,
+    dk: usize,
+    dv: usize,
+    method: Composition,
+) -> Vec<f32> {
+    compose_forward(summaries.rev(), dk, dv, method)
+}
+
 /// Forward fold over the preceding ranks' summaries, nearest rank last:
 /// `S = 0; for P in summaries: S ← M_P S + ΔS_P`.
 pub fn fold_forward<'a>(
@@ -319,6 +360,32 @@ mod tests {
                 .collect();
             assert!(rel(&mb, &mft) < 1e-5);
         }
+    }
+
+    #[test]
+    fn compositions_agree() {
+        let mut seed = 3;
+        let (dk, dv) = (4, 6);
+        let sums: Vec<Vec<f32>> = (0..6)
+            .map(|_| (0..summary_len(dk, dv)).map(|_| lcg(&mut seed)).collect())
+            .collect();
+        let it = || sums.iter().map(|v| v.as_slice());
+        for (a, b) in [
+            (
+                compose_forward(it(), dk, dv, Composition::Fold),
+                compose_forward(it(), dk, dv, Composition::Scan),
+            ),
+            (
+                compose_backward(it(), dk, dv, Composition::Fold),
+                compose_backward(it(), dk, dv, Composition::Scan),
+            ),
+        ] {
+            assert!(rel(&a, &b) < 1e-5);
+        }
+        assert_eq!(
+            compose_forward(std::iter::empty(), dk, dv, Composition::Scan),
+            vec![0.0; dk * dv]
+        );
     }
 
     #[test]

@@ -107,6 +107,7 @@ fn mixer_cp(
     let rank = CpRank {
         comm: ctx.comm().clone(),
         meta: ctx.rank_meta(t),
+        composition: Default::default(),
     };
     let (o, ht) = cp_gated_delta_product_packed(&qk, &v, &g, &beta, &opts, &rank)?;
     let y = layer.output(x, &o)?;
