@@ -15,7 +15,7 @@ use candle_gdp::op::recurrent::gated_delta_product_step;
 use candle_gdp::{
     gated_delta_product, gated_delta_product_packed, ContextParallel, Cotangents, GdpOptions,
 };
-use common::{inputs, rel_rms, run_reference, Case, Inputs};
+use common::{inputs, rel_rms, run_op_on, run_reference, Case, Inputs};
 
 fn cuda() -> Result<Device> {
     Ok(Device::new_cuda(0)?)
@@ -204,75 +204,13 @@ fn f64_is_a_clear_error() -> Result<()> {
     Ok(())
 }
 
-/// Outputs and gradients of one run, on the CPU in f32, gradients named as in FLA.
-struct Run {
-    o: Tensor,
-    ht: Tensor,
-    grads: Vec<(&'static str, Tensor)>,
-}
-
-/// Runs the op on `dev` with the inputs in `dtype` (gates and h0 in f32) under autograd, with
-/// the loss `Σ do·o + Σ dht·S_T` (f32), and returns the outputs and every gradient (`dh0` when
-/// the case has an initial state).
-fn grads_on(c: &Case, x: &Inputs, dtype: DType, dev: &Device) -> Result<Run> {
-    let var = |t: &Tensor, dt: DType| -> Result<Var> {
-        Ok(Var::from_tensor(&t.to_dtype(dt)?.to_device(dev)?)?)
-    };
-    let (q, k, v) = (var(&x.q, dtype)?, var(&x.k, dtype)?, var(&x.v, dtype)?);
-    let g = var(&x.g, DType::F32)?;
-    let beta = var(&x.beta, dtype)?;
-    let h0 = match &x.h0 {
-        Some(h) => Some(var(h, DType::F32)?),
-        None => None,
-    };
-    let opts = GdpOptions {
-        initial_state: h0.as_ref().map(|v| v.as_tensor()),
-        output_final_state: true,
-        cu_seqlens: c.cu.as_deref(),
-        ..Default::default()
-    };
-    let (o, ht) = gated_delta_product(&q, &k, &v, &g, &beta, &opts)?;
-    let ht = ht.expect("final state requested");
-    let put = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?.to_device(dev)?) };
-    let loss = ((o.to_dtype(DType::F32)? * put(&x.dout)?)?.sum_all()?
-        + (&ht * put(&x.dht)?)?.sum_all()?)?;
-    let gs = loss.backward()?;
-    let mut vars = vec![
-        ("dq", &q),
-        ("dk", &k),
-        ("dv", &v),
-        ("dg", &g),
-        ("dbeta", &beta),
-    ];
-    if let Some(h) = &h0 {
-        vars.push(("dh0", h));
-    }
-    let cpu =
-        |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?.to_device(&Device::Cpu)?) };
-    let mut grads = vec![];
-    for (name, var) in vars {
-        let gr = gs
-            .get(var.as_tensor())
-            .unwrap_or_else(|| panic!("{}: no gradient for {name}", c.name));
-        assert_eq!(gr.dims(), var.dims(), "{}: {name} shape", c.name);
-        assert_eq!(gr.dtype(), var.dtype(), "{}: {name} dtype", c.name);
-        assert!(gr.device().same_device(dev), "{}: {name} device", c.name);
-        grads.push((name, cpu(gr)?));
-    }
-    Ok(Run {
-        o: cpu(&o)?,
-        ht: cpu(&ht)?,
-        grads,
-    })
-}
-
 #[test]
 fn backward_f32_matches_cpu_op() -> Result<()> {
     let dev = cuda()?;
     for c in cases() {
         let x = inputs(&c, DType::F32)?;
-        let got = grads_on(&c, &x, DType::F32, &dev)?;
-        let want = grads_on(&c, &x, DType::F32, &Device::Cpu)?;
+        let got = run_op_on(&c, &x, DType::F32, &dev)?;
+        let want = run_op_on(&c, &x, DType::F32, &Device::Cpu)?;
         let refr = run_reference(&c, &x)?;
         assert_eq!(got.grads.len(), want.grads.len());
         for (((name, a), (_, b)), (_, r)) in got.grads.iter().zip(&want.grads).zip(&refr.grads) {
@@ -308,7 +246,7 @@ fn backward_half_precision_matches_f64_reference() -> Result<()> {
     for dtype in [DType::BF16, DType::F16] {
         for c in cases() {
             let x = inputs(&c, dtype)?;
-            let got = grads_on(&c, &x, dtype, &dev)?;
+            let got = run_op_on(&c, &x, dtype, &dev)?;
             let want = run_reference(&c, &x)?;
             assert_eq!(got.grads.len(), want.grads.len());
             for ((name, a), (_, b)) in got.grads.iter().zip(&want.grads) {
@@ -365,7 +303,7 @@ fn decode_step_matches_cpu_and_the_chunked_op() -> Result<()> {
 fn cp_check(c: &Case, ranks: &[usize]) -> Result<()> {
     let dev = cuda()?;
     let x = inputs(c, DType::F32)?;
-    let want = grads_on(c, &x, DType::F32, &dev)?;
+    let want = run_op_on(c, &x, DType::F32, &dev)?;
     let f32 = |t: &Tensor| t.to_dtype(DType::F32);
     let (q, k, v, g, beta) = (
         f32(&x.q)?,

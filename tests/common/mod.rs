@@ -164,9 +164,19 @@ pub struct Results {
     pub grads: Vec<(&'static str, Tensor)>,
 }
 
-/// Runs the op in `dtype` under autograd; loss `Σ do·o + Σ dht·S_T`.
+/// Runs the op in `dtype` under autograd on the CPU; loss `Σ do·o + Σ dht·S_T`.
 pub fn run_op(c: &Case, x: &Inputs, dtype: DType) -> Result<Results> {
-    let var = |t: &Tensor, dt: DType| -> Result<Var> { Ok(Var::from_tensor(&t.to_dtype(dt)?)?) };
+    run_op_on(c, x, dtype, &Device::Cpu)
+}
+
+/// Runs the op on `dev` with q, k, v, beta in `dtype` (g and h0 in f32) under autograd, with
+/// the loss `Σ do·o + Σ dht·S_T` in f64. Checks that every gradient has its input's shape,
+/// dtype and device, and returns outputs and gradients (`dh0` when the case has an initial
+/// state) moved to the CPU.
+pub fn run_op_on(c: &Case, x: &Inputs, dtype: DType, dev: &Device) -> Result<Results> {
+    let var = |t: &Tensor, dt: DType| -> Result<Var> {
+        Ok(Var::from_tensor(&t.to_dtype(dt)?.to_device(dev)?)?)
+    };
     let (q, k, v) = (var(&x.q, dtype)?, var(&x.k, dtype)?, var(&x.v, dtype)?);
     let g = var(&x.g, DType::F32)?;
     let beta = var(&x.beta, dtype)?;
@@ -182,26 +192,36 @@ pub fn run_op(c: &Case, x: &Inputs, dtype: DType) -> Result<Results> {
     };
     let (o, ht) = gated_delta_product(&q, &k, &v, &g, &beta, &opts)?;
     let ht = ht.expect("final state requested");
-    let loss = ((o.to_dtype(DType::F64)? * &x.dout)?.sum_all()?
-        + (ht.to_dtype(DType::F64)? * &x.dht)?.sum_all()?)?;
+    let (dout, dht) = (x.dout.to_device(dev)?, x.dht.to_device(dev)?);
+    let loss = ((o.to_dtype(DType::F64)? * dout)?.sum_all()?
+        + (ht.to_dtype(DType::F64)? * dht)?.sum_all()?)?;
     let gs = loss.backward()?;
-    let mut grads = vec![];
-    for (name, var) in [
+    let mut vars = vec![
         ("dq", &q),
         ("dk", &k),
         ("dv", &v),
         ("dg", &g),
         ("dbeta", &beta),
-    ] {
-        let gr = gs.get(var.as_tensor()).expect("gradient present");
-        assert_eq!(gr.dims(), var.dims(), "{name} shape");
-        assert_eq!(gr.dtype(), var.dtype(), "{name} dtype");
-        grads.push((name, gr.clone()));
+    ];
+    if let Some(h) = &h0 {
+        vars.push(("dh0", h));
     }
-    if let Some(h0) = &h0 {
-        grads.push(("dh0", gs.get(h0.as_tensor()).expect("dh0 present").clone()));
+    let mut grads = vec![];
+    for (name, var) in vars {
+        let gr = gs
+            .get(var.as_tensor())
+            .unwrap_or_else(|| panic!("{}: no gradient for {name}", c.name));
+        assert_eq!(gr.dims(), var.dims(), "{}: {name} shape", c.name);
+        assert_eq!(gr.dtype(), var.dtype(), "{}: {name} dtype", c.name);
+        assert!(gr.device().same_device(dev), "{}: {name} device", c.name);
+        grads.push((name, gr.to_device(&Device::Cpu)?));
     }
-    Ok(Results { o, ht, grads })
+    let cpu = Device::Cpu;
+    Ok(Results {
+        o: o.to_device(&cpu)?,
+        ht: ht.to_device(&cpu)?,
+        grads,
+    })
 }
 
 /// The f64 reference for the same case.
