@@ -18,11 +18,15 @@
 //   X = diag(beta) V - diag(beta e^G) (K S),   Delta = Ainv X      (= U - W S of the CPU code),
 //   o_r = scale e^{G_i} q_r S + sum_j scale (q_r.k_j) decay[i][j] Delta_j   (query rows i),
 //   S = e^{G_last} S + (decay[last][:] k)^T Delta.
+// The matrix products run on tensor cores (block_mma, cuda/mma.cuh: bf16 or split tf32 operands
+// with f32 accumulators); the triangular inverse and the scalar recurrences stay in f32 FFMA.
 // Every offset into global memory is 64-bit.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+
+#include "mma.cuh"
 
 #define GDP_CHUNK 64
 #define GDP_THREADS 256
@@ -125,55 +129,6 @@ __device__ __forceinline__ void load_rows(T* __restrict__ dst, int kstr, const T
   }
 }
 
-// Triangular structure that block_mm may exploit.
-enum Tri {
-  kFull = 0,         // no structure
-  kStrictLowerOut,   // only out[m][n] with n < m is wanted (tiles above are skipped, unwritten)
-  kLowerA,           // a(m, k) = 0 for k > m (the k loop stops at the tile's last row)
-};
-
-// out[m][n] = sum_k a(m, k) b(k, n) for m < M, n < N, computed by threads [0, nthr) of the
-// block (thread id `tid`), each owning TM x TN output tiles; `store(m, n, acc)` writes a result.
-template <int TM, int TN, int TRI = kFull, typename FA, typename FB, typename FS>
-__device__ __forceinline__ void block_mm(int M, int N, int KD, int tid, int nthr, FA a, FB b,
-                                         FS store) {
-  if (M <= 0 || N <= 0) return;
-  const int tiles_n = (N + TN - 1) / TN;
-  const int tiles = ((M + TM - 1) / TM) * tiles_n;
-  for (int t = tid; t < tiles; t += nthr) {
-    const int m0 = (t / tiles_n) * TM;
-    const int n0 = (t % tiles_n) * TN;
-    if (TRI == kStrictLowerOut && n0 >= m0 + TM - 1) continue;
-    const int kd = TRI == kLowerA ? min(KD, m0 + TM) : KD;
-    int ms[TM], ns[TN];
-#pragma unroll
-    for (int i = 0; i < TM; ++i) ms[i] = min(m0 + i, M - 1);
-#pragma unroll
-    for (int j = 0; j < TN; ++j) ns[j] = min(n0 + j, N - 1);
-    float acc[TM][TN];
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
-    for (int k = 0; k < kd; ++k) {
-      float av[TM], bv[TN];
-#pragma unroll
-      for (int i = 0; i < TM; ++i) av[i] = a(ms[i], k);
-#pragma unroll
-      for (int j = 0; j < TN; ++j) bv[j] = b(k, ns[j]);
-#pragma unroll
-      for (int i = 0; i < TM; ++i)
-#pragma unroll
-        for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
-    }
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int j = 0; j < TN; ++j)
-        if (m0 + i < M && n0 + j < N) store(m0 + i, n0 + j, acc[i][j]);
-  }
-}
-
 template <typename T>
 __device__ void gdp_fwd(const T* __restrict__ qk, const T* __restrict__ vv,
                         const float* __restrict__ aux, const int* __restrict__ seqs,
@@ -181,6 +136,8 @@ __device__ void gdp_fwd(const T* __restrict__ qk, const T* __restrict__ vv,
                         float* __restrict__ out, int B, int TT, int H, int K, int V, int n,
                         int has_h0, float scale, int BV) {
   constexpr int C = GDP_CHUNK;
+  using MP = typename MmaFor<T>::type;          // tensor-core operand type
+  constexpr bool SI = MmaFor<T>::split_inputs;  // whether input operands need hi + lo
   const int tid = threadIdx.x;
   const int nthr = blockDim.x;
   const int v0 = blockIdx.y * BV;
@@ -301,7 +258,7 @@ __device__ void gdp_fwd(const T* __restrict__ qk, const T* __restrict__ vv,
 
     for (int i = tid; i < c; i += nthr) Eg[i] = expf(Gs[i]);
     // ---- A = strict_lower((beta_i k_i.k_j) decay_ij).
-    block_mm<4, 4, kStrictLowerOut>(
+    block_mma<MP, SI, SI, 1, 4, kStrictLowerOut>(
         c, c, K, tid, nthr, [&](int m, int k) { return to_f(Ks[m * KSTR + k]); },
         [&](int k, int nn) { return to_f(Ks[nn * KSTR + k]); },
         [&](int m, int nn, float acc) {
@@ -327,7 +284,7 @@ __device__ void gdp_fwd(const T* __restrict__ qk, const T* __restrict__ vv,
         if (j < i) Ai[i * c + j] = -(acc0 + acc1);
       }
     } else if (tid >= 64) {
-      block_mm<2, 4>(
+      block_mma<MP, SI, true>(
           c, bv, K, tid - 64, nthr - 64, [&](int m, int k) { return to_f(Ks[m * KSTR + k]); },
           [&](int k, int nn) { return S[k * BV + nn]; },
           [&](int m, int nn, float acc) {
@@ -338,7 +295,7 @@ __device__ void gdp_fwd(const T* __restrict__ qk, const T* __restrict__ vv,
     __syncthreads();
 
     // ---- Delta = Ainv X.
-    block_mm<2, 4, kLowerA>(
+    block_mma<MP, true, true, 1, 4, kLowerA>(
         c, bv, c, tid, nthr, [&](int m, int k) { return Ai[m * c + k]; },
         [&](int k, int nn) { return X[k * BV + nn]; },
         [&](int m, int nn, float acc) { D[m * BV + nn] = acc; });
@@ -346,14 +303,14 @@ __device__ void gdp_fwd(const T* __restrict__ qk, const T* __restrict__ vv,
 
     // ---- Query rows: P = scale (q.k) decay (into A), q S (into X).
     if (nq > 0) {
-      block_mm<2, 4>(
+      block_mma<MP, SI, SI>(
           nq, c, K, tid, nthr, [&](int r, int k) { return to_f(Qs[r * KSTR + k]); },
           [&](int k, int nn) { return to_f(Ks[nn * KSTR + k]); },
           [&](int r, int nn, float acc) {
             const int i = first + r * n;
             A[r * c + nn] = acc * (scale * Dec[i * c + nn]);
           });
-      block_mm<2, 4>(
+      block_mma<MP, SI, true>(
           nq, bv, K, tid, nthr, [&](int r, int k) { return to_f(Qs[r * KSTR + k]); },
           [&](int k, int nn) { return S[k * BV + nn]; },
           [&](int r, int nn, float acc) { X[r * BV + nn] = acc; });
@@ -362,7 +319,7 @@ __device__ void gdp_fwd(const T* __restrict__ qk, const T* __restrict__ vv,
 
     // ---- o = scale e^G (q S) + P Delta;  S = e^{G_last} S + (decay_last k)^T Delta.
     if (nq > 0) {
-      block_mm<2, 4>(
+      block_mma<MP, true, true>(
           nq, bv, c, tid, nthr, [&](int r, int k) { return A[r * c + k]; },
           [&](int k, int nn) { return D[k * BV + nn]; },
           [&](int r, int nn, float acc) {
@@ -374,7 +331,7 @@ __device__ void gdp_fwd(const T* __restrict__ qk, const T* __restrict__ vv,
     {
       const float eglast = expf(Gs[c - 1]);
       const float* dlast = Dec + (c - 1) * c;
-      block_mm<4, 4>(
+      block_mma<MP, true, true>(
           K, bv, c, tid, nthr,
           [&](int m, int k) { return dlast[k] * to_f(Ks[k * KSTR + m]); },
           [&](int k, int nn) { return D[k * BV + nn]; },

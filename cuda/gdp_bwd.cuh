@@ -1,5 +1,6 @@
 // Gated DeltaProduct: backward of the chunked (WY) algorithm on CUDA, and the two
-// context-parallel summaries. Included by gdp.cu (uses its to_f, KPad, load_rows, block_mm).
+// context-parallel summaries. Included by gdp.cu (uses its to_f, KPad, load_rows); products on tensor cores
+// through block_mma (cuda/mma.cuh).
 //
 // Mirrors `src/op/cpu/backward.rs` (fla_gdp.md §3). The recurrence is column-separable over V,
 // so one block handles one (table entry, head) for BV value columns, like the forward. Every
@@ -86,60 +87,6 @@ __device__ __forceinline__ void gdpb_inverse(const float* A, float* Ai, int c, i
   }
 }
 
-// Like block_mm (kFull), with the inner dimension in two parts: acc1 sums k < KD1 through
-// (a1, b1), acc2 sums k < KD2 through (a2, b2); `store(m, n, acc1, acc2)`.
-template <int TM, int TN, typename FA1, typename FB1, typename FA2, typename FB2, typename FS>
-__device__ __forceinline__ void gdpb_mm_split(int M, int N, int KD1, int KD2, int tid, int nthr,
-                                              FA1 a1, FB1 b1, FA2 a2, FB2 b2, FS store) {
-  if (M <= 0 || N <= 0) return;
-  const int tiles_n = (N + TN - 1) / TN;
-  const int tiles = ((M + TM - 1) / TM) * tiles_n;
-  for (int t = tid; t < tiles; t += nthr) {
-    const int m0 = (t / tiles_n) * TM;
-    const int n0 = (t % tiles_n) * TN;
-    int ms[TM], ns[TN];
-#pragma unroll
-    for (int i = 0; i < TM; ++i) ms[i] = min(m0 + i, M - 1);
-#pragma unroll
-    for (int j = 0; j < TN; ++j) ns[j] = min(n0 + j, N - 1);
-    float acc1[TM][TN], acc2[TM][TN];
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int j = 0; j < TN; ++j) {
-        acc1[i][j] = 0.f;
-        acc2[i][j] = 0.f;
-      }
-    for (int k = 0; k < KD1; ++k) {
-      float av[TM], bv[TN];
-#pragma unroll
-      for (int i = 0; i < TM; ++i) av[i] = a1(ms[i], k);
-#pragma unroll
-      for (int j = 0; j < TN; ++j) bv[j] = b1(k, ns[j]);
-#pragma unroll
-      for (int i = 0; i < TM; ++i)
-#pragma unroll
-        for (int j = 0; j < TN; ++j) acc1[i][j] = fmaf(av[i], bv[j], acc1[i][j]);
-    }
-    for (int k = 0; k < KD2; ++k) {
-      float av[TM], bv[TN];
-#pragma unroll
-      for (int i = 0; i < TM; ++i) av[i] = a2(ms[i], k);
-#pragma unroll
-      for (int j = 0; j < TN; ++j) bv[j] = b2(k, ns[j]);
-#pragma unroll
-      for (int i = 0; i < TM; ++i)
-#pragma unroll
-        for (int j = 0; j < TN; ++j) acc2[i][j] = fmaf(av[i], bv[j], acc2[i][j]);
-    }
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int j = 0; j < TN; ++j)
-        if (m0 + i < M && n0 + j < N) store(m0 + i, n0 + j, acc1[i][j], acc2[i][j]);
-  }
-}
-
 template <typename T>
 __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
                         const float* __restrict__ aux, const int* __restrict__ table,
@@ -149,6 +96,8 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
                         int K, int V, int n, int ext, int mode, int write_dh0, float scale,
                         int BV) {
   constexpr int C = GDP_CHUNK;
+  using MP = typename MmaFor<T>::type;          // tensor-core operand type (cuda/mma.cuh)
+  constexpr bool SI = MmaFor<T>::split_inputs;  // whether input operands need hi + lo
   const int tid = threadIdx.x;
   const int nthr = blockDim.x;
   const int Vw = V + ext;  // columns of the (possibly widened) state
@@ -253,14 +202,14 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
         Dl[i] = expf(gdpb_gdiff(Gs, Gsl, c - 1, i));
       }
       // A = strict_lower(β_i (k_i·k_j) dec_ij) into CB (only below the diagonal is read).
-      block_mm<4, 4, kStrictLowerOut>(
+      block_mma<MP, SI, SI, 1, 4, kStrictLowerOut>(
           c, c, K, tid, nthr, [&](int m, int k) { return to_f(Ks[m * KSTR + k]); },
           [&](int k, int j) { return to_f(Ks[j * KSTR + k]); },
           [&](int i, int j, float acc) {
             if (j < i) CB[i * c + j] = (acc * Bt[i]) * gdpb_dec(Gs, Gsl, i, j);
           });
       // K h
-      block_mm<2, 4>(
+      block_mma<MP, SI, true>(
           c, bv, K, tid, nthr, [&](int m, int k) { return to_f(Ks[m * KSTR + k]); },
           [&](int k, int col) { return S[k * SB + col]; },
           [&](int i, int col, float acc) { KH[i * SB + col] = acc; });
@@ -268,14 +217,14 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
       gdpb_inverse(CB, CC, c, tid);
       __syncthreads();
       // Δ = Ainv X, X = β V - β e^G K h
-      block_mm<2, 4, kLowerA>(
+      block_mma<MP, true, true, 1, 4, kLowerA>(
           c, bv, c, tid, nthr, [&](int i, int m) { return CC[i * c + m]; },
           [&](int m, int col) { return Bt[m] * (VT[m * SB + col] - Eg[m] * KH[m * SB + col]); },
           [&](int i, int col, float acc) { DL[i * SB + col] = acc; });
       __syncthreads();
       {
         const float eglast = expf(Gs[c - 1] + Gsl[c - 1]);
-        block_mm<4, 4>(
+        block_mma<MP, true, true>(
             K, bv, c, tid, nthr, [&](int m, int k) { return Dl[k] * to_f(Ks[k * KSTR + m]); },
             [&](int k, int col) { return DL[k * SB + col]; },
             [&](int m, int col, float acc) { S[m * SB + col] = eglast * S[m * SB + col] + acc; });
@@ -353,22 +302,22 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
       Eg[i] = expf(Gs[i] + Gsl[i]);
       Dl[i] = expf(gdpb_gdiff(Gs, Gsl, c - 1, i));
     }
-    block_mm<4, 4>(
+    block_mma<MP, SI, SI>(
         c, c, K, tid, nthr, [&](int m, int k) { return to_f(Ks[m * KSTR + k]); },
         [&](int k, int j) { return to_f(Ks[j * KSTR + k]); },
         [&](int i, int j, float acc) { CA[i * c + j] = acc; });
     if (nq > 0) {
-      block_mm<2, 4>(
+      block_mma<MP, SI, SI>(
           nq, c, K, tid, nthr, [&](int r, int k) { return to_f(Qs[r * KSTR + k]); },
           [&](int k, int j) { return to_f(Ks[j * KSTR + k]); },
           [&](int r, int j, float acc) { CD[r * c + j] = acc; });
     }
-    block_mm<2, 4>(
+    block_mma<MP, SI, true>(
         c, bv, K, tid, nthr, [&](int m, int k) { return to_f(Ks[m * KSTR + k]); },
         [&](int k, int col) { return DS[k * SB + col]; },
         [&](int i, int col, float acc) { DD[i * SB + col] = acc; });
     if (full) {
-      block_mm<2, 4>(
+      block_mma<MP, SI, true>(
           c, bv, K, tid, nthr, [&](int m, int k) { return to_f(Ks[m * KSTR + k]); },
           [&](int k, int col) { return S[k * SB + col]; },
           [&](int i, int col, float acc) { KH[i * SB + col] = acc; });
@@ -389,7 +338,7 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
     __syncthreads();
     if (full) {
       // ---- P6: Δ = Ainv X.
-      block_mm<2, 4, kLowerA>(
+      block_mma<MP, true, true, 1, 4, kLowerA>(
           c, bv, c, tid, nthr, [&](int i, int m) { return CC[i * c + m]; },
           [&](int m, int col) { return Bt[m] * (VT[m * SB + col] - Eg[m] * KH[m * SB + col]); },
           [&](int i, int col, float acc) { DL[i * SB + col] = acc; });
@@ -411,7 +360,7 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
         if (any) atomicAdd(&MISC[0], acc);
       }
       if (nq > 0) {
-        block_mm<2, 4>(
+        block_mma<MP, true, true>(
             nq, c, bv, tid, nthr, [&](int r, int k) { return DO[r * SB + k]; },
             [&](int k, int j) { return DL[j * SB + k]; },
             [&](int r, int j, float acc) {
@@ -421,13 +370,13 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
       __syncthreads();
     }
     // ---- P8: dΔ = diag(Dl) K dS + Pᵀ dO (in place in DD).
-    block_mm<2, 4>(
+    block_mma<MP, true, true>(
         c, bv, nq, tid, nthr, [&](int i, int r) { return CD[r * c + i]; },
         [&](int r, int col) { return DO[r * SB + col]; },
         [&](int i, int col, float acc) { DD[i * SB + col] = Dl[i] * DD[i * SB + col] + acc; });
     __syncthreads();
     // ---- P9: dvb (and dv); dq, dk (first part).
-    block_mm<2, 4>(
+    block_mma<MP, true, true>(
         c, bv, c, tid, nthr, [&](int i, int m) { return CC[m * c + i]; },
         [&](int m, int col) { return DD[m * SB + col]; },
         [&](int i, int col, float acc) {
@@ -437,7 +386,7 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
         });
     if (full) {
       if (nq > 0) {
-        block_mm<2, 4>(
+        block_mma<MP, true, true>(
             nq, K, bv + c, tid, nthr,
             [&](int r, int k) {
               return k < bv ? (scale * Eg[first + r * n]) * DO[r * SB + k] : CB[r * c + (k - bv)];
@@ -452,7 +401,7 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
       }
       // dk_inter (acc1) and dsᵀQ (acc2) apart: their k-dot products enter the gate gradient
       // differently (see P14).
-      gdpb_mm_split<2, 4>(
+      block_mma_split<MP, true, true, true, SI>(
           c, K, bv, nq, tid, nthr, [&](int i, int k) { return Dl[i] * DL[i * SB + k]; },
           [&](int k, int kk) { return DS[kk * SB + k]; },
           [&](int i, int r) { return CB[r * c + i]; },
@@ -465,7 +414,7 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
     __syncthreads();
     // ---- P10: dAinv (CB), k·dkbg and v·dvb per row; dS carried to the chunk start.
     if (full) {
-      block_mm<2, 4>(
+      block_mma<MP, true, true>(
           c, c, bv, tid, nthr, [&](int i, int col) { return DD[i * SB + col]; },
           [&](int col, int j) { return Bt[j] * (VT[j * SB + col] - Eg[j] * KH[j * SB + col]); },
           [&](int i, int j, float acc) { CB[i * c + j] = j < i ? acc : 0.f; });
@@ -482,7 +431,7 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
     }
     {
       const float eglast = expf(Gs[c - 1] + Gsl[c - 1]);
-      block_mm<4, 4>(
+      block_mma<MP, SI, true>(
           K, bv, nq + c, tid, nthr,
           [&](int m, int k) {
             return k < nq ? to_f(Qs[k * KSTR + m]) : to_f(Ks[(k - nq) * KSTR + m]);
@@ -499,13 +448,13 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
     __syncthreads();
     if (full) {
       // ---- P11: T1 = dAinv Ainvᵀ (CD).
-      block_mm<2, 4>(
+      block_mma<MP, true, true>(
           c, c, c, tid, nthr, [&](int i, int m) { return CB[i * c + m]; },
           [&](int m, int j) { return CC[j * c + m]; },
           [&](int i, int j, float acc) { CD[i * c + j] = acc; });
       __syncthreads();
       // ---- P12: dM = strict_lower(-(Ainvᵀ T1) ⊙ dec) (CB).
-      block_mm<2, 4>(
+      block_mma<MP, true, true>(
           c, c, c, tid, nthr, [&](int i, int m) { return CC[m * c + i]; },
           [&](int m, int j) { return CD[m * c + j]; },
           [&](int i, int j, float acc) {
@@ -513,7 +462,7 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
           });
       __syncthreads();
       // ---- P13: dk (second part), dbeta, gate gradient per row.
-      block_mm<2, 4>(
+      block_mma<MP, true, true>(
           c, K, bv + c, tid, nthr,
           [&](int i, int k) {
             if (k < bv) return -(Bt[i] * Eg[i]) * DVB[i * SB + k];
