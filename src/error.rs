@@ -53,6 +53,10 @@ pub enum GdpError {
     /// A context-parallel communicator failed (a peer errored, panicked, timed out or disagreed).
     #[error("communicator: {0}")]
     Comm(String),
+    /// An environment variable of a multi-process launch (`RANK`, `WORLD_SIZE`, ...) is missing
+    /// or malformed.
+    #[error("environment variable `{var}`: {reason}")]
+    Env { var: String, reason: String },
 }
 
 impl From<GdpError> for candle_core::Error {

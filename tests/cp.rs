@@ -182,3 +182,83 @@ fn forward_only_and_bad_sizes() -> Result<()> {
     assert!(ContextParallel::cpu(0).is_err());
     Ok(())
 }
+
+/// The multi-process entry point (every rank holds the full inputs, runs its shard through its
+/// communicator and gets the gathered result) on in-process ranks: every rank's result equals
+/// the single-device op, dense and packed, f32 and bf16.
+#[test]
+fn distributed_entry_point_equals_single_device() -> Result<()> {
+    use candle_core::Device;
+    use candle_gdp::cp::{distributed_gated_delta_product, run_ranks, Communicator};
+    use std::sync::Arc;
+    let cases = [
+        Case::new("dist dense n2 h0", 2, 41, 2, 8, 12, 2).h0(),
+        Case::new("dist packed n3 h0", 1, 90, 2, 8, 8, 3)
+            .packed(&[0, 2, 2, 60, 61, 90])
+            .h0(),
+    ];
+    for c in &cases {
+        for dtype in [DType::F32, DType::BF16] {
+            let x = inputs(c, dtype)?;
+            let want = run_op(c, &x, dtype)?;
+            let cast = |t: &Tensor| t.to_dtype(dtype);
+            let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+            let (q, k, v, beta) = (cast(&x.q)?, cast(&x.k)?, cast(&x.v)?, cast(&x.beta)?);
+            let g = f32(&x.g)?;
+            let h0 = x.h0.as_ref().map(f32).transpose()?;
+            let (dout, dht) = (f32(&x.dout)?, f32(&x.dht)?);
+            for world in [1, 2, 3] {
+                let outs = run_ranks(world, candle_gdp::cp::DEFAULT_TIMEOUT, |comm| {
+                    let comm: Arc<dyn Communicator> = Arc::new(comm.clone());
+                    let opts = GdpOptions {
+                        initial_state: h0.as_ref(),
+                        output_final_state: true,
+                        cu_seqlens: c.cu.as_deref(),
+                        ..Default::default()
+                    };
+                    distributed_gated_delta_product(
+                        comm,
+                        &Device::Cpu,
+                        &q,
+                        &k,
+                        &v,
+                        &g,
+                        &beta,
+                        &opts,
+                        Some(Cotangents {
+                            dout: &dout,
+                            dht: Some(&dht),
+                        }),
+                        Composition::Fold,
+                    )
+                })?;
+                let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+                for (r, got) in outs.into_iter().enumerate() {
+                    let grads = got.grads.expect("grads");
+                    assert_eq!(got.o.dtype(), dtype);
+                    assert_eq!(grads.dq.dtype(), dtype);
+                    let pairs = [
+                        ("o", got.o, &want.o),
+                        ("ht", got.final_state.expect("ht"), &want.ht),
+                        ("dq", grads.dq, &want.grads[0].1),
+                        ("dk", grads.dk, &want.grads[1].1),
+                        ("dv", grads.dv, &want.grads[2].1),
+                        ("dg", grads.dg, &want.grads[3].1),
+                        ("dbeta", grads.dbeta, &want.grads[4].1),
+                        ("dh0", grads.dh0.expect("dh0"), &want.grads[5].1),
+                    ];
+                    for (name, a, b) in pairs {
+                        assert_eq!(a.dims(), b.dims(), "{} world {world}: {name}", c.name);
+                        let e = rel_rms(&a, b)?;
+                        assert!(
+                            e <= tol,
+                            "{} {dtype:?} world {world} rank {r}: {name} rel RMS {e:.2e}",
+                            c.name
+                        );
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}

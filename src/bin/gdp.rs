@@ -3,12 +3,15 @@
 //! ```text
 //! gdp run  --input IN.safetensors --output OUT.safetensors [--dtype f32|bf16|f16]
 //!          [--device cpu|cuda:N] [--scale S] [--repeat N] [--cp-size R] [--threads N]
+//!          [--distributed]
 //! gdp demo [--dtype f32|bf16|f16] [--tokens T] [--repeat N] [--threads N]
+//! gdp launch --nproc R [--master-addr A] [--master-port P] -- CMD ARGS...
 //! ```
 //!
 //! Every failure prints exactly one line `error: ...` on stderr: exit code 2 for usage errors
 //! (bad flags, reported by clap), 1 for everything else (bad input file, bad tensors, runtime
-//! errors, and even an unexpected panic).
+//! errors, and even an unexpected panic). `gdp launch` exits with the first failing rank's code
+//! (after one `error:` line naming the rank).
 
 // A crate root resolves `mod x;` next to itself, so the helpers under `gdp/` need `path`.
 #[path = "gdp/demo.rs"]
@@ -17,6 +20,8 @@ mod demo;
 mod error;
 #[path = "gdp/input.rs"]
 mod input;
+#[path = "gdp/launch.rs"]
+mod launch;
 #[path = "gdp/run.rs"]
 mod run;
 
@@ -50,6 +55,9 @@ enum Command {
     Run(run::RunArgs),
     /// Run a built-in random case, check it against the f64 reference, and time it.
     Demo(demo::DemoArgs),
+    /// Start R copies of a command as one multi-process group (one per GPU; sets RANK,
+    /// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); stops all if one fails.
+    Launch(launch::LaunchArgs),
 }
 
 fn main() -> ExitCode {
@@ -58,6 +66,24 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return clap_exit(e),
     };
+    if let Command::Launch(args) = &cli.command {
+        return match launch::run(args) {
+            Ok(out) => {
+                if let Some(msg) = &out.message {
+                    print_error(msg);
+                }
+                match out.code {
+                    0 => ExitCode::SUCCESS,
+                    c @ 1..=255 => ExitCode::from(c as u8),
+                    _ => ExitCode::from(1),
+                }
+            }
+            Err(e) => {
+                print_error(&e.to_string());
+                ExitCode::from(1)
+            }
+        };
+    }
     match dispatch(&cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -76,8 +102,18 @@ fn dispatch(cli: &Cli) -> Result<(), CliError> {
     }
     match &cli.command {
         Command::Run(args) => {
-            let loaded = input::load(&args.input)?;
-            let out = run::run(args, &loaded)?;
+            let out = if args.distributed {
+                run::check_distributed(args)?;
+                let loaded = input::load(&args.input)?;
+                run::run_distributed(args, &loaded)?
+            } else {
+                let loaded = input::load(&args.input)?;
+                Some(run::run(args, &loaded)?)
+            };
+            // Under `--distributed` only rank 0 writes the gathered outputs and the timings.
+            let Some(out) = out else {
+                return Ok(());
+            };
             run::write_output(&args.output, &out)?;
             let mut stdout = std::io::stdout().lock();
             for line in out.timing_lines() {
@@ -87,6 +123,7 @@ fn dispatch(cli: &Cli) -> Result<(), CliError> {
             Ok(())
         }
         Command::Demo(args) => demo::demo(args),
+        Command::Launch(_) => unreachable!("handled in main"),
     }
 }
 
@@ -106,7 +143,7 @@ fn clap_exit(e: clap::Error) -> ExitCode {
         return ExitCode::SUCCESS;
     }
     if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
-        print_error("missing subcommand `run` or `demo` (see `gdp --help`)");
+        print_error("missing subcommand `run`, `demo` or `launch` (see `gdp --help`)");
         return ExitCode::from(2);
     }
     let rendered = e.render().to_string();

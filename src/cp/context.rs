@@ -153,6 +153,24 @@ struct RankOut {
     dh0: Option<Tensor>,
 }
 
+impl RankOut {
+    /// `[o, ht, dq, dk, dv, dg, dbeta, dh0]`, the present ones.
+    fn tensors(&self) -> Vec<Tensor> {
+        let mut ts = vec![self.o.clone(), self.ht.clone()];
+        ts.extend(self.grads.iter().flatten().cloned());
+        ts.extend(self.dh0.iter().cloned());
+        ts
+    }
+
+    fn from_tensors(ts: Vec<Tensor>, grads: bool, dh0: bool) -> Self {
+        let mut it = ts.into_iter();
+        let (o, ht) = (it.next().expect("o"), it.next().expect("ht"));
+        let grads = grads.then(|| it.by_ref().take(5).collect());
+        let dh0 = if dh0 { it.next() } else { None };
+        Self { o, ht, grads, dh0 }
+    }
+}
+
 impl ContextParallel {
     /// A group with one rank per device (rank order = time order). Each rank's inputs are
     /// moved to its device. Every `Device::new_cuda(i)` call makes a distinct Candle device
@@ -229,96 +247,256 @@ impl ContextParallel {
         opts: &GdpOptions,
         cotangents: Option<Cotangents>,
     ) -> Result<CpOutput> {
+        let p = Problem::new(q, k, v, g, beta, opts, cotangents, self.cp_size())?;
+        let outs = self.run(|comm, dev| p.run_rank(comm, dev, self.composition))?;
+        p.gather(outs)
+    }
+}
+
+/// The whole-problem call of [`ContextParallel::gated_delta_product`] for a multi-process
+/// group: every process holds the full inputs (on the CPU, say, read from the same file), runs
+/// its own rank's shard on `device` through `comm` (e.g. an `NcclComm` on `cuda:LOCAL_RANK`),
+/// and gets back the gathered outputs, final states and gradients (on `q`'s device), equal to
+/// the single-device op. The ranks' results are exchanged with one all-gather over `comm`,
+/// through the host. A rank that fails aborts the group, so its peers fail instead of waiting.
+#[allow(clippy::too_many_arguments)]
+pub fn distributed_gated_delta_product(
+    comm: Arc<dyn Communicator>,
+    device: &Device,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    opts: &GdpOptions,
+    cotangents: Option<Cotangents>,
+    composition: Composition,
+) -> Result<CpOutput> {
+    let abort_on_err = |e: candle_core::Error| {
+        comm.abort(&e.to_string());
+        e
+    };
+    let p = Problem::new(q, k, v, g, beta, opts, cotangents, comm.world_size())
+        .map_err(abort_on_err)?;
+    let mine = p
+        .run_rank(comm.clone(), device, composition)
+        .map_err(abort_on_err)?;
+    let outs = p.exchange(&*comm, mine)?;
+    p.gather(outs)
+}
+
+/// A whole-problem context-parallel call: the full inputs, checked, and the shard plan.
+struct Problem<'a> {
+    q: &'a Tensor,
+    k: &'a Tensor,
+    v: &'a Tensor,
+    g: &'a Tensor,
+    beta: &'a Tensor,
+    opts: &'a GdpOptions<'a>,
+    cotangents: Option<Cotangents<'a>>,
+    sh: GdpShape,
+    plan: ShardPlan,
+    cu: Option<Vec<usize>>,
+}
+
+impl<'a> Problem<'a> {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        q: &'a Tensor,
+        k: &'a Tensor,
+        v: &'a Tensor,
+        g: &'a Tensor,
+        beta: &'a Tensor,
+        opts: &'a GdpOptions<'a>,
+        cotangents: Option<Cotangents<'a>>,
+        cp_size: usize,
+    ) -> Result<Self> {
         let sh = validate_fla(q, k, v, g, beta, opts)?;
-        let plan = ShardPlan::new(sh.tokens, self.cp_size())?;
-        let n = sh.n;
+        let plan = ShardPlan::new(sh.tokens, cp_size)?;
         let cu = opts.cu_seqlens.map(<[usize]>::to_vec);
-        let outs = self.run(|comm, dev| {
-            let r = comm.rank();
-            let range = plan.range(r)?;
-            let (meta, ids) = match &cu {
-                Some(cu) => (packed_rank_meta(cu, &plan, r)?, local_seq_ids(cu, &range)),
-                None => (dense_rank_meta(&plan, r)?, (0..sh.batch).collect()),
-            };
-            let packed = cu.is_some();
-            let continues_out = meta.following_rank_stop > r + 1;
-            let shard = |x: &Tensor, per_token: usize| -> Result<Tensor> {
-                x.narrow(1, range.start * per_token, range.len() * per_token)?
-                    .to_device(dev)
-            };
-            let var = |t: Tensor| Var::from_tensor(&t);
-            let (qv, kv, vv) = (var(shard(q, 1)?)?, var(shard(k, n)?)?, var(shard(v, n)?)?);
-            let (gv, bv) = (var(shard(g, 1)?)?, var(shard(beta, n)?)?);
-            let h0 = match opts.initial_state {
-                Some(h0) => Some(var(rows(h0, &ids)?.to_device(dev)?)?),
-                None => None,
-            };
-            let local_opts = GdpOptions {
-                num_householder: Some(n),
-                scale: opts.scale,
-                initial_state: h0.as_ref().map(|v| v.as_tensor()),
-                output_final_state: true,
-                cu_seqlens: packed.then_some(meta.local_cu_seqlens.as_slice()),
-            };
-            let rank = CpRank {
-                comm,
-                meta: meta.clone(),
-                composition: self.composition,
-            };
-            let (o, ht) = cp_gated_delta_product(&qv, &kv, &vv, &gv, &bv, &local_opts, &rank)?;
-            let ht = ht.expect("final state requested");
-            let (grads, dh0) = match cotangents {
-                None => (None, None),
-                Some(ct) => {
-                    let dout = shard(ct.dout, 1)?.to_dtype(DType::F32)?;
-                    let mut loss = (o.to_dtype(DType::F32)? * dout)?.sum_all()?;
-                    if let Some(dht) = ct.dht {
-                        // Only sequences that end on this rank see the final-state cotangent.
-                        let mut local = rows(dht, &ids)?.to_dtype(DType::F32)?;
-                        let last = ids.len() - 1;
-                        if continues_out {
-                            let keep: Vec<usize> =
-                                if packed { (0..last).collect() } else { vec![] };
-                            local = zero_except(&local, &keep)?;
-                        }
-                        loss = (loss + (ht.clone() * local.to_device(dev)?)?.sum_all()?)?;
+        Ok(Self {
+            q,
+            k,
+            v,
+            g,
+            beta,
+            opts,
+            cotangents,
+            sh,
+            plan,
+            cu,
+        })
+    }
+
+    /// One rank's part: its shard on `dev`, the op (forward and, with cotangents, backward)
+    /// through `comm`; local outputs and gradients on the CPU.
+    fn run_rank(
+        &self,
+        comm: Arc<dyn Communicator>,
+        dev: &Device,
+        composition: Composition,
+    ) -> Result<RankOut> {
+        let composition = &composition;
+        let Problem {
+            q,
+            k,
+            v,
+            g,
+            beta,
+            opts,
+            cotangents,
+            sh,
+            plan,
+            cu,
+        } = self;
+        let n = sh.n;
+        let r = comm.rank();
+        let range = plan.range(r)?;
+        let (meta, ids) = match &cu {
+            Some(cu) => (packed_rank_meta(cu, plan, r)?, local_seq_ids(cu, &range)),
+            None => (dense_rank_meta(plan, r)?, (0..sh.batch).collect()),
+        };
+        let packed = cu.is_some();
+        let continues_out = meta.following_rank_stop > r + 1;
+        let shard = |x: &Tensor, per_token: usize| -> Result<Tensor> {
+            x.narrow(1, range.start * per_token, range.len() * per_token)?
+                .to_device(dev)
+        };
+        let var = |t: Tensor| Var::from_tensor(&t);
+        let (qv, kv, vv) = (var(shard(q, 1)?)?, var(shard(k, n)?)?, var(shard(v, n)?)?);
+        let (gv, bv) = (var(shard(g, 1)?)?, var(shard(beta, n)?)?);
+        let h0 = match opts.initial_state {
+            Some(h0) => Some(var(rows(h0, &ids)?.to_device(dev)?)?),
+            None => None,
+        };
+        let local_opts = GdpOptions {
+            num_householder: Some(n),
+            scale: opts.scale,
+            initial_state: h0.as_ref().map(|v| v.as_tensor()),
+            output_final_state: true,
+            cu_seqlens: packed.then_some(meta.local_cu_seqlens.as_slice()),
+        };
+        let rank = CpRank {
+            comm,
+            meta: meta.clone(),
+            composition: *composition,
+        };
+        let (o, ht) = cp_gated_delta_product(&qv, &kv, &vv, &gv, &bv, &local_opts, &rank)?;
+        let ht = ht.expect("final state requested");
+        let (grads, dh0) = match cotangents {
+            None => (None, None),
+            Some(ct) => {
+                let dout = shard(ct.dout, 1)?.to_dtype(DType::F32)?;
+                let mut loss = (o.to_dtype(DType::F32)? * dout)?.sum_all()?;
+                if let Some(dht) = ct.dht {
+                    // Only sequences that end on this rank see the final-state cotangent.
+                    let mut local = rows(dht, &ids)?.to_dtype(DType::F32)?;
+                    let last = ids.len() - 1;
+                    if continues_out {
+                        let keep: Vec<usize> = if packed { (0..last).collect() } else { vec![] };
+                        local = zero_except(&local, &keep)?;
                     }
-                    let gs = loss.backward()?;
-                    let get = |v: &Var| -> Result<Tensor> {
-                        match gs.get(v.as_tensor()) {
-                            Some(g) => g.to_device(&Device::Cpu),
-                            None => v.as_tensor().zeros_like()?.to_device(&Device::Cpu),
-                        }
-                    };
-                    let grads = vec![get(&qv)?, get(&kv)?, get(&vv)?, get(&gv)?, get(&bv)?];
-                    let dh0 = match &h0 {
-                        Some(h) => Some(get(h)?),
-                        None => None,
-                    };
-                    (Some(grads), dh0)
+                    loss = (loss + (ht.clone() * local.to_device(dev)?)?.sum_all()?)?;
                 }
-            };
-            Ok(RankOut {
-                o: o.to_device(&Device::Cpu)?,
-                ht: ht.to_device(&Device::Cpu)?,
-                grads,
-                dh0,
-            })
-        })?;
-        self.gather(q, opts, cotangents, &plan, cu.as_deref(), outs)
+                let gs = loss.backward()?;
+                let get = |v: &Var| -> Result<Tensor> {
+                    match gs.get(v.as_tensor()) {
+                        Some(g) => g.to_device(&Device::Cpu),
+                        None => v.as_tensor().zeros_like()?.to_device(&Device::Cpu),
+                    }
+                };
+                let grads = vec![get(&qv)?, get(&kv)?, get(&vv)?, get(&gv)?, get(&bv)?];
+                let dh0 = match &h0 {
+                    Some(h) => Some(get(h)?),
+                    None => None,
+                };
+                (Some(grads), dh0)
+            }
+        };
+        Ok(RankOut {
+            o: o.to_device(&Device::Cpu)?,
+            ht: ht.to_device(&Device::Cpu)?,
+            grads,
+            dh0,
+        })
+    }
+
+    /// Shapes of rank `r`'s [`RankOut`] tensors, in [`RankOut::tensors`] order.
+    fn rank_dims(&self, r: usize, grads: bool, dh0: bool) -> Result<Vec<Vec<usize>>> {
+        let range = self.plan.range(r)?;
+        let sh = &self.sh;
+        let (b, t, h, dk, dv, n) = (sh.batch, range.len(), sh.heads, sh.dk, sh.dv, sh.n);
+        let ns = match &self.cu {
+            Some(cu) => local_seq_ids(cu, &range).len(),
+            None => b,
+        };
+        let mut dims = vec![vec![b, t, h, dv], vec![ns, h, dk, dv]];
+        if grads {
+            dims.extend([
+                vec![b, t, h, dk],
+                vec![b, t * n, h, dk],
+                vec![b, t * n, h, dv],
+                vec![b, t, h],
+                vec![b, t * n, h],
+            ]);
+            if dh0 {
+                dims.push(vec![ns, h, dk, dv]);
+            }
+        }
+        Ok(dims)
+    }
+
+    /// Every rank's [`RankOut`], from one all-gather of the f32-flattened, zero-padded local
+    /// results (each rank computes every rank's shapes from the plan, so no sizes are sent).
+    fn exchange(&self, comm: &dyn Communicator, mine: RankOut) -> Result<Vec<RankOut>> {
+        let world = comm.world_size();
+        let (grads, dh0) = (mine.grads.is_some(), mine.dh0.is_some());
+        let mine_t = mine.tensors();
+        let dtypes: Vec<DType> = mine_t.iter().map(|t| t.dtype()).collect();
+        let dims = (0..world)
+            .map(|r| self.rank_dims(r, grads, dh0))
+            .collect::<Result<Vec<_>>>()?;
+        let lens: Vec<usize> = dims
+            .iter()
+            .map(|d| d.iter().map(|s| s.iter().product::<usize>()).sum())
+            .collect();
+        let width = lens.iter().copied().max().unwrap_or(0);
+        let mut local = Vec::with_capacity(width);
+        for t in &mine_t {
+            local.extend(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+        }
+        if local.len() != lens[comm.rank()] {
+            let e = GdpError::Comm(format!(
+                "rank {}: local results have {} values, the plan expects {}",
+                comm.rank(),
+                local.len(),
+                lens[comm.rank()]
+            ));
+            comm.abort(&e.to_string());
+            return Err(e.into());
+        }
+        local.resize(width, 0.0);
+        let all = comm.all_gather(&local)?;
+        let mut outs = Vec::with_capacity(world);
+        for (r, shapes) in dims.iter().enumerate() {
+            let mut at = r * width;
+            let mut ts = Vec::with_capacity(shapes.len());
+            for (shape, &dt) in shapes.iter().zip(&dtypes) {
+                let len: usize = shape.iter().product();
+                let data = all[at..at + len].to_vec();
+                at += len;
+                ts.push(Tensor::from_vec(data, shape.as_slice(), &Device::Cpu)?.to_dtype(dt)?);
+            }
+            outs.push(RankOut::from_tensors(ts, grads, dh0));
+        }
+        Ok(outs)
     }
 
     /// Concatenates the ranks' outputs along time and places every sequence's final state
     /// (from the rank where it ends) and initial-state gradient (from the rank where it starts).
-    fn gather(
-        &self,
-        q: &Tensor,
-        opts: &GdpOptions,
-        cotangents: Option<Cotangents>,
-        plan: &ShardPlan,
-        cu: Option<&[usize]>,
-        outs: Vec<RankOut>,
-    ) -> Result<CpOutput> {
+    fn gather(&self, outs: Vec<RankOut>) -> Result<CpOutput> {
+        let (q, opts, cotangents, plan) = (self.q, self.opts, self.cotangents, &self.plan);
+        let cu = self.cu.as_deref();
         let dev = q.device();
         let cat = |xs: Vec<&Tensor>| -> Result<Tensor> { Tensor::cat(&xs, 1)?.to_device(dev) };
         let o = cat(outs.iter().map(|r| &r.o).collect())?;

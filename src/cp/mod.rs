@@ -5,18 +5,23 @@
 //! * [`protocol`]: the summaries `[ΔS | M]`, `[γ | Mᵀ]` and their composition (fold or scan);
 //! * [`driver`]: prepare → all-gather → compose → apply, run inside the op's forward/backward;
 //! * [`context`]: [`ContextParallel`] and the per-rank entry points;
-//! * [`comm`]: the [`Communicator`] trait and its in-process transports.
+//! * [`comm`]: the [`Communicator`] trait and its transports (in-process threads; NCCL across
+//!   processes with the `nccl` feature), the multi-process rendezvous;
+//! * [`launch`]: the multi-process launcher behind `gdp launch`.
 
 pub mod comm;
 pub mod context;
 pub mod driver;
+pub mod launch;
 pub mod protocol;
 pub mod shard;
 
-pub use comm::{run_ranks, Communicator, SingleComm, ThreadComm, DEFAULT_TIMEOUT};
+#[cfg(feature = "nccl")]
+pub use comm::NcclComm;
+pub use comm::{run_ranks, Communicator, DistEnv, SingleComm, ThreadComm, DEFAULT_TIMEOUT};
 pub use context::{
-    cp_gated_delta_product, cp_gated_delta_product_packed, ContextParallel, Cotangents, CpGrads,
-    CpOutput, CpRank,
+    cp_gated_delta_product, cp_gated_delta_product_packed, distributed_gated_delta_product,
+    ContextParallel, Cotangents, CpGrads, CpOutput, CpRank,
 };
 pub use protocol::Composition;
 pub use shard::{

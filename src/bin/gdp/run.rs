@@ -7,10 +7,17 @@
 //! With `--cp-size R > 1` the op runs context-parallel ([`ContextParallel`]): the time axis is
 //! cut into `R` shards, one rank (thread) per shard, on `R` CPU ranks or `R` separately opened
 //! CUDA devices; the outputs and gradients are gathered and written as without CP.
+//!
+//! With `--distributed` (feature `nccl`) this process is one rank of a group started by
+//! `gdp launch`: it reads the whole input, runs its own context-parallel shard on
+//! `cuda:LOCAL_RANK` over NCCL ([`candle_gdp::cp::distributed_gated_delta_product`]), and rank 0
+//! writes the gathered outputs, the same as a plain run.
 
 use crate::error::CliError;
 use crate::input::LoadedInput;
 use candle_core::{DType, Device, Tensor, Var};
+#[cfg(feature = "nccl")]
+use candle_gdp::cp::{Communicator, Composition};
 use candle_gdp::cp::{CpOutput, ShardPlan};
 use candle_gdp::{gated_delta_product, ContextParallel, Cotangents, GdpOptions};
 use clap::{Args, ValueEnum};
@@ -118,6 +125,11 @@ pub struct RunArgs {
         allow_negative_numbers = true
     )]
     pub cp_size: usize,
+    /// Run as one rank of a multi-process group started by `gdp launch` (build with
+    /// `--features nccl`): this rank's shard on cuda:LOCAL_RANK over NCCL; rank 0 writes the
+    /// gathered outputs. Needs a CUDA `--device` (its index is replaced by LOCAL_RANK).
+    #[arg(long)]
+    pub distributed: bool,
 }
 
 /// Median timings in milliseconds.
@@ -276,10 +288,33 @@ fn check_cotangents(
     Ok(())
 }
 
+/// Who runs the ranks of a context-parallel call.
+enum CpExec {
+    /// All ranks in this process, one thread each.
+    InProcess(ContextParallel),
+    /// This process is one rank of a multi-process group.
+    #[cfg(feature = "nccl")]
+    Distributed {
+        comm: std::sync::Arc<candle_gdp::cp::NcclComm>,
+        device: Device,
+    },
+}
+
+impl CpExec {
+    /// The devices to synchronise around a timed call.
+    fn devices(&self) -> Vec<Device> {
+        match self {
+            Self::InProcess(cp) => cp.devices().to_vec(),
+            #[cfg(feature = "nccl")]
+            Self::Distributed { device, .. } => vec![device.clone()],
+        }
+    }
+}
+
 /// The inputs of a context-parallel run: plain tensors on the CPU (each rank copies its shard
 /// to its device), cast as for the plain op.
 struct CpPrepared<'a> {
-    cp: ContextParallel,
+    exec: CpExec,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -293,25 +328,35 @@ struct CpPrepared<'a> {
     scale: Option<f64>,
 }
 
-impl<'a> CpPrepared<'a> {
-    fn new(x: &'a LoadedInput, args: &RunArgs) -> Result<Self, CliError> {
-        let r = args.cp_size;
-        // Check the rank count before opening R devices (the library checks it again); a
-        // malformed `q` is left to the op's own validation, which names it.
-        match x.q.dims4() {
-            Ok((_, t, _, _)) if t > 0 => {
-                ShardPlan::new(t, r).map_err(|e| CliError::from_lib(&e))?;
-            }
-            _ if r == 0 => {
-                ShardPlan::new(1, r).map_err(|e| CliError::from_lib(&e))?;
-            }
-            _ => {}
+/// Checks that `r` ranks can shard `x` before any device is opened (the library checks it
+/// again); a malformed `q` is left to the op's own validation, which names it.
+fn check_plan(x: &LoadedInput, r: usize) -> Result<(), CliError> {
+    match x.q.dims4() {
+        Ok((_, t, _, _)) if t > 0 => {
+            ShardPlan::new(t, r).map_err(|e| CliError::from_lib(&e))?;
         }
+        _ if r == 0 => {
+            ShardPlan::new(1, r).map_err(|e| CliError::from_lib(&e))?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+impl<'a> CpPrepared<'a> {
+    /// `--cp-size R` in this process: R ranks on R separately opened devices.
+    fn in_process(x: &'a LoadedInput, args: &RunArgs) -> Result<Self, CliError> {
+        let r = args.cp_size;
+        check_plan(x, r)?;
         // Every `Device::new_cuda` call is a distinct Candle device: one per rank.
         let devices = (0..r)
             .map(|_| args.device.open())
             .collect::<Result<Vec<_>, _>>()?;
         let cp = ContextParallel::new(devices).map_err(|e| CliError::from_lib(&e))?;
+        Self::new(x, args, CpExec::InProcess(cp))
+    }
+
+    fn new(x: &'a LoadedInput, args: &RunArgs, exec: CpExec) -> Result<Self, CliError> {
         let dtype = args.dtype.dtype();
         let put = |t: &Tensor, name: &str, dt: DType| -> Result<Tensor, CliError> {
             t.to_dtype(dt).map_err(|e| CliError::tensor(name, &e))
@@ -348,7 +393,7 @@ impl<'a> CpPrepared<'a> {
             (dout, _, _) => dout,
         };
         Ok(Self {
-            cp,
+            exec,
             k: put(&x.k, "k", dtype)?,
             g: put(&x.g, "g", DType::F32)?,
             beta: put(&x.beta, "beta", dtype)?,
@@ -381,10 +426,26 @@ impl<'a> CpPrepared<'a> {
             (true, None) => None,
         };
         let (q, k, v, g, beta) = (&self.q, &self.k, &self.v, &self.g, &self.beta);
-        let out = self
-            .cp
-            .gated_delta_product(q, k, v, g, beta, &opts, cotangents)
-            .map_err(|e| CliError::from_lib(&e))?;
+        let out = match &self.exec {
+            CpExec::InProcess(cp) => cp.gated_delta_product(q, k, v, g, beta, &opts, cotangents),
+            #[cfg(feature = "nccl")]
+            CpExec::Distributed { comm, device } => {
+                let comm: std::sync::Arc<dyn Communicator> = comm.clone();
+                candle_gdp::cp::distributed_gated_delta_product(
+                    comm,
+                    device,
+                    q,
+                    k,
+                    v,
+                    g,
+                    beta,
+                    &opts,
+                    cotangents,
+                    Composition::Fold,
+                )
+            }
+        }
+        .map_err(|e| CliError::from_lib(&e))?;
         if grads && out.grads.is_none() {
             return Err(CliError::new("gradients need a `do` or `dht` tensor"));
         }
@@ -505,15 +566,24 @@ pub fn run(args: &RunArgs, input: &LoadedInput) -> Result<RunOutput, CliError> {
 
 /// `gdp run --cp-size R`: the same outputs through [`ContextParallel`] on `R` ranks.
 fn run_cp(args: &RunArgs, input: &LoadedInput) -> Result<RunOutput, CliError> {
-    let p = CpPrepared::new(input, args)?;
+    let p = CpPrepared::in_process(input, args)?;
+    run_prepared_cp(args, input, &p)
+}
+
+/// Runs (and under `--repeat` times) a prepared context-parallel call.
+fn run_prepared_cp(
+    args: &RunArgs,
+    input: &LoadedInput,
+    p: &CpPrepared,
+) -> Result<RunOutput, CliError> {
     let with_grads = input.wants_grads();
     let (tensors, timings) = match args.repeat {
         None => (p.outputs(with_grads)?, None),
         Some(n) => {
-            let devices = p.cp.devices();
-            let (fwd, fwd_ms) = bench_on(devices, n, || p.outputs(false))?;
+            let devices = p.exec.devices();
+            let (fwd, fwd_ms) = bench_on(&devices, n, || p.outputs(false))?;
             if with_grads {
-                let (all, fb) = bench_on(devices, n, || p.outputs(true))?;
+                let (all, fb) = bench_on(&devices, n, || p.outputs(true))?;
                 let t = Timings {
                     fwd_ms,
                     fwd_bwd_ms: Some(fb),
@@ -529,6 +599,57 @@ fn run_cp(args: &RunArgs, input: &LoadedInput) -> Result<RunOutput, CliError> {
         }
     };
     finish(tensors, timings)
+}
+
+/// The checks of `--distributed` that need no input: the build, the flags and the
+/// environment of `gdp launch`.
+pub fn check_distributed(args: &RunArgs) -> Result<(), CliError> {
+    if !cfg!(feature = "nccl") {
+        return Err(CliError::new(
+            "--distributed needs a build with `--features nccl` (multi-GPU context parallelism \
+             over NCCL); this `gdp` was built without it",
+        ));
+    }
+    if args.device == DeviceArg::Cpu {
+        return Err(CliError::new(
+            "--distributed runs one rank per GPU over NCCL: use `--device cuda` (rank r runs on \
+             cuda:LOCAL_RANK)",
+        ));
+    }
+    if args.cp_size != 1 {
+        return Err(CliError::new(format!(
+            "--cp-size {} cannot be combined with --distributed (the context-parallel size is \
+             WORLD_SIZE, the number of ranks `gdp launch --nproc` started)",
+            args.cp_size
+        )));
+    }
+    candle_gdp::cp::DistEnv::from_env()
+        .map(|_| ())
+        .map_err(|e| CliError::new(format!("--distributed: {}", CliError::from_lib(&e))))
+}
+
+/// `gdp run --distributed` (see the module docs): every rank computes, rank 0 gets `Some`.
+pub fn run_distributed(args: &RunArgs, input: &LoadedInput) -> Result<Option<RunOutput>, CliError> {
+    #[cfg(not(feature = "nccl"))]
+    {
+        let _ = input;
+        check_distributed(args).map(|_| None)
+    }
+    #[cfg(feature = "nccl")]
+    {
+        let lib = |e: candle_core::Error| CliError::from_lib(&e);
+        let env = candle_gdp::cp::DistEnv::from_env().map_err(lib)?;
+        check_plan(input, env.world_size)?;
+        let device = DeviceArg::Cuda(env.local_rank).open()?;
+        let comm = candle_gdp::cp::NcclComm::from_env(&device).map_err(lib)?;
+        let exec = CpExec::Distributed {
+            comm: std::sync::Arc::new(comm),
+            device,
+        };
+        let p = CpPrepared::new(input, args, exec)?;
+        let out = run_prepared_cp(args, input, &p)?;
+        Ok((env.rank == 0).then_some(out))
+    }
 }
 
 /// The outputs as f32 CPU tensors.

@@ -10,9 +10,19 @@
 //! Failure is shared: once any rank fails (it calls [`Communicator::abort`], a collective times
 //! out, or the ranks disagree on the collective), every pending and later collective of the group
 //! returns [`GdpError::Comm`] instead of waiting.
+//!
+//! Transports: [`ThreadComm`] (one thread per rank in one process) and, with the `nccl` feature,
+//! `NcclComm` (one process per GPU, NCCL collectives on the device, set up through the
+//! [`rendezvous`] and started by [`crate::cp::launch`]).
 
+#[cfg(feature = "nccl")]
+mod nccl;
+pub mod rendezvous;
 mod threads;
 
+#[cfg(feature = "nccl")]
+pub use nccl::{CommStats, NcclComm};
+pub use rendezvous::{DistEnv, Rendezvous, RendezvousAddr};
 pub use threads::{run_ranks, ThreadComm, DEFAULT_TIMEOUT};
 
 use std::sync::OnceLock;
@@ -64,7 +74,7 @@ pub trait Communicator: Send + Sync {
 }
 
 /// Host copy of an `f32` tensor (any layout), the wire format of the collectives.
-fn host_f32(t: &Tensor, name: &str) -> Result<Vec<f32>> {
+pub(crate) fn host_f32(t: &Tensor, name: &str) -> Result<Vec<f32>> {
     if t.dtype() != DType::F32 {
         return Err(GdpError::DType {
             name: name.to_string(),

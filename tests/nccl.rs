@@ -1,0 +1,330 @@
+//! Context parallelism over NCCL, one process per GPU (feature `nccl`, needs GPUs): the cases
+//! of `tests/cp.rs` (dense and packed, empty sequences, sequences spanning ranks, n = 1..3,
+//! with and without an initial state) give the single-GPU op's outputs, final states and every
+//! gradient on every rank; the collectives (host and device), an abort and a timeout.
+//!
+//! The test `cp_over_nccl_equals_single_gpu` starts this binary once per world size (1, 2, 4, 8,
+//! or `GDP_NCCL_WORLDS=1,2`) through the library launcher; each worker (the `nccl_worker` test
+//! with `GDP_NCCL_TEST_WORKER` set) opens `cuda:LOCAL_RANK`, computes the reference with the
+//! single-device op on its own GPU and compares. World sizes above the number of visible GPUs are
+//! skipped with a printed reason. CI only compiles this (no GPU). On a GPU machine:
+//! `cargo test --release --features nccl --test nccl -- --nocapture`.
+#![cfg(feature = "nccl")]
+
+mod common;
+
+use anyhow::{ensure, Context as _, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_gdp::cp::comm::DistEnv;
+use candle_gdp::cp::launch::{launch, LaunchConfig};
+use candle_gdp::cp::{distributed_gated_delta_product, Communicator, Composition, NcclComm};
+use candle_gdp::{Cotangents, GdpOptions};
+use common::{inputs, rel_rms, run_op_on, Case};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const WORKER: &str = "GDP_NCCL_TEST_WORKER";
+
+fn gpu_count() -> usize {
+    candle_core::cuda_backend::cudarc::driver::CudaContext::device_count()
+        .map(|n| n.max(0) as usize)
+        .unwrap_or(0)
+}
+
+fn worlds() -> Vec<usize> {
+    match std::env::var("GDP_NCCL_WORLDS") {
+        Ok(s) => s.split(',').filter_map(|w| w.trim().parse().ok()).collect(),
+        Err(_) => vec![1, 2, 4, 8],
+    }
+}
+
+#[test]
+fn cp_over_nccl_equals_single_gpu() -> Result<()> {
+    let gpus = gpu_count();
+    let exe = std::env::current_exe()?;
+    let mut ran = vec![];
+    for world in worlds() {
+        if world > gpus {
+            println!("SKIPPED world size {world}: needs {world} GPUs, {gpus} visible");
+            continue;
+        }
+        let cfg = LaunchConfig::new(
+            world,
+            &exe,
+            [
+                "--exact",
+                "nccl_worker",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ],
+        )
+        .env(WORKER, "1");
+        let t0 = Instant::now();
+        let rep = launch(&cfg)?;
+        println!(
+            "world size {world}: {} in {:.1} s",
+            if rep.success() { "passed" } else { "FAILED" },
+            t0.elapsed().as_secs_f64()
+        );
+        ensure!(
+            rep.success(),
+            "world size {world}: {}",
+            rep.first_failure
+                .map(|f| f.description)
+                .unwrap_or_else(|| "interrupted".into())
+        );
+        ran.push(world);
+    }
+    println!("ran world sizes {ran:?} ({gpus} GPUs visible)");
+    Ok(())
+}
+
+/// The worker: runs only under `cp_over_nccl_equals_single_gpu` (a plain test run returns at
+/// once).
+#[test]
+fn nccl_worker() -> Result<()> {
+    if std::env::var_os(WORKER).is_none() {
+        return Ok(());
+    }
+    let env = DistEnv::from_env()?;
+    let (r, w) = (env.rank, env.world_size);
+    let dev = Device::new_cuda(env.local_rank)?;
+    let comm = Arc::new(NcclComm::from_env(&dev).context("NcclComm::from_env")?);
+    ensure!(comm.rank() == r && comm.world_size() == w);
+    collectives(&comm, &dev).context("collectives")?;
+    for c in cases() {
+        cp_case(&comm, &dev, &c).with_context(|| format!("rank {r}: {}", c.name))?;
+    }
+    let stats = comm.stats();
+    println!(
+        "[rank {r}/{w}] {} collectives, {:.1} ms waiting, {} bytes sent",
+        stats.collectives,
+        stats.wait.as_secs_f64() * 1e3,
+        stats.bytes
+    );
+    comm.barrier()?;
+    drop(comm);
+    failures(&env, &dev).context("failures")?;
+    println!("[rank {r}/{w}] all checks passed");
+    Ok(())
+}
+
+/// Host and device all-gather / all-reduce, strided and empty inputs.
+fn collectives(comm: &NcclComm, dev: &Device) -> Result<()> {
+    let (r, w) = (comm.rank(), comm.world_size());
+    for len in [0usize, 1, 5, 1000] {
+        let local: Vec<f32> = (0..len).map(|j| (1000 * r + j) as f32).collect();
+        let got = comm.all_gather(&local)?;
+        let want: Vec<f32> = (0..w)
+            .flat_map(|q| (0..len).map(move |j| (1000 * q + j) as f32))
+            .collect();
+        ensure!(got == want, "all_gather len {len}");
+        let mut buf = local.clone();
+        comm.all_reduce_sum(&mut buf)?;
+        let want: Vec<f32> = (0..len)
+            .map(|j| (0..w).map(|q| (1000 * q + j) as f32).sum())
+            .collect();
+        ensure!(buf == want, "all_reduce_sum len {len}");
+    }
+    comm.barrier()?;
+    // Device tensors stay on the device; a strided view is made contiguous first.
+    let rf = r as f32;
+    let t = Tensor::new(&[[rf, 10.0 + rf], [20.0 + rf, 30.0 + rf]], dev)?.t()?;
+    let g = comm.all_gather_tensor(&t)?;
+    ensure!(
+        g.device().same_device(dev),
+        "all_gather_tensor left the device"
+    );
+    ensure!(g.dims() == [w, 2, 2]);
+    let want: Vec<f32> = (0..w)
+        .flat_map(|q| {
+            let q = q as f32;
+            [q, 20.0 + q, 10.0 + q, 30.0 + q]
+        })
+        .collect();
+    ensure!(
+        g.flatten_all()?.to_vec1::<f32>()? == want,
+        "all_gather_tensor"
+    );
+    let s = comm.all_reduce_sum_tensor(&t)?;
+    ensure!(s.device().same_device(dev) && s.dims() == [2, 2]);
+    let tot: f32 = (0..w).map(|q| q as f32).sum();
+    let wf = w as f32;
+    ensure!(
+        s.to_vec2::<f32>()? == [[tot, 20.0 * wf + tot], [10.0 * wf + tot, 30.0 * wf + tot]],
+        "all_reduce_sum_tensor"
+    );
+    // CPU tensors go through the host.
+    let c = comm.all_reduce_sum_tensor(&Tensor::new(&[1.0f32, 2.0], &Device::Cpu)?)?;
+    ensure!(c.device().is_cpu() && c.to_vec1::<f32>()? == [wf, 2.0 * wf]);
+    let e = comm
+        .all_gather_tensor(&Tensor::new(&[1u32], dev)?)
+        .unwrap_err()
+        .to_string();
+    ensure!(e.contains("f32"), "{e}");
+    Ok(())
+}
+
+fn cases() -> Vec<Case> {
+    let cu = [0, 3, 3, 90, 95, 96, 160, 200];
+    vec![
+        Case::new("dense n1 h0", 2, 75, 2, 16, 12, 1).h0(),
+        Case::new("dense n2", 1, 130, 2, 12, 16, 2),
+        Case::new("dense n3 h0 strong", 2, 61, 1, 8, 10, 3)
+            .h0()
+            .strong_gates(),
+        Case::new("dense n2 K128 V128 h0", 1, 600, 4, 128, 128, 2)
+            .h0()
+            .seed(11),
+        Case::new("packed n2 h0", 1, 200, 2, 12, 8, 2)
+            .packed(&cu)
+            .h0(),
+        Case::new("packed n1", 1, 200, 2, 8, 12, 1).packed(&cu),
+        Case::new("packed n3 h0", 1, 200, 1, 10, 10, 3)
+            .packed(&[0, 150, 151, 200])
+            .h0(),
+        Case::new("packed one seq", 1, 97, 2, 8, 8, 2)
+            .packed(&[0, 97])
+            .h0(),
+    ]
+}
+
+/// The distributed op on this rank's GPU equals the single-device op on the same GPU.
+fn cp_case(comm: &Arc<NcclComm>, dev: &Device, c: &Case) -> Result<()> {
+    let (r, w) = (comm.rank(), comm.world_size());
+    let x = inputs(c, DType::F32)?;
+    let want = run_op_on(c, &x, DType::F32, dev)?;
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+    let (q, k, v, g, beta) = (
+        f32(&x.q)?,
+        f32(&x.k)?,
+        f32(&x.v)?,
+        f32(&x.g)?,
+        f32(&x.beta)?,
+    );
+    let h0 = x.h0.as_ref().map(f32).transpose()?;
+    let (dout, dht) = (f32(&x.dout)?, f32(&x.dht)?);
+    let opts = GdpOptions {
+        initial_state: h0.as_ref(),
+        output_final_state: true,
+        cu_seqlens: c.cu.as_deref(),
+        ..Default::default()
+    };
+    let cm: Arc<dyn Communicator> = comm.clone();
+    let got = distributed_gated_delta_product(
+        cm,
+        dev,
+        &q,
+        &k,
+        &v,
+        &g,
+        &beta,
+        &opts,
+        Some(Cotangents {
+            dout: &dout,
+            dht: Some(&dht),
+        }),
+        Composition::Fold,
+    )?;
+    let grads = got.grads.context("grads")?;
+    let mut pairs = vec![
+        ("o", got.o, want.o.clone()),
+        ("ht", got.final_state.context("ht")?, want.ht.clone()),
+        ("dq", grads.dq, want.grads[0].1.clone()),
+        ("dk", grads.dk, want.grads[1].1.clone()),
+        ("dv", grads.dv, want.grads[2].1.clone()),
+        ("dg", grads.dg, want.grads[3].1.clone()),
+        ("dbeta", grads.dbeta, want.grads[4].1.clone()),
+    ];
+    match grads.dh0 {
+        Some(dh0) => pairs.push(("dh0", dh0, want.grads[5].1.clone())),
+        None => ensure!(!c.h0, "dh0 missing"),
+    }
+    let mut report = vec![];
+    let mut worst = 0.0f64;
+    for (name, a, b) in pairs {
+        let a = a.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+        ensure!(
+            a.dims() == b.dims(),
+            "{name}: shape {:?} vs {:?}",
+            a.dims(),
+            b.dims()
+        );
+        let e = rel_rms(&a, &b)?;
+        report.push(format!("{name} {e:.0e}"));
+        worst = worst.max(e);
+        ensure!(
+            e.is_finite() && e <= 1e-5,
+            "{} world {w}: {name} relative RMS {e:.2e} vs the single-GPU op",
+            c.name
+        );
+    }
+    println!(
+        "[rank {r}/{w}] {:<22} worst {worst:.1e}: {}",
+        c.name,
+        report.join(" ")
+    );
+    Ok(())
+}
+
+/// An abort reaches the other ranks' pending collective; a collective that waits for a rank
+/// that does not come times out, and that rank then fails at once. Each on a fresh group.
+fn failures(env: &DistEnv, dev: &Device) -> Result<()> {
+    let (r, w) = (env.rank, env.world_size);
+    // A non-CUDA device is refused.
+    let e = NcclComm::from_env(&Device::Cpu).unwrap_err().to_string();
+    ensure!(e.contains("CUDA device"), "{e}");
+    if w == 1 {
+        let comm = NcclComm::from_env(dev)?;
+        comm.abort("on purpose");
+        let e = comm.all_gather(&[1.0]).unwrap_err().to_string();
+        ensure!(e.contains("on purpose") && e.contains("rank 0"), "{e}");
+        println!("[rank {r}/{w}] abort: {e}");
+        return Ok(());
+    }
+    // Abort: rank 1 gives up while the others wait in an all-gather.
+    let comm = NcclComm::from_env(dev)?;
+    comm.barrier()?;
+    let t0 = Instant::now();
+    if r == 1 {
+        std::thread::sleep(Duration::from_millis(500));
+        comm.abort("rank 1 gives up on purpose");
+        let e = comm.all_gather(&[1.0]).unwrap_err().to_string();
+        ensure!(e.contains("gives up on purpose"), "{e}");
+    } else {
+        let e = comm.all_gather(&[1.0; 64]).unwrap_err().to_string();
+        let took = t0.elapsed();
+        println!("[rank {r}/{w}] abort seen after {took:?}: {e}");
+        ensure!(
+            e.contains("communicator") && e.contains("rank 1") && e.contains("on purpose"),
+            "{e}"
+        );
+        ensure!(took < Duration::from_secs(10), "{took:?}");
+    }
+    drop(comm);
+    // Timeout: rank 0 waits alone for 2 s; the others come late and fail at once.
+    let comm = NcclComm::from_env_with_timeout(dev, Duration::from_secs(2))?;
+    comm.barrier()?;
+    let t0 = Instant::now();
+    if r == 0 {
+        let e = comm.all_gather(&[1.0; 16]).unwrap_err().to_string();
+        let took = t0.elapsed();
+        println!("[rank {r}/{w}] timeout after {took:?}: {e}");
+        ensure!(e.contains("rank 0") && e.contains("timed out"), "{e}");
+        ensure!(
+            took >= Duration::from_secs(2) && took < Duration::from_secs(10),
+            "{took:?}"
+        );
+    } else {
+        std::thread::sleep(Duration::from_secs(4));
+        let e = comm.all_gather(&[1.0; 16]).unwrap_err().to_string();
+        println!("[rank {r}/{w}] late rank: {e}");
+        ensure!(
+            e.contains("group failed, rank 0") && e.contains("timed out"),
+            "{e}"
+        );
+        ensure!(t0.elapsed() < Duration::from_secs(6), "{:?}", t0.elapsed());
+    }
+    Ok(())
+}
