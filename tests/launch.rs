@@ -190,6 +190,8 @@ mod cli {
             "--master-port",
         )?;
         expect_error("no command", &gdp(&["launch", "--nproc", "2"])?, 2, "CMD")?;
+        let help = gdp(&["launch", "--help"])?;
+        ensure!(help.status.success() && !help.stdout.is_empty(), "{help:?}");
         expect_error(
             "missing program",
             &gdp(&["launch", "--nproc", "2", "--", "/nonexistent/gdp-prog"])?,

@@ -1,11 +1,19 @@
-//! NCCL transport (feature `nccl`): one process per GPU, collectives on the GPU, on the Candle
-//! device's own stream, through cudarc's NCCL bindings as re-exported by candle-core.
+//! NCCL transport (feature `nccl`): one process per GPU, collectives on the GPU, through
+//! cudarc's NCCL bindings as re-exported by candle-core.
 //!
 //! Setup ([`NcclComm::from_env`]): the torchrun environment gives rank, world size and GPU
 //! ([`DistEnv`]); the [`Rendezvous`] broadcasts rank 0's NCCL unique id over TCP and stays open
 //! as the health channel; every rank then creates its NCCL communicator in **non-blocking** mode
 //! (`ncclCommInitRankConfig` with `blocking = 0`), so that no NCCL call can block the host
 //! thread for good.
+//!
+//! Streams: a Candle CUDA device works on CUDA's *per-thread* default stream
+//! (`CU_STREAM_PER_THREAD`), a handle that means a different stream in every thread. NCCL's
+//! non-blocking mode enqueues from a background thread, where that handle would name another
+//! stream, unordered with Candle's work. So the communicator runs NCCL on a stream of its own in
+//! the device's context, made to wait (through an event) for the work the calling thread has
+//! queued on Candle's stream, and the calling thread waits for the collective to complete before
+//! it returns; the result is then visible to anything Candle queues afterwards.
 //!
 //! Every collective is enqueued, then polled to completion (an event query with short sleeps).
 //! While it waits, a rank watches NCCL's asynchronous error state, the group's health channel
@@ -87,7 +95,10 @@ pub struct NcclComm {
     rank: usize,
     world_size: usize,
     device: CudaDevice,
+    /// Candle's stream (the calling thread's per-thread default stream).
     stream: Arc<CudaStream>,
+    /// NCCL's own stream (see the module docs).
+    nccl_stream: Arc<CudaStream>,
     timeout: Duration,
     rendezvous: Rendezvous,
     inner: Mutex<Inner>,
@@ -260,6 +271,11 @@ impl NcclComm {
             Device::Metal(_) => return Err(not_cuda("metal")),
         };
         let stream = cuda.cuda_stream();
+        let nccl_stream = stream.context().new_stream().map_err(|e| {
+            comm_err(format!(
+                "rank {rank}: cannot create NCCL's CUDA stream: {e:?}"
+            ))
+        })?;
         let rdv = Rendezvous::establish(rank, world_size, rendezvous, timeout, || {
             let id = Id::new().map_err(|e| {
                 comm_err(format!(
@@ -282,7 +298,7 @@ impl NcclComm {
                 ))
             })?;
         let id = Id::uninit(bytes);
-        let comm = match init_comm(&stream, rank, world_size, id, timeout, &rdv) {
+        let comm = match init_comm(&nccl_stream, rank, world_size, id, timeout, &rdv) {
             Ok(c) => c,
             Err(reason) => {
                 rdv.abort(&reason);
@@ -302,6 +318,7 @@ impl NcclComm {
             world_size,
             device: cuda,
             stream,
+            nccl_stream,
             timeout,
             rendezvous: rdv,
             inner: Mutex::new(Inner {
@@ -380,7 +397,15 @@ impl NcclComm {
             .map_err(|e| self.fail(inner, &what, &format!("binding the CUDA context: {e:?}")))?;
         let t0 = Instant::now();
         let deadline = t0 + self.timeout;
-        let r = issue(inner.comm, self.stream.cu_stream() as sys::cudaStream_t);
+        // NCCL's stream starts after everything this thread queued on Candle's stream.
+        self.stream
+            .record_event(None)
+            .and_then(|ev| self.nccl_stream.wait(&ev))
+            .map_err(|e| self.fail(inner, &what, &format!("ordering the streams: {e:?}")))?;
+        let r = issue(
+            inner.comm,
+            self.nccl_stream.cu_stream() as sys::cudaStream_t,
+        );
         if !matches!(
             r,
             sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
@@ -411,7 +436,7 @@ impl NcclComm {
             }
             // Only once NCCL has finished enqueueing may other work go on its stream.
             if state == sys::ncclResult_t::ncclSuccess && event.is_none() {
-                event = Some(self.stream.record_event(None).map_err(|e| {
+                event = Some(self.nccl_stream.record_event(None).map_err(|e| {
                     self.fail(inner, &what, &format!("recording a CUDA event: {e:?}"))
                 })?);
             }
@@ -477,7 +502,7 @@ impl NcclComm {
                     })?;
             }
             {
-                let stream = &self.stream;
+                let stream = &self.nccl_stream;
                 let (src, _s) = send.device_ptr(stream);
                 let (dst, _d) = recv.device_ptr_mut(stream);
                 self.run(inner, op, n * 4, |comm, st| unsafe {
@@ -539,7 +564,7 @@ impl NcclComm {
             })?;
             let src = cs.as_cuda_slice::<f32>()?.slice(start..end);
             let mut inner = self.lock();
-            let stream = &self.stream;
+            let stream = &self.nccl_stream;
             let (sp, _s) = src.device_ptr(stream);
             let (dp, _d) = out.device_ptr_mut(stream);
             self.run(&mut inner, op, n * 4, |comm, st| unsafe {

@@ -222,8 +222,13 @@ const ABORT: u8 = 4;
 const BYE: u8 = 5;
 /// Largest payload accepted (the blob and abort reasons are small; anything bigger is not us).
 const MAX_PAYLOAD: usize = 1 << 20;
-/// How long rank 0 waits for a fresh connection to introduce itself.
-const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long rank 0 waits for a fresh connection to introduce itself (short in unit tests, which
+/// check that it does not outlive the handshake).
+const HELLO_TIMEOUT: Duration = if cfg!(test) {
+    Duration::from_millis(200)
+} else {
+    Duration::from_secs(5)
+};
 /// How long a write on the health channel may block.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -335,6 +340,15 @@ impl Health {
                 format!("sent an unexpected frame (kind {kind}) on the health channel"),
             ),
             Err(_) if self.closing.load(Ordering::SeqCst) => return false,
+            // Not a lost connection (the channel has no read timeout; this is defensive).
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                return true
+            }
             Err(e) => {
                 let why = match e.kind() {
                     io::ErrorKind::UnexpectedEof => "closed".to_string(),
@@ -488,6 +502,10 @@ impl Rendezvous {
                         "rank 0: rendezvous at {master}: {problem}"
                     )));
                 }
+                // The health channel blocks in reads for as long as the group lives.
+                stream
+                    .set_read_timeout(None)
+                    .map_err(|e| rdv_err(format!("rank 0: connection to rank {r}: {e}")))?;
                 peers[r] = Some(stream);
                 joined += 1;
             }
@@ -946,6 +964,16 @@ mod tests {
         for rdv in &g {
             let f = rdv.wait_failure(PROMPT).expect("failure seen");
             assert!(f.starts_with("rank 0: ") && f.contains("lost"), "{f}");
+        }
+    }
+
+    #[test]
+    fn an_idle_group_stays_healthy() {
+        // Idle for longer than any handshake timeout: the channel must not read that as a loss.
+        let g = group(3, LONG);
+        std::thread::sleep(HELLO_TIMEOUT * 3);
+        for rdv in &g {
+            assert_eq!(rdv.wait_failure(Duration::from_millis(10)), None);
         }
     }
 
