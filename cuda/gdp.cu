@@ -26,6 +26,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "inverse.cuh"
 #include "mma.cuh"
 
 #define GDP_CHUNK 64
@@ -266,24 +267,10 @@ __device__ void gdp_fwd(const T* __restrict__ qk, const T* __restrict__ vv,
         });
     __syncthreads();
 
-    // ---- (I + A)^-1 by columns (threads < c) || X = beta V - beta e^G (K S) (threads >= 64).
-    if (tid < c) {
-      // Column j of the inverse; rows above j are 0, so the inner trip count i is the same for
-      // every thread (no divergence, loads can be batched).
-      const int j = tid;
-      for (int i = 0; i <= j; ++i) Ai[i * c + j] = i == j ? 1.f : 0.f;
-      for (int i = 1; i < c; ++i) {
-        float acc0 = 0.f, acc1 = 0.f;
-        int m = 0;
-        const float* arow = A + i * c;
-        for (; m + 1 < i; m += 2) {
-          acc0 = fmaf(arow[m], Ai[m * c + j], acc0);
-          acc1 = fmaf(arow[m + 1], Ai[(m + 1) * c + j], acc1);
-        }
-        if (m < i) acc0 = fmaf(arow[m], Ai[m * c + j], acc0);
-        if (j < i) Ai[i * c + j] = -(acc0 + acc1);
-      }
-    } else if (tid >= 64) {
+    // ---- (I + A)^-1 (warps 0-1, named barrier 1) || X = beta V - beta e^G (K S) (warps 2-7).
+    if (tid < 64) {
+      tri_inverse(A, Ai, c, tid, 64, 1);
+    } else {
       block_mma<MP, SI, true>(
           c, bv, K, tid - 64, nthr - 64, [&](int m, int k) { return to_f(Ks[m * KSTR + k]); },
           [&](int k, int nn) { return S[k * BV + nn]; },
@@ -362,3 +349,4 @@ GDP_FWD_ENTRY(gdp_fwd_bf16, __nv_bfloat16)
 GDP_FWD_ENTRY(gdp_fwd_f16, __half)
 
 #include "gdp_bwd.cuh"
+#include "gdp_fwd_chunked.cuh"

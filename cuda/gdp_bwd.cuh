@@ -67,26 +67,6 @@ __device__ __forceinline__ void gdpb_cumsum(float* G, float* Gl, int c) {
   }
 }
 
-// Ai = (I + A)^-1 for a strictly lower A (entries on and above the diagonal are not read), by
-// columns on threads [0, c). Every entry of Ai is written.
-__device__ __forceinline__ void gdpb_inverse(const float* A, float* Ai, int c, int tid) {
-  if (tid < c) {
-    const int j = tid;
-    for (int i = 0; i <= j; ++i) Ai[i * c + j] = i == j ? 1.f : 0.f;
-    for (int i = 1; i < c; ++i) {
-      float acc0 = 0.f, acc1 = 0.f;
-      int m = 0;
-      const float* arow = A + i * c;
-      for (; m + 1 < i; m += 2) {
-        acc0 = fmaf(arow[m], Ai[m * c + j], acc0);
-        acc1 = fmaf(arow[m + 1], Ai[(m + 1) * c + j], acc1);
-      }
-      if (m < i) acc0 = fmaf(arow[m], Ai[m * c + j], acc0);
-      if (j < i) Ai[i * c + j] = -(acc0 + acc1);
-    }
-  }
-}
-
 template <typename T>
 __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
                         const float* __restrict__ aux, const int* __restrict__ table,
@@ -214,7 +194,7 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
           [&](int k, int col) { return S[k * SB + col]; },
           [&](int i, int col, float acc) { KH[i * SB + col] = acc; });
       __syncthreads();
-      gdpb_inverse(CB, CC, c, tid);
+      tri_inverse(CB, CC, c, tid, nthr, 1);
       __syncthreads();
       // Δ = Ainv X, X = β V - β e^G K h
       block_mma<MP, true, true, 1, 4, kLowerA>(
@@ -334,7 +314,7 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
     }
     __syncthreads();
     // ---- P5: Ainv.
-    gdpb_inverse(CB, CC, c, tid);
+    tri_inverse(CB, CC, c, tid, nthr, 1);
     __syncthreads();
     if (full) {
       // ---- P6: Δ = Ainv X.

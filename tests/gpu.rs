@@ -129,6 +129,25 @@ fn half_precision_matches_f64_reference() -> Result<()> {
     Ok(())
 }
 
+/// The two-kernel bf16 forward (opt-in with `GDP_CUDA_FWD=chunked`): reruns
+/// `half_precision_matches_f64_reference` in a child process of this binary with it selected.
+#[test]
+fn chunked_bf16_forward_matches_f64_reference() -> Result<()> {
+    if std::env::var_os("GDP_CUDA_FWD").is_some() {
+        println!("GDP_CUDA_FWD is set: the forward path is already chosen for this process");
+        return Ok(());
+    }
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .env("GDP_CUDA_FWD", "chunked")
+        .args(["half_precision_matches_f64_reference", "--exact"])
+        .args(["--test-threads", "1", "--nocapture"])
+        .output()?;
+    let log = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "chunked bf16 forward:\n{log}");
+    assert!(log.contains("1 passed"), "the child ran no test:\n{log}");
+    Ok(())
+}
+
 #[test]
 fn packed_entry_and_no_final_state() -> Result<()> {
     // The packed `qk [B, T, n+1, H, K]` entry point on CUDA gives the FLA-layout result, and

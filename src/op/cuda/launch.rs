@@ -181,6 +181,9 @@ pub fn forward(
             has_h0,
             h0_override,
         ),
+        DType::BF16 if super::chunked::enabled() => {
+            super::chunked::forward_bf16(&dev, qk, v, aux, sh, scale, has_h0, h0_override)
+        }
         DType::BF16 => launch::<half::bf16>(
             "gdp_fwd_bf16",
             &dev,

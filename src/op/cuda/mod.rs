@@ -3,6 +3,7 @@
 //! device, and the context-parallel summaries built on the backward kernel.
 
 mod backward;
+mod chunked;
 mod launch;
 
 pub use backward::{
