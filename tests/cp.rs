@@ -8,21 +8,21 @@ use anyhow::Result;
 use candle_core::{DType, Tensor};
 use candle_gdp::cp::Composition;
 use candle_gdp::{ContextParallel, Cotangents, GdpOptions};
-use common::{inputs, rel_rms, run_op, Case};
+use common::{inputs, rel_rms, run_op, Case, Inputs};
 
 fn check(c: &Case, ranks: &[usize]) -> Result<()> {
     let x = inputs(c, DType::F32)?;
     let want = run_op(c, &x, DType::F32)?;
-    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
-    let (q, k, v, g, beta) = (
-        f32(&x.q)?,
-        f32(&x.k)?,
-        f32(&x.v)?,
-        f32(&x.g)?,
-        f32(&x.beta)?,
-    );
-    let h0 = x.h0.as_ref().map(f32).transpose()?;
-    let (dout, dht) = (f32(&x.dout)?, f32(&x.dht)?);
+    let Inputs {
+        q,
+        k,
+        v,
+        g,
+        beta,
+        h0,
+        dout,
+        dht,
+    } = x.cast(DType::F32)?;
     for &r in ranks {
         let opts = GdpOptions {
             initial_state: h0.as_ref(),

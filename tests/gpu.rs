@@ -323,16 +323,16 @@ fn cp_check(c: &Case, ranks: &[usize]) -> Result<()> {
     let dev = cuda()?;
     let x = inputs(c, DType::F32)?;
     let want = run_op_on(c, &x, DType::F32, &dev)?;
-    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
-    let (q, k, v, g, beta) = (
-        f32(&x.q)?,
-        f32(&x.k)?,
-        f32(&x.v)?,
-        f32(&x.g)?,
-        f32(&x.beta)?,
-    );
-    let h0 = x.h0.as_ref().map(f32).transpose()?;
-    let (dout, dht) = (f32(&x.dout)?, f32(&x.dht)?);
+    let Inputs {
+        q,
+        k,
+        v,
+        g,
+        beta,
+        h0,
+        dout,
+        dht,
+    } = x.cast(DType::F32)?;
     for &r in ranks {
         let devices = (0..r)
             .map(|_| Device::new_cuda(0))

@@ -19,7 +19,7 @@ use candle_gdp::cp::comm::DistEnv;
 use candle_gdp::cp::launch::{launch, LaunchConfig};
 use candle_gdp::cp::{distributed_gated_delta_product, Communicator, Composition, NcclComm};
 use candle_gdp::{Cotangents, GdpOptions};
-use common::{inputs, rel_rms, run_op_on, Case};
+use common::{inputs, rel_rms, run_op_on, Case, Inputs};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -195,16 +195,16 @@ fn cp_case(comm: &Arc<NcclComm>, dev: &Device, c: &Case) -> Result<()> {
     let (r, w) = (comm.rank(), comm.world_size());
     let x = inputs(c, DType::F32)?;
     let want = run_op_on(c, &x, DType::F32, dev)?;
-    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
-    let (q, k, v, g, beta) = (
-        f32(&x.q)?,
-        f32(&x.k)?,
-        f32(&x.v)?,
-        f32(&x.g)?,
-        f32(&x.beta)?,
-    );
-    let h0 = x.h0.as_ref().map(f32).transpose()?;
-    let (dout, dht) = (f32(&x.dout)?, f32(&x.dht)?);
+    let Inputs {
+        q,
+        k,
+        v,
+        g,
+        beta,
+        h0,
+        dout,
+        dht,
+    } = x.cast(DType::F32)?;
     let opts = GdpOptions {
         initial_state: h0.as_ref(),
         output_final_state: true,

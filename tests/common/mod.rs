@@ -83,6 +83,25 @@ pub struct Inputs {
     pub dht: Tensor,
 }
 
+impl Inputs {
+    /// The inputs as the op takes them in `dtype`: q, k, v, beta in `dtype`; the gates, the
+    /// initial state and the cotangents in f32.
+    #[allow(dead_code)] // not every test binary uses it
+    pub fn cast(&self, dtype: DType) -> candle_core::Result<Inputs> {
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+        Ok(Inputs {
+            q: self.q.to_dtype(dtype)?,
+            k: self.k.to_dtype(dtype)?,
+            v: self.v.to_dtype(dtype)?,
+            g: f32(&self.g)?,
+            beta: self.beta.to_dtype(dtype)?,
+            h0: self.h0.as_ref().map(f32).transpose()?,
+            dout: f32(&self.dout)?,
+            dht: f32(&self.dht)?,
+        })
+    }
+}
+
 fn normal(rng: &mut StdRng) -> f64 {
     // Box–Muller
     let u1: f64 = rng.random::<f64>().max(1e-300);

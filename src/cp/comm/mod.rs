@@ -73,6 +73,24 @@ pub trait Communicator: Send + Sync {
     }
 }
 
+/// The collectives of [`Communicator`], as the transports name them in errors and checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Collective {
+    AllGather,
+    AllReduceSum,
+    Barrier,
+}
+
+impl std::fmt::Display for Collective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Collective::AllGather => "all_gather",
+            Collective::AllReduceSum => "all_reduce_sum",
+            Collective::Barrier => "barrier",
+        })
+    }
+}
+
 /// Host copy of an `f32` tensor (any layout), the wire format of the collectives.
 pub(crate) fn host_f32(t: &Tensor, name: &str) -> Result<Vec<f32>> {
     if t.dtype() != DType::F32 {

@@ -37,7 +37,7 @@ use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
 
 use super::rendezvous::{timeout_from_env, DistEnv, Rendezvous, RendezvousAddr};
-use super::{host_f32, Communicator, DEFAULT_TIMEOUT};
+use super::{host_f32, Collective, Communicator, DEFAULT_TIMEOUT};
 use crate::error::{GdpError, Result};
 
 /// Time spent in collectives, for benchmarks.
@@ -49,23 +49,6 @@ pub struct CommStats {
     pub wait: Duration,
     /// Bytes this rank contributed.
     pub bytes: u64,
-}
-
-#[derive(Debug, Clone, Copy)]
-enum Op {
-    AllGather,
-    AllReduceSum,
-    Barrier,
-}
-
-impl fmt::Display for Op {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Op::AllGather => "all_gather",
-            Op::AllReduceSum => "all_reduce_sum",
-            Op::Barrier => "barrier",
-        })
-    }
 }
 
 /// The raw NCCL communicator and the scratch buffers, behind [`NcclComm`]'s mutex.
@@ -382,7 +365,7 @@ impl NcclComm {
     fn run(
         &self,
         inner: &mut Inner,
-        op: Op,
+        op: Collective,
         bytes: usize,
         issue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> sys::ncclResult_t,
     ) -> Result<()> {
@@ -479,10 +462,10 @@ impl NcclComm {
 
     /// A host collective through the scratch buffers: `local` in, `world · len` (gather) or
     /// `len` (reduce) floats out.
-    fn host_collective(&self, op: Op, local: &[f32]) -> Result<Vec<f32>> {
+    fn host_collective(&self, op: Collective, local: &[f32]) -> Result<Vec<f32>> {
         let n = local.len();
         let out_len = match op {
-            Op::AllGather => n * self.world_size,
+            Collective::AllGather => n * self.world_size,
             _ => n,
         };
         let mut inner = self.lock();
@@ -523,7 +506,7 @@ impl NcclComm {
 
     /// A tensor collective on the device, for contiguous-able f32 tensors on this
     /// communicator's device; `None` when the tensor lives elsewhere.
-    fn device_collective(&self, op: Op, local: &Tensor) -> Result<Option<Tensor>> {
+    fn device_collective(&self, op: Collective, local: &Tensor) -> Result<Option<Tensor>> {
         match local.device() {
             Device::Cuda(d) if d.same_device(&self.device) => {}
             _ => return Ok(None),
@@ -539,7 +522,7 @@ impl NcclComm {
         let local = local.contiguous()?;
         let n = local.elem_count();
         let mut dims = local.dims().to_vec();
-        if let Op::AllGather = op {
+        if let Collective::AllGather = op {
             dims.insert(0, self.world_size);
         }
         if n == 0 {
@@ -548,7 +531,7 @@ impl NcclComm {
             }
             return Ok(Some(Tensor::zeros(dims, DType::F32, local.device())?));
         }
-        let out_len = n * if let Op::AllGather = op {
+        let out_len = n * if let Collective::AllGather = op {
             self.world_size
         } else {
             1
@@ -582,7 +565,7 @@ impl NcclComm {
 /// # Safety
 /// `src` and `dst` must be device buffers of the communicator's device large enough for `op`.
 unsafe fn enqueue(
-    op: Op,
+    op: Collective,
     src: u64,
     dst: u64,
     n: usize,
@@ -591,8 +574,8 @@ unsafe fn enqueue(
 ) -> sys::ncclResult_t {
     let f32t = sys::ncclDataType_t::ncclFloat32;
     match op {
-        Op::AllGather => sys::ncclAllGather(src as _, dst as _, n, f32t, comm, stream),
-        Op::AllReduceSum | Op::Barrier => sys::ncclAllReduce(
+        Collective::AllGather => sys::ncclAllGather(src as _, dst as _, n, f32t, comm, stream),
+        Collective::AllReduceSum | Collective::Barrier => sys::ncclAllReduce(
             src as _,
             dst as _,
             n,
@@ -690,17 +673,18 @@ impl Communicator for NcclComm {
     }
 
     fn all_gather(&self, local: &[f32]) -> Result<Vec<f32>> {
-        self.host_collective(Op::AllGather, local)
+        self.host_collective(Collective::AllGather, local)
     }
 
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
-        let sum = self.host_collective(Op::AllReduceSum, buf)?;
+        let sum = self.host_collective(Collective::AllReduceSum, buf)?;
         buf.copy_from_slice(&sum);
         Ok(())
     }
 
     fn barrier(&self) -> Result<()> {
-        self.host_collective(Op::Barrier, &[0.0]).map(|_| ())
+        self.host_collective(Collective::Barrier, &[0.0])
+            .map(|_| ())
     }
 
     fn abort(&self, reason: &str) {
@@ -712,7 +696,7 @@ impl Communicator for NcclComm {
     }
 
     fn all_gather_tensor(&self, local: &Tensor) -> Result<Tensor> {
-        if let Some(t) = self.device_collective(Op::AllGather, local)? {
+        if let Some(t) = self.device_collective(Collective::AllGather, local)? {
             return Ok(t);
         }
         let data = host_f32(local, "all_gather_tensor")?;
@@ -723,7 +707,7 @@ impl Communicator for NcclComm {
     }
 
     fn all_reduce_sum_tensor(&self, local: &Tensor) -> Result<Tensor> {
-        if let Some(t) = self.device_collective(Op::AllReduceSum, local)? {
+        if let Some(t) = self.device_collective(Collective::AllReduceSum, local)? {
             return Ok(t);
         }
         let mut data = host_f32(local, "all_reduce_sum_tensor")?;

@@ -19,32 +19,15 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::Communicator;
+use super::{Collective, Communicator};
 use crate::error::{GdpError, Result};
 
 /// Default time a rank waits in a collective for its peers before the group fails.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Op {
-    AllGather,
-    AllReduceSum,
-    Barrier,
-}
-
-impl fmt::Display for Op {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Op::AllGather => "all_gather",
-            Op::AllReduceSum => "all_reduce_sum",
-            Op::Barrier => "barrier",
-        })
-    }
-}
-
 /// The collective being assembled, as announced by the first rank to arrive.
 struct Pending {
-    op: Op,
+    op: Collective,
     len: usize,
     rank: usize,
 }
@@ -179,7 +162,7 @@ impl ThreadComm {
     }
 
     /// Deposits `data`, waits for every rank and returns the combined buffer.
-    fn collective(&self, op: Op, data: &[f32]) -> Result<Arc<Vec<f32>>> {
+    fn collective(&self, op: Collective, data: &[f32]) -> Result<Arc<Vec<f32>>> {
         let world = self.shared.world_size;
         let mut st = self.lock()?;
         if st.failure.is_some() {
@@ -262,10 +245,10 @@ impl ThreadComm {
 }
 
 /// Combines the rank-ordered buffers of one collective.
-fn combine(op: Op, parts: Vec<Vec<f32>>) -> Vec<f32> {
+fn combine(op: Collective, parts: Vec<Vec<f32>>) -> Vec<f32> {
     match op {
-        Op::AllGather => parts.concat(),
-        Op::AllReduceSum => {
+        Collective::AllGather => parts.concat(),
+        Collective::AllReduceSum => {
             let mut parts = parts.into_iter();
             let mut sum = parts.next().unwrap_or_default();
             for part in parts {
@@ -273,7 +256,7 @@ fn combine(op: Op, parts: Vec<Vec<f32>>) -> Vec<f32> {
             }
             sum
         }
-        Op::Barrier => Vec::new(),
+        Collective::Barrier => Vec::new(),
     }
 }
 
@@ -287,17 +270,20 @@ impl Communicator for ThreadComm {
     }
 
     fn all_gather(&self, local: &[f32]) -> Result<Vec<f32>> {
-        Ok(self.collective(Op::AllGather, local)?.as_ref().clone())
+        Ok(self
+            .collective(Collective::AllGather, local)?
+            .as_ref()
+            .clone())
     }
 
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
-        let sum = self.collective(Op::AllReduceSum, buf)?;
+        let sum = self.collective(Collective::AllReduceSum, buf)?;
         buf.copy_from_slice(&sum);
         Ok(())
     }
 
     fn barrier(&self) -> Result<()> {
-        self.collective(Op::Barrier, &[]).map(|_| ())
+        self.collective(Collective::Barrier, &[]).map(|_| ())
     }
 
     fn abort(&self, reason: &str) {

@@ -4,7 +4,7 @@
 //! `[h0 | I_K]`, and the initial-state gradient of the backward run with `do = [do | 0_K]`,
 //! `dht = [dht | I_K]`). Every CUDA failure is returned as a [`candle_core::Error`].
 
-use super::launch::{device_attr, to_i32, view, THREADS};
+use super::launch::{check_states, device_attr, shape_i32, to_i32, view, THREADS};
 use super::{GDP_PTX, MODULE};
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::backend::{BackendDevice, BackendStorage};
@@ -194,28 +194,9 @@ impl Launch<'_> {
             Some(g) => Some(view::<f32>(g.0, g.1, o_len + s_len, "grad")?),
             None => None,
         };
-        for (x, name) in [
-            (self.h0, "initial-state override"),
-            (self.dht, "dht override"),
-        ] {
-            if let Some(x) = x {
-                if x.len() < s_len {
-                    candle_core::bail!(
-                        "gdp cuda: the {name} holds {} elements, expected {s_len}",
-                        x.len()
-                    );
-                }
-            }
-        }
-        let (b, t, h, k, vd, n) = (
-            to_i32(sh.batch, "B")?,
-            to_i32(sh.tokens, "T")?,
-            to_i32(sh.heads, "H")?,
-            to_i32(sh.dk, "K")?,
-            to_i32(sh.dv, "V")?,
-            to_i32(sh.n, "n")?,
-        );
-        to_i32(sh.tokens * sh.n, "T·n")?;
+        check_states(self.h0, sh, "initial-state override")?;
+        check_states(self.dht, sh, "dht override")?;
+        let [b, t, h, k, vd, n] = shape_i32(sh)?;
         let ext = if self.mode == MODE_FULL { 0 } else { sh.dk };
         to_i32(sh.dv + ext, "V + K")?;
         let mut table = Vec::with_capacity(5 * self.seqs.len());

@@ -10,7 +10,7 @@
 //! per-chunk offset tables with 16-byte loads, passed the GPU tests (2026-11-29) and was not yet
 //! timed (`docs/perf.md`).
 
-use super::launch::{device_attr, to_i32, view};
+use super::launch::{check_states, device_attr, shape_i32, to_i32, view};
 use super::{GDP_PTX, MODULE};
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::cuda_backend::cudarc::driver::sys::{
@@ -84,25 +84,9 @@ pub fn forward_bf16(
     let qk_v = view::<half::bf16>(qk.0, qk.1, sh.qk_len(), "qk")?;
     let v_v = view::<half::bf16>(v.0, v.1, sh.v_len(), "v")?;
     let aux_v = view::<f32>(aux.0, aux.1, sh.aux_len(has_h0), "gates")?;
-    if let Some(h) = h0_override {
-        if h.len() < sh.state_len() {
-            candle_core::bail!(
-                "gdp cuda: the initial-state override holds {} elements, expected {}",
-                h.len(),
-                sh.state_len()
-            );
-        }
-    }
-    let (b, t, h, k, vd, n) = (
-        to_i32(sh.batch, "B")?,
-        to_i32(sh.tokens, "T")?,
-        to_i32(sh.heads, "H")?,
-        to_i32(sh.dk, "K")?,
-        to_i32(sh.dv, "V")?,
-        to_i32(sh.n, "n")?,
-    );
+    check_states(h0_override, sh, "initial-state override")?;
+    let [b, t, h, k, vd, n] = shape_i32(sh)?;
     let nseq = to_i32(sh.num_seqs(), "N")?;
-    to_i32(sh.tokens * sh.n, "T·n")?;
 
     // Table: per sequence (batch, start, len, first chunk), then per chunk (sequence, index).
     let mut table = Vec::with_capacity(4 * sh.num_seqs());

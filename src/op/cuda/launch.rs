@@ -126,6 +126,33 @@ pub(super) fn view<'a, T: CudaDType>(
     Ok(s.as_cuda_slice::<T>()?.slice(a..b))
 }
 
+/// The kernels' i32 size arguments `[B, T, H, K, V, n]` (every index the kernels form from
+/// them is 64-bit); fails where a size, or `T·n`, exceeds i32.
+pub(super) fn shape_i32(sh: &GdpShape) -> Result<[i32; 6]> {
+    to_i32(sh.tokens * sh.n, "T·n")?;
+    Ok([
+        to_i32(sh.batch, "B")?,
+        to_i32(sh.tokens, "T")?,
+        to_i32(sh.heads, "H")?,
+        to_i32(sh.dk, "K")?,
+        to_i32(sh.dv, "V")?,
+        to_i32(sh.n, "n")?,
+    ])
+}
+
+/// Checks that a state buffer passed to a kernel (`name`) holds one `[K, V]` state per
+/// (sequence, head).
+pub(super) fn check_states(x: Option<&CudaSlice<f32>>, sh: &GdpShape, name: &str) -> Result<()> {
+    match x {
+        Some(x) if x.len() < sh.state_len() => candle_core::bail!(
+            "gdp cuda: the {name} holds {} elements, expected {}",
+            x.len(),
+            sh.state_len()
+        ),
+        _ => Ok(()),
+    }
+}
+
 pub(super) fn to_i32(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x)
         .map_err(|_| candle_core::Error::Msg(format!("gdp cuda: {what} = {x} exceeds i32")))
@@ -228,25 +255,8 @@ fn launch<T: CudaDType + DeviceRepr>(
     let qk_v = view::<T>(qk.0, qk.1, sh.qk_len(), "qk")?;
     let v_v = view::<T>(v.0, v.1, sh.v_len(), "v")?;
     let aux_v = view::<f32>(aux.0, aux.1, sh.aux_len(has_h0), "gates")?;
-    if let Some(h) = h0_override {
-        if h.len() < sh.state_len() {
-            candle_core::bail!(
-                "gdp cuda: the initial-state override holds {} elements, expected {}",
-                h.len(),
-                sh.state_len()
-            );
-        }
-    }
-    // Every index the kernel forms from these fits in i64; the sizes themselves go in as i32.
-    let (b, t, h, k, vd, n) = (
-        to_i32(sh.batch, "B")?,
-        to_i32(sh.tokens, "T")?,
-        to_i32(sh.heads, "H")?,
-        to_i32(sh.dk, "K")?,
-        to_i32(sh.dv, "V")?,
-        to_i32(sh.n, "n")?,
-    );
-    to_i32(sh.tokens * sh.n, "T·n")?;
+    check_states(h0_override, sh, "initial-state override")?;
+    let [b, t, h, k, vd, n] = shape_i32(sh)?;
     let mut seqs = Vec::with_capacity(3 * sh.num_seqs());
     for s in &sh.seqs {
         seqs.extend([
