@@ -237,18 +237,16 @@ fn backward_f32_matches_cpu_op() -> Result<()> {
             if e <= 1e-5 {
                 check(&c, &format!("{name} vs cpu"), a, b, 1e-5)?;
             } else {
-                // The CPU op itself can be further than 1e-5 from the f64 reference: the gate
-                // gradient with strong gates at K = 256 (its chunk-local reverse cumsum cancels
-                // large dS-driven terms in f32; the CUDA kernel adds those as a prefix sum
-                // instead). Then the CUDA result must be within 1e-5 of f64, and closer to it
-                // than the CPU op.
+                // Two f32 results that are each within 1e-5 of the f64 reference can be a
+                // little further apart (the gate gradient under strong gates at K = 256 is
+                // ~5e-6 from f64 on the CPU). Then both must be within 1e-5 of f64.
                 let (e_gpu, e_cpu) = (rel_rms(a, r)?, rel_rms(b, r)?);
                 println!(
                     "{:<28} {name} vs cpu {e:.2e}: vs f64 cuda {e_gpu:.2e}, cpu {e_cpu:.2e}",
                     c.name
                 );
                 assert!(
-                    e_gpu <= 1e-5 && e_gpu <= e_cpu,
+                    e_gpu <= 1e-5 && e_cpu <= 1e-5,
                     "{}: {name} vs cpu {e:.2e}, vs f64: cuda {e_gpu:.2e}, cpu {e_cpu:.2e}",
                     c.name
                 );

@@ -28,6 +28,14 @@ fn cases() -> Vec<Case> {
         Case::new("packed n1", 1, 97, 3, 16, 16, 1)
             .packed(&[0, 33, 96, 97])
             .h0(),
+        // Wide keys under strong gates: the gate gradient sums large dS-driven terms.
+        Case::new("strong n1 T70 K256 V200", 1, 70, 2, 256, 200, 1)
+            .strong_gates()
+            .seed(29),
+        Case::new("strong n2 T130 K64 V64 h0", 2, 130, 2, 64, 64, 2)
+            .strong_gates()
+            .h0()
+            .seed(19),
     ]
 }
 

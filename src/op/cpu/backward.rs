@@ -49,6 +49,8 @@ struct Scratch {
     dk: Vec<f32>,
     dw: Vec<f32>,
     dg_cum: Vec<f32>,
+    /// Exclusive prefix sums of k_i·dk_inter_i (their part of the gate gradient).
+    inter_prefix: Vec<f32>,
     dainv: Vec<f32>,
     tmp: Vec<f32>,
     dm: Vec<f32>,
@@ -74,6 +76,7 @@ impl Scratch {
             dk: vec![0.0; ck],
             dw: vec![0.0; ck],
             dg_cum: vec![0.0; CHUNK],
+            inter_prefix: vec![0.0; CHUNK],
             dainv: vec![0.0; cc],
             tmp: vec![0.0; cc],
             dm: vec![0.0; cc],
@@ -215,7 +218,8 @@ fn reverse_chunk(
     }
     matmul(&mut s.dqsel, dsmat, kmat, true, 1.0, 1.0);
 
-    // dk = diag(e^{G_last − G}) Δ dSᵀ + dsᵀ Q
+    // dk = diag(e^{G_last − G}) Δ dSᵀ + dsᵀ Q. The gate gradient takes k·dk of the two parts
+    // apart (see the reverse cumsum below), so dsᵀ Q is formed first and read alone.
     matmul(&mut s.dk_inter, delta, dsm.t(), false, 0.0, 1.0);
     for i in 0..c {
         let f = wy.decay[(c - 1) * c + i];
@@ -223,8 +227,14 @@ fn reverse_chunk(
             .iter_mut()
             .for_each(|x| *x *= f);
     }
-    s.dk[..c * dk].copy_from_slice(&s.dk_inter[..c * dk]);
-    matmul(&mut s.dk, dsmat.t(), qm, true, 1.0, 1.0);
+    matmul(&mut s.dk, dsmat.t(), qm, false, 0.0, 1.0);
+    let dg = &mut s.dg_cum[..c];
+    for (i, dgi) in dg.iter_mut().enumerate() {
+        *dgi = -dot(&kc[i * dk..(i + 1) * dk], &s.dk[i * dk..(i + 1) * dk]);
+    }
+    for (o, &a) in s.dk[..c * dk].iter_mut().zip(&s.dk_inter[..c * dk]) {
+        *o += a;
+    }
 
     // dW = −dΔ hᵀ
     matmul(
@@ -236,17 +246,24 @@ fn reverse_chunk(
         -1.0,
     );
 
-    // Gradient w.r.t. the cumulated gate, from the output and state paths.
+    // Gradient w.r.t. the cumulated gate, from the output and state paths. The terms of the
+    // inter-chunk key gradient, a_i = k_i·dk_inter_i, would enter as −a_i on every row and
+    // +Σ a on the last, whose reverse cumsum is the exclusive prefix Σ_{m<i} a_m: they are
+    // added as that prefix at the end, so that these large (dS-driven) terms do not cancel in
+    // f32 (wide keys under strong gates lost the 1e-5 bound that way).
     let dg = &mut s.dg_cum[..c];
-    for (i, dgi) in dg.iter_mut().enumerate() {
-        *dgi = -dot(&kc[i * dk..(i + 1) * dk], &s.dk[i * dk..(i + 1) * dk]);
-    }
     for (r, &(i, t)) in s.qrows.iter().enumerate() {
         let dq_row = &s.dqsel[r * dk..(r + 1) * dk];
         dg[i] += dot(&s.qsel[r * dk..(r + 1) * dk], dq_row);
         gr.dq[t * dk..(t + 1) * dk].copy_from_slice(dq_row);
     }
-    dg[c - 1] += gl.exp() * dot(rec.h, ds_state) + dot(&kc[..c * dk], &s.dk_inter[..c * dk]);
+    dg[c - 1] += gl.exp() * dot(rec.h, ds_state);
+    let inter_prefix = &mut s.inter_prefix[..c];
+    let mut pre = 0.0f32;
+    for (i, p) in inter_prefix.iter_mut().enumerate() {
+        *p = pre;
+        pre += dot(&kc[i * dk..(i + 1) * dk], &s.dk_inter[i * dk..(i + 1) * dk]);
+    }
 
     // Carry dS to the chunk start: e^{G_last} dS + Σ_r scale e^{G_r} q_r do_rᵀ − Wᵀ dΔ
     for (r, &(i, _)) in s.qrows.iter().enumerate() {
@@ -365,7 +382,7 @@ fn reverse_chunk(
         acc += dg[i];
         let p = range.start + i;
         if p.is_multiple_of(n) {
-            gr.dg[p / n] = acc;
+            gr.dg[p / n] = acc + s.inter_prefix[i];
         }
     }
 }
