@@ -292,9 +292,19 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Health {
     /// Records the failure unless one is recorded already; returns whether it was the first.
     fn record(&self, origin: usize, reason: &str) -> bool {
+        self.record_and_relay(origin, reason, None::<fn()>)
+    }
+
+    /// [`Self::record`], running `relay` (the abort frames to the peers) before anyone on this
+    /// rank can see the failure: a rank that wakes up on it and exits at once must not say a
+    /// clean goodbye to a peer before that peer has been told.
+    fn record_and_relay(&self, origin: usize, reason: &str, relay: Option<impl FnOnce()>) -> bool {
         let mut f = lock(&self.failure);
         if f.is_some() {
             return false;
+        }
+        if let Some(relay) = relay {
+            relay();
         }
         *f = Some(Failure {
             origin,
@@ -365,9 +375,8 @@ impl Health {
             }
         };
         // Only the group's first failure is relayed (by rank 0, to everyone but its source).
-        if self.record(origin, &reason) && self.rank == 0 {
-            self.send_abort(origin, &reason, Some(peer));
-        }
+        let relay = (self.rank == 0).then_some(|| self.send_abort(origin, &reason, Some(peer)));
+        self.record_and_relay(origin, &reason, relay);
         false
     }
 
@@ -730,9 +739,8 @@ impl Rendezvous {
     /// Marks the group failed with `reason` (from this rank) and tells every other rank, through
     /// rank 0. Idempotent: only the group's first failure is recorded and relayed.
     pub fn abort(&self, reason: &str) {
-        if self.health.record(self.rank, reason) {
-            self.health.send_abort(self.rank, reason, None);
-        }
+        let relay = || self.health.send_abort(self.rank, reason, None);
+        self.health.record_and_relay(self.rank, reason, Some(relay));
     }
 }
 
