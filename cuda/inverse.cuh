@@ -16,7 +16,11 @@
 #pragma once
 
 __device__ __forceinline__ void named_barrier(int bar, int nthr) {
+#ifdef GDP_EMU
+  gdp_emu_named_barrier(bar, nthr);
+#else
   asm volatile("bar.sync %0, %1;\n" ::"r"(bar), "r"(nthr) : "memory");
+#endif
 }
 
 __device__ __forceinline__ void tri_inverse(const float* __restrict__ A, float* __restrict__ Ai,

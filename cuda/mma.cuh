@@ -16,6 +16,8 @@
 // Work split: tiles of (16 WM) x (8 WN) outputs go round-robin to the warps of threads
 // [tid - lane, ...) of the calling range; `nthr` and the range's first thread must be
 // multiples of 32 (every lane of a warp takes part in each mma).
+//
+// `GDP_EMU` swaps the inline PTX for the CPU emulation of cuda/emu (kernel tests without a GPU).
 
 #pragma once
 
@@ -59,11 +61,15 @@ struct MmaBf16 {
     n = g;
   }
   __device__ static __forceinline__ void mma(float* c, const uint32_t* a, const uint32_t* b) {
+#ifdef GDP_EMU
+    gdp_emu_mma_bf16(c, a, b);
+#else
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
   }
   // Loads the A fragment at (m0, k0) (hi and, with SPLIT, lo).
   template <bool SPLIT, typename FA>
@@ -114,20 +120,28 @@ struct MmaTf32 {
   static constexpr int NB = 2;
 
   __device__ static __forceinline__ uint32_t cvt(float x) {
+#ifdef GDP_EMU
+    return gdp_emu_cvt_tf32(x);
+#else
     uint32_t r;
     asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
     return r;
+#endif
   }
   __device__ static __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
     hi = cvt(x);
     lo = cvt(x - __uint_as_float(hi));
   }
   __device__ static __forceinline__ void mma(float* c, const uint32_t* a, const uint32_t* b) {
+#ifdef GDP_EMU
+    gdp_emu_mma_tf32(c, a, b);
+#else
     asm volatile(
         "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
   }
   template <bool SPLIT, typename FA>
   __device__ static __forceinline__ void load_a(int lane, int m0, int k0, int M, int KD, FA a,

@@ -1,0 +1,183 @@
+// CPU emulation of the CUDA subset the GDP kernels use, so that they can be checked against a
+// float64 reference without a GPU (cuda/emu/kernels.cpp). Every CUDA thread is a std::thread;
+// __syncthreads and bar.sync are std::barriers; a warp-level mma.sync is a warp barrier around a
+// shared exchange of the 32 lanes' fragment registers; atomicAdd is std::atomic_ref.
+// Included before the kernels with `-include emu.h -DGDP_EMU`; device code compiles as C++20.
+#pragma once
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+struct dim3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+extern thread_local dim3 threadIdx;
+extern dim3 blockIdx, blockDim;
+
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __restrict__
+#define __shared__
+#define __align__(x)
+
+struct uint4 {
+  uint32_t x, y, z, w;
+};
+struct float2 {
+  float x, y;
+};
+struct float4 {
+  float x, y, z, w;
+};
+inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+template <class T>
+T __ldg(const T* p) {
+  return *p;
+}
+inline float __uint_as_float(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t __float_as_uint(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+
+struct __nv_bfloat16 {
+  uint16_t b;
+};
+struct __nv_bfloat162 {
+  __nv_bfloat16 x, y;
+};
+inline float __bfloat162float(__nv_bfloat16 x) { return __uint_as_float(uint32_t(x.b) << 16); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {uint16_t((u >> 16) | 0x40)};  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return {uint16_t(u >> 16)};
+}
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+  return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)};
+}
+inline float2 __bfloat1622float2(__nv_bfloat162 h) {
+  return {__bfloat162float(h.x), __bfloat162float(h.y)};
+}
+struct __half {
+  uint16_t b;
+};
+inline float __half2float(__half x) {
+  _Float16 h;
+  memcpy(&h, &x.b, 2);
+  return (float)h;
+}
+inline __half __ushort_as_half(unsigned short u) { return {u}; }
+inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+using std::max;
+using std::min;
+
+// ---- Block-level synchronisation (reset by the launcher for every block).
+struct EmuBlock {
+  std::unique_ptr<std::barrier<>> sync;                 // __syncthreads
+  std::vector<std::unique_ptr<std::barrier<>>> warps;   // one per warp (mma exchange)
+  std::unique_ptr<std::barrier<>> named[16];            // bar.sync id, count
+  std::mutex named_mu;
+  // Fragment registers of every lane, two buffers: a (4 per thread), b (2 per thread).
+  std::vector<uint32_t> frag_a, frag_b;
+};
+extern EmuBlock* g_block;
+inline void __syncthreads() { g_block->sync->arrive_and_wait(); }
+inline void gdp_emu_named_barrier(int id, int count) {
+  std::barrier<>* b;
+  {
+    std::lock_guard<std::mutex> g(g_block->named_mu);
+    auto& slot = g_block->named[id];
+    if (!slot) slot = std::make_unique<std::barrier<>>(count);
+    b = slot.get();
+  }
+  b->arrive_and_wait();
+}
+
+// ---- Tensor-core emulation. Fragment layouts of the PTX ISA (mma.m16n8k16 .bf16 and
+// mma.m16n8k8 .tf32, row.col, f32 accumulators); lane = 4 g + t.
+inline uint32_t gdp_emu_cvt_tf32(float x) {
+  uint32_t u = __float_as_uint(x);
+  if ((u & 0x7f800000u) == 0x7f800000u) return u;
+  u += 0x1000u;  // round to nearest, ties away from zero (cvt.rna)
+  return u & 0xffffe000u;
+}
+
+// One warp barrier per mma: every lane publishes its registers in one of two buffers (by the
+// parity of its call count), waits for the warp, and computes its own four outputs from the
+// published registers. A lane reuses a buffer two calls later, after a barrier that every lane
+// reaches only once it has read that buffer.
+template <int KS, typename Elem>
+inline void gdp_emu_mma(float* c, const uint32_t* a, const uint32_t* b, Elem elem) {
+  thread_local unsigned calls = 0;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  EmuBlock& blk = *g_block;
+  const int buf = calls++ & 1;
+  const size_t nthr = blk.frag_b.size() / 4;  // two buffers of 2 registers per thread
+  uint32_t* fa = &blk.frag_a[(buf * nthr + warp * 32) * 4];
+  uint32_t* fb = &blk.frag_b[(buf * nthr + warp * 32) * 2];
+  for (int r = 0; r < 4; ++r) fa[lane * 4 + r] = a[r];
+  for (int r = 0; r < 2; ++r) fb[lane * 2 + r] = b[r];
+  blk.warps[warp]->arrive_and_wait();
+  const int g = lane >> 2, t = lane & 3;
+  for (int e = 0; e < 4; ++e) {
+    const int m = g + (e >= 2 ? 8 : 0), n = 2 * t + (e & 1);
+    double acc = c[e];
+    for (int k = 0; k < KS; ++k) acc += (double)elem.a(fa, m, k) * (double)elem.b(fb, k, n);
+    c[e] = (float)acc;
+  }
+}
+
+// Element (m, k) of A and (k, n) of B from the published registers (PTX ISA fragment layouts of
+// mma.m16n8k16 .bf16 and mma.m16n8k8 .tf32; lane = 4 g + t).
+struct EmuBf16Frag {
+  static float half(uint32_t w, int h) {
+    return __uint_as_float(h ? (w & 0xffff0000u) : (w << 16));
+  }
+  float a(const uint32_t* fa, int m, int k) const {
+    const int lane = 4 * (m & 7) + ((k & 7) >> 1), r = (m >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+    return half(fa[lane * 4 + r], k & 1);
+  }
+  float b(const uint32_t* fb, int k, int n) const {
+    const int lane = 4 * n + ((k & 7) >> 1), r = k >= 8 ? 1 : 0;
+    return half(fb[lane * 2 + r], k & 1);
+  }
+};
+struct EmuTf32Frag {
+  // The tensor core reads the top 19 bits of each tf32 operand.
+  static float v(uint32_t w) { return __uint_as_float(w & 0xffffe000u); }
+  float a(const uint32_t* fa, int m, int k) const {
+    const int lane = 4 * (m & 7) + (k & 3), r = (m >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0);
+    return v(fa[lane * 4 + r]);
+  }
+  float b(const uint32_t* fb, int k, int n) const {
+    return v(fb[(4 * n + (k & 3)) * 2 + (k >= 4 ? 1 : 0)]);
+  }
+};
+
+inline void gdp_emu_mma_bf16(float* c, const uint32_t* a, const uint32_t* b) {
+  gdp_emu_mma<16>(c, a, b, EmuBf16Frag{});
+}
+inline void gdp_emu_mma_tf32(float* c, const uint32_t* a, const uint32_t* b) {
+  gdp_emu_mma<8>(c, a, b, EmuTf32Frag{});
+}
+
+extern unsigned char smem_raw[];
+extern unsigned char gdpb_smem[];
+extern unsigned char gdpc_smem[];

@@ -1,0 +1,1 @@
+// Empty on purpose: cuda/emu/emu.h provides the bf16 types.

@@ -1,0 +1,1 @@
+// Empty on purpose: cuda/emu/emu.h provides the f16 type.
