@@ -7,7 +7,10 @@
 //      W  = Ainv diag(β e^G) K   [64, K]     U = Ainv diag(β) V   [64, V]
 //      P  = scale (q_r·k_j) dec(i_r, j)   [64, 64] for the query rows i_r = first + r n
 //      coef = [scale e^{G_{i_r}} (64) | e^{G_last - G_i} (64) | e^{G_last}, 0...]   (f32)
-//    written to a scratch buffer: W, U, P in bf16 (tensor-core operands), coef in f32.
+//    written to a scratch buffer: W, U, P in bf16 (tensor-core operands), coef in f32. The
+//    products run on tensor cores from bf16 operands staged in shared memory (K, Q, and the
+//    scaled, transposed K and V); the inverse is solved in f32 and rounded to bf16 for W and U,
+//    as FLA does.
 // 2. gdp_fwd_scan_bf16, grid (N*H, ceil(V / BV)), sequential over the chunks of a sequence, the
 //    state slice S [K, BV] in f32 in shared memory:
 //      Delta = U - W S,   o_r = coef_q[r] q_r S + P Delta,   S = e^{G_last} S + (coef_k ⊙ K)^T Delta
@@ -116,7 +119,8 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
                     __nv_bfloat16* __restrict__ pg, float* __restrict__ cg, int B, int TT, int H,
                     int K, int V, int n, int N, float scale) {
   constexpr int C = GDP_CHUNK;
-  const int tid = threadIdx.x, nthr = blockDim.x;
+  const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31, warp = tid >> 5;
+  const int nwarps = nthr >> 5;
   const int chunk = blockIdx.x, head = blockIdx.y;
   const int sidx = table[4 * N + 2 * chunk], ci = table[4 * N + 2 * chunk + 1];
   const int seq_b = table[4 * sidx], seq_start = table[4 * sidx + 1], seq_len = table[4 * sidx + 2];
@@ -127,20 +131,24 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
   const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
   const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
   const int64_t BTH = (int64_t)B * TT * H;
-  const int KS = K + 8, VS = V + 8;  // bf16 row strides (multiples of 8: 16-byte rows)
+  // K padded to the mma k step; K and V padded to the 32-column output tiles of W and U.
+  const int KP = (K + 15) & ~15, KN = (K + 31) & ~31, VN = (V + 31) & ~31;
+  const int LK = KP + 8, LC = C + 8;  // bf16 row strides of the operand buffers
 
   extern __shared__ __align__(16) unsigned char gdpc_smem[];
-  float* A = reinterpret_cast<float*>(gdpc_smem);  // [C][C]   A
-  float* Ai = A + C * C;                             // [C][C]   (I + A)^-1
+  float* A = reinterpret_cast<float*>(gdpc_smem);  // [C][C]   A (row stride c)
+  float* Ai = A + C * C;                             // [C][C]   (I + A)^-1 (row stride c)
   float* G = Ai + C * C;                             // [C]      gate cumsum (hi)
   float* Gl = G + C;                                 // [C]      its rounding error
   float* Bt = Gl + C;                                // [C]      beta
   float* Eg = Bt + C;                                // [C]      e^G
   int64_t* koff = reinterpret_cast<int64_t*>(Eg + C);  // [C]    key row offsets
   int64_t* qoff = koff + C;                            // [C]    query row offsets
-  __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(qoff + C);  // [C][KS]
-  __nv_bfloat16* Qs = Ks + C * KS;                                 // [C][KS]
-  __nv_bfloat16* Vs = Qs + C * KS;                                 // [C][VS]
+  __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(qoff + C);  // [C][LK]  K
+  __nv_bfloat16* Qs = Ks + C * LK;                                 // [C][LK]  Q (query rows)
+  __nv_bfloat16* KbT = Qs + C * LK;                                // [KN][LC] (β e^G ⊙ K)^T
+  __nv_bfloat16* VbT = KbT + KN * LC;                              // [VN][LC] (β ⊙ V)^T
+  __nv_bfloat16* Aib = VbT + VN * LC;                              // [C][LC]  Ainv (bf16)
 
   gdpc_row_offsets(koff, qoff, tok0, p0, c, first, nq, n, H, K, head, tid, nthr);
   for (int i = tid; i < c; i += nthr) {
@@ -149,56 +157,75 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
     Bt[i] = aux[BTH + ((tok0 * n + p) * H + head)];
   }
   __syncthreads();
-  const bool vk = (K % 8 == 0) && ((reinterpret_cast<uintptr_t>(qk) & 15) == 0);
-  const bool vvec = (V % 8 == 0) && ((reinterpret_cast<uintptr_t>(vv) & 15) == 0);
-  gdpc_copy_rows(Ks, KS, qk, [&](int r) { return koff[r]; }, c, K, vk, tid, nthr);
-  gdpc_copy_rows(Qs, KS, qk, [&](int r) { return qoff[r]; }, nq, K, vk, tid, nthr);
-  gdpc_copy_rows(
-      Vs, VS, vv, [&](int r) { return ((tok0 * n + p0 + r) * H + head) * V; }, c, V, vvec, tid,
-      nthr);
-  __syncthreads();
   if (tid == 0) gdpb_cumsum(G, Gl, c);
   __syncthreads();
   for (int i = tid; i < c; i += nthr) Eg[i] = expf(G[i] + Gl[i]);
+  __syncthreads();
 
-  // A = strict_lower(β_i (k_i·k_j) dec_ij).
-  block_mma<MmaBf16, false, false, 1, 4, kStrictLowerOut>(
-      c, c, K, tid, nthr, [&](int m, int k) { return __bfloat162float(Ks[m * KS + k]); },
-      [&](int k, int j) { return __bfloat162float(Ks[j * KS + k]); },
-      [&](int i, int j, float acc) {
-        if (j < i) A[i * c + j] = (acc * Bt[i]) * gdpb_dec(G, Gl, i, j);
+  // ---- Stage K, Q (row-major, zero padded) and the scaled, transposed K and V.
+  const __nv_bfloat16 zero = __float2bfloat16_rn(0.f);
+  for (int idx = tid; idx < C * KP; idx += nthr) {
+    const int i = idx % C, d = idx / C;  // consecutive threads: consecutive rows
+    const __nv_bfloat16 kv = (i < c && d < K) ? qk[koff[i] + d] : zero;
+    Ks[i * LK + d] = kv;
+    Qs[i * LK + d] = (i < nq && d < K) ? qk[qoff[i] + d] : zero;
+    KbT[d * LC + i] = __float2bfloat16_rn((i < c ? Bt[i] * Eg[i] : 0.f) * __bfloat162float(kv));
+  }
+  for (int idx = C * KP + tid; idx < C * KN; idx += nthr) KbT[(idx / C) * LC + idx % C] = zero;
+  for (int idx = tid; idx < C * VN; idx += nthr) {
+    const int i = idx % C, d = idx / C;
+    float x = 0.f;
+    if (i < c && d < V) x = Bt[i] * __bfloat162float(vv[((tok0 * n + p0 + i) * H + head) * V + d]);
+    VbT[d * LC + i] = __float2bfloat16_rn(x);
+  }
+  __syncthreads();
+
+  // ---- A = strict_lower(β_i (k_i·k_j) dec_ij) (tiles on/above the diagonal skipped) and
+  // P = scale (q_r·k_j) dec(i_r, j), from one tile list.
+  const int64_t slot = (int64_t)chunk * H + head;
+  __nv_bfloat16* pm = pg + slot * C * C;
+  for (int tile = warp; tile < 16; tile += nwarps) {
+    const bool is_p = tile >= 8;
+    const int m0 = ((tile & 7) >> 1) * 16, n0 = (tile & 1) * 32;
+    if (!is_p && n0 >= m0 + 15) continue;
+    float acc[1][4][4] = {};
+    gdpc_mma<1, 4>(acc, is_p ? Qs : Ks, LK, Ks, LK, m0, n0, KP, lane);
+    if (is_p)
+      mma_store<1, 4>(acc, lane, m0, n0, C, C, [&](int r, int j, float a) {
+        const float x = (r < nq && j < c) ? a * (scale * gdpb_dec(G, Gl, first + r * n, j)) : 0.f;
+        pm[r * C + j] = __float2bfloat16_rn(x);
       });
+    else
+      mma_store<1, 4>(acc, lane, m0, n0, c, c, [&](int i, int j, float a) {
+        if (j < i) A[i * c + j] = (a * Bt[i]) * gdpb_dec(G, Gl, i, j);
+      });
+  }
   __syncthreads();
   tri_inverse(A, Ai, c, tid, nthr, 1);
   __syncthreads();
+  for (int idx = tid; idx < C * C; idx += nthr) {
+    const int i = idx / C, j = idx % C;
+    Aib[i * LC + j] = __float2bfloat16_rn(i < c && j < c ? Ai[i * c + j] : 0.f);
+  }
+  __syncthreads();
 
-  const int64_t slot = (int64_t)chunk * H + head;
-  // W = Ainv diag(β e^G) K, U = Ainv diag(β) V (rows >= c written as zeros).
+  // ---- W = Ainv KbTᵀ [C, K] and U = Ainv VbTᵀ [C, V] (rows >= c come out zero).
   __nv_bfloat16* w = wg + slot * C * K;
   __nv_bfloat16* u = ug + slot * C * V;
-  block_mma<MmaBf16, true, true, 1, 4, kLowerA>(
-      c, K, c, tid, nthr, [&](int i, int m) { return Ai[i * c + m]; },
-      [&](int m, int d) { return (Bt[m] * Eg[m]) * __bfloat162float(Ks[m * KS + d]); },
-      [&](int i, int d, float acc) { w[i * K + d] = __float2bfloat16_rn(acc); });
-  block_mma<MmaBf16, true, true, 1, 4, kLowerA>(
-      c, V, c, tid, nthr, [&](int i, int m) { return Ai[i * c + m]; },
-      [&](int m, int d) { return Bt[m] * __bfloat162float(Vs[m * VS + d]); },
-      [&](int i, int d, float acc) { u[i * V + d] = __float2bfloat16_rn(acc); });
-  for (int idx = c * K + tid; idx < C * K; idx += nthr) w[idx] = __float2bfloat16_rn(0.f);
-  for (int idx = c * V + tid; idx < C * V; idx += nthr) u[idx] = __float2bfloat16_rn(0.f);
-
-  // P = scale (q_r·k_j) dec(i_r, j) for the query rows; zero elsewhere.
-  __nv_bfloat16* pm = pg + slot * C * C;
-  for (int idx = tid; idx < C * C; idx += nthr) {
-    const int r = idx / C, j = idx - r * C;
-    if (r >= nq || j >= c) pm[idx] = __float2bfloat16_rn(0.f);
+  const int tw = KN / 32, tu = VN / 32;
+  for (int tile = warp; tile < 4 * (tw + tu); tile += nwarps) {
+    const bool is_u = tile >= 4 * tw;
+    const int t2 = is_u ? tile - 4 * tw : tile, tn = is_u ? tu : tw;
+    const int m0 = (t2 / tn) * 16, n0 = (t2 % tn) * 32;
+    float acc[1][4][4] = {};
+    gdpc_mma<1, 4>(acc, Aib, LC, is_u ? VbT : KbT, LC, m0, n0, C, lane);
+    if (is_u)
+      mma_store<1, 4>(acc, lane, m0, n0, C, V,
+                      [&](int i, int d, float a) { u[i * V + d] = __float2bfloat16_rn(a); });
+    else
+      mma_store<1, 4>(acc, lane, m0, n0, C, K,
+                      [&](int i, int d, float a) { w[i * K + d] = __float2bfloat16_rn(a); });
   }
-  block_mma<MmaBf16, false, false>(
-      nq, c, K, tid, nthr, [&](int r, int k) { return __bfloat162float(Qs[r * KS + k]); },
-      [&](int k, int j) { return __bfloat162float(Ks[j * KS + k]); },
-      [&](int r, int j, float acc) {
-        pm[r * C + j] = __float2bfloat16_rn(acc * (scale * gdpb_dec(G, Gl, first + r * n, j)));
-      });
 
   float* cf = cg + slot * 3 * C;
   for (int i = tid; i < C; i += nthr) {

@@ -31,7 +31,13 @@ pub fn enabled() -> bool {
 /// Shared memory of the WY kernel, bytes (the carve-up at the top of `gdp_fwd_wy_bf16`).
 pub fn wy_smem_bytes(dk: usize, dv: usize) -> usize {
     let c = CHUNK;
-    4 * (2 * c * c + 4 * c) + 8 * 2 * c + 2 * (2 * c * (dk + 8) + c * (dv + 8))
+    let (kp, kn, vn) = (
+        dk.next_multiple_of(16),
+        dk.next_multiple_of(32),
+        dv.next_multiple_of(32),
+    );
+    let (lk, lc) = (kp + 8, c + 8);
+    4 * (2 * c * c + 4 * c) + 8 * 2 * c + 2 * (2 * c * lk + (kn + vn) * lc + c * lc)
 }
 
 /// Shared memory of the scan kernel for `bv` value columns, bytes (`gdp_fwd_scan_bf16`).
