@@ -350,3 +350,76 @@ GDP_FWD_ENTRY(gdp_fwd_f16, __half)
 
 #include "gdp_bwd.cuh"
 #include "gdp_fwd_chunked.cuh"
+
+// One decode step, fused (`src/op/recurrent.rs`, `gated_delta_product_step_fused`): per
+// (batch row, head) and 32 value columns, the state slice is read once, decayed, updated by the n
+// Householder sub-steps and read by the query, and written once. Lane = value column (coalesced
+// rows of S), warp w holds rows w, w + 8, ... in registers; the column dots k·S and q·S are
+// reduced over the 8 warps in shared memory. All f32:
+//   state [B, H, K, V];  small = [q (B H K) | k (B n H K) | v (B n H V) | g (B H) | beta (B n H)]
+//   out   = [o (B H V) | new state (B H K V)]
+#define GDP_STEP_THREADS 256
+#define GDP_STEP_ROWS 32  // K / 8 rows per thread at most (K <= 256)
+
+extern "C" __global__ void __launch_bounds__(GDP_STEP_THREADS)
+    gdp_step_f32(const float* __restrict__ state, const float* __restrict__ small,
+                 float* __restrict__ out, int B, int H, int K, int V, int n, float scale) {
+  // [8][32] partial column dots (dynamic shared memory, 1 KiB).
+  extern __shared__ __align__(16) unsigned char gdps_smem[];
+  float (*red)[32] = reinterpret_cast<float (*)[32]>(gdps_smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int bh = blockIdx.x, b = bh / H, h = bh % H;
+  const int col = blockIdx.y * 32 + lane;
+  const bool valid = col < V;
+  const int64_t BH = (int64_t)B * H;
+  const float* q = small + (int64_t)bh * K;
+  const float* kk = small + BH * K;
+  const float* vv = kk + BH * n * K;
+  const float* gg = vv + BH * n * V;
+  const float* bb = gg + BH;
+  const float* s_in = state + (int64_t)bh * K * V;
+  float* o = out;
+  float* s_out = out + BH * V + (int64_t)bh * K * V;
+
+  const float decay = expf(gg[bh]);
+  float s[GDP_STEP_ROWS];
+#pragma unroll
+  for (int i = 0; i < GDP_STEP_ROWS; ++i) {
+    const int r = warp + 8 * i;
+    s[i] = (valid && r < K) ? decay * s_in[(int64_t)r * V + col] : 0.f;
+  }
+  // Column dot x·S over all K rows, for this thread's column (every thread gets it).
+  auto column_dot = [&](const float* x) {
+    float part = 0.f;
+#pragma unroll
+    for (int i = 0; i < GDP_STEP_ROWS; ++i) {
+      const int r = warp + 8 * i;
+      if (r < K) part = fmaf(x[r], s[i], part);
+    }
+    red[warp][lane] = part;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < GDP_STEP_THREADS / 32; ++w) total += red[w][lane];
+    __syncthreads();
+    return total;
+  };
+  for (int j = 0; j < n; ++j) {
+    const int64_t row = ((int64_t)b * n + j) * H + h;  // index into [B, n, H]
+    const float* kj = kk + row * K;
+    const float pred = column_dot(kj);
+    const float delta = valid ? bb[row] * (vv[row * V + col] - pred) : 0.f;
+#pragma unroll
+    for (int i = 0; i < GDP_STEP_ROWS; ++i) {
+      const int r = warp + 8 * i;
+      if (r < K) s[i] = fmaf(kj[r], delta, s[i]);
+    }
+  }
+  const float ov = column_dot(q);
+  if (warp == 0 && valid) o[(int64_t)bh * V + col] = scale * ov;
+#pragma unroll
+  for (int i = 0; i < GDP_STEP_ROWS; ++i) {
+    const int r = warp + 8 * i;
+    if (valid && r < K) s_out[(int64_t)r * V + col] = s[i];
+  }
+}

@@ -561,3 +561,63 @@ fn step_rejects_integer_queries_and_non_finite_scale() {
         check("scale inf", "scale", || step(0, None, Some(f64::INFINITY))),
     ]);
 }
+
+/// Step arguments `[state, q, k, v, g, beta]` on `dev`: unit keys and queries, gates in
+/// (-2, 0), betas in (0, 2).
+fn fused_args(
+    b: usize,
+    h: usize,
+    k: usize,
+    v: usize,
+    n: usize,
+    dev: &Device,
+) -> Result<[Tensor; 6]> {
+    let unit = |t: Tensor| -> Result<Tensor> {
+        let norm = t.sqr()?.sum_keepdim(candle_core::D::Minus1)?.sqrt()?;
+        Ok(t.broadcast_div(&norm)?)
+    };
+    let r = |s: &[usize]| Tensor::randn(0f32, 1f32, s, dev);
+    let u = |s: &[usize]| Tensor::rand(0f32, 1f32, s, dev);
+    Ok([
+        r(&[b, h, k, v])?,
+        unit(r(&[b, h, k])?)?,
+        unit(r(&[b, n, h, k])?)?,
+        r(&[b, n, h, v])?,
+        (u(&[b, h])? * -2.0)?,
+        (u(&[b, n, h])? * 2.0)?,
+    ])
+}
+
+#[test]
+fn fused_step_equals_the_step() -> Result<()> {
+    use candle_gdp::op::recurrent::gated_delta_product_step_fused;
+    for (b, h, k, v, n) in [
+        (2, 3, 16, 24, 1),
+        (1, 2, 32, 20, 2),
+        (3, 1, 8, 8, 3),
+        (2, 2, 48, 40, 2),
+    ] {
+        for dtype in [DType::F32, DType::BF16] {
+            let [s0, q, kk, vv, g, beta] = fused_args(b, h, k, v, n, &Device::Cpu)?;
+            let cast = |t: &Tensor| t.to_dtype(dtype);
+            let (q, kk, vv, beta) = (cast(&q)?, cast(&kk)?, cast(&vv)?, cast(&beta)?);
+            // Five chained steps each way.
+            let (mut sa, mut sb) = (s0.clone(), s0);
+            for _ in 0..5 {
+                let (oa, na) = gated_delta_product_step(&sa, &q, &kk, &vv, &g, &beta, None)?;
+                let (ob, nb) = gated_delta_product_step_fused(&sb, &q, &kk, &vv, &g, &beta, None)?;
+                assert_eq!(ob.dtype(), dtype);
+                assert_eq!(nb.dims(), na.dims());
+                let (eo, es) = (rel_rms(&ob, &oa)?, rel_rms(&nb, &na)?);
+                // Both in f32 from the same (rounded) inputs; o in bf16 is rounded at the end.
+                let tol_o = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+                assert!(
+                    eo <= tol_o && es <= 1e-5,
+                    "B{b} H{h} K{k} V{v} n{n} {dtype:?}: o {eo:.1e} S {es:.1e}"
+                );
+                (sa, sb) = (na, nb);
+            }
+        }
+    }
+    Ok(())
+}

@@ -181,3 +181,4 @@ inline void gdp_emu_mma_tf32(float* c, const uint32_t* a, const uint32_t* b) {
 extern unsigned char smem_raw[];
 extern unsigned char gdpb_smem[];
 extern unsigned char gdpc_smem[];
+extern unsigned char gdps_smem[];

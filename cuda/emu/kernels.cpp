@@ -13,6 +13,7 @@ EmuBlock* g_block;
 alignas(16) unsigned char smem_raw[256 * 1024];
 alignas(16) unsigned char gdpb_smem[256 * 1024];
 alignas(16) unsigned char gdpc_smem[256 * 1024];
+alignas(16) unsigned char gdps_smem[1024];
 
 static bool g_reverse = false;
 
@@ -289,6 +290,51 @@ void run_bf16(const Case& c) {
   }
 }
 
+// The fused decode step gdp_step_f32 against a float64 loop.
+void run_step(int B, int H, int K, int V, int n) {
+  std::mt19937 rng(99 + K + V + n);
+  std::normal_distribution<float> nd(0, 1);
+  std::uniform_real_distribution<float> ud(0, 1);
+  const long BH = (long)B * H;
+  std::vector<float> state(BH * K * V), small(BH * K * (1 + n) + BH * n * V + BH * (1 + n));
+  for (auto& x : state) x = nd(rng);
+  for (auto& x : small) x = nd(rng) / sqrtf((float)K);
+  float* g = small.data() + BH * K * (1 + n) + BH * n * V;
+  float* beta = g + BH;
+  for (long i = 0; i < BH; ++i) g[i] = -2.f * ud(rng);
+  for (long i = 0; i < BH * n; ++i) beta[i] = 2.f * ud(rng);
+  const float scale = 1.f / sqrtf((float)K);
+  std::vector<float> out(BH * V + BH * K * V, -7.f);
+  launch(BH, (V + 31) / 32, 256, [&] { gdp_step_f32(state.data(), small.data(), out.data(), B, H, K, V, n, scale); });
+  std::vector<double> o(BH * V), S(BH * K * V);
+  const float* q = small.data();
+  const float* k = q + BH * K;
+  const float* v = k + BH * n * K;
+  for (long bh = 0; bh < BH; ++bh) {
+    const long b = bh / H, h = bh % H;
+    double* s = &S[bh * K * V];
+    for (long i = 0; i < K * V; ++i) s[i] = state[bh * K * V + i] * exp((double)g[bh]);
+    for (int j = 0; j < n; ++j) {
+      const long row = (b * n + j) * H + h;
+      for (long c = 0; c < V; ++c) {
+        double pred = 0;
+        for (long r = 0; r < K; ++r) pred += k[row * K + r] * s[r * V + c];
+        const double d = beta[row] * (v[row * V + c] - pred);
+        for (long r = 0; r < K; ++r) s[r * V + c] += k[row * K + r] * d;
+      }
+    }
+    for (long c = 0; c < V; ++c) {
+      double a = 0;
+      for (long r = 0; r < K; ++r) a += q[bh * K + r] * s[r * V + c];
+      o[bh * V + c] = scale * a;
+    }
+  }
+  char name[64];
+  snprintf(name, sizeof name, "step B%d H%d K%d V%d n%d", B, H, K, V, n);
+  report(name, "o", rel(out.data(), o.data(), BH * V), 1e-5);
+  report(name, "state", rel(out.data() + BH * V, S.data(), BH * K * V), 1e-5);
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   // Arguments: `rev` (reversed thread ids), `bf16` (only the bf16 forwards).
@@ -305,6 +351,16 @@ int main(int argc, char** argv) {
     {"packed n2 empty h0", 1, 150, 2, 12, 10, 2, true, {0, 37, 37, 150}, 1.f, 8},
     {"packed n3 strong", 1, 129, 2, 24, 20, 3, false, {0, 1, 64, 64, 129}, 20.f, 16},
   };
+  // Arguments: `step` (only the decode step).
+  bool only_step = false;
+  for (int i = 1; i < argc; ++i)
+    if (!strcmp(argv[i], "step")) only_step = true;
+  for (auto d : {std::vector<int>{2, 3, 16, 24, 1}, {1, 2, 40, 70, 2}, {1, 1, 256, 33, 3}})
+    run_step(d[0], d[1], d[2], d[3], d[4]);
+  if (only_step) {
+    printf("fails: %d\n", fails);
+    return fails != 0;
+  }
   if (!only_bf16)
     for (auto& c : cases) run_case(c);
   cases.push_back({"n2 T90 K128 V128 h0", 1, 90, 2, 128, 128, 2, true, {}, 1.f, 64});

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Builds and runs the CPU emulation test of the CUDA kernels (no GPU, no CUDA toolkit needed):
-#   sh cuda/emu/run.sh [rev] [bf16]   (rev: reversed thread ids, to shake out ordering
-#   assumptions; bf16: only the bf16 forwards)
+#   sh cuda/emu/run.sh [rev] [bf16|step]   (rev: reversed thread ids, to shake out ordering
+#   assumptions; bf16: the decode step and the bf16 forwards only; step: the decode step only)
 set -e
 cd "$(dirname "$0")"
 out="${TMPDIR:-/tmp}/gdp-emu-kernels"

@@ -1,9 +1,11 @@
 //! One recurrent decode step, `S ← step(S, q_t, k_t, v_t, g_t, beta_t)`, for generation after a
-//! chunked prefill. Written with ordinary Candle tensor ops in f32, so it runs on any device and
-//! is differentiable.
+//! chunked prefill, in two forms: [`gated_delta_product_step`], ordinary Candle tensor ops in f32
+//! (any device, differentiable), and [`gated_delta_product_step_fused`], one pass over the state
+//! (one kernel on CUDA; no gradients), for decoding at memory speed.
 
 use crate::error::GdpError;
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
+use rayon::prelude::*;
 
 /// Advances the state by one token and reads it.
 ///
@@ -21,6 +23,51 @@ pub fn gated_delta_product_step(
     beta: &Tensor,
     scale: Option<f64>,
 ) -> Result<(Tensor, Tensor)> {
+    let StepDims {
+        b,
+        h,
+        dk: _,
+        dv: _,
+        n,
+        scale,
+    } = validate_step(state, q, k, v, g, beta, scale)?;
+    let f32 = |x: &Tensor| x.to_dtype(DType::F32);
+    let decay = f32(g)?.exp()?.reshape((b, h, 1, 1))?;
+    let mut s = f32(state)?.broadcast_mul(&decay)?;
+    let (k, v, beta) = (f32(k)?, f32(v)?, f32(beta)?);
+    for j in 0..n {
+        let kj = k.narrow(1, j, 1)?.squeeze(1)?.contiguous()?; // [B, H, K]
+        let vj = v.narrow(1, j, 1)?.squeeze(1)?.contiguous()?; // [B, H, V]
+        let bj = beta.narrow(1, j, 1)?.squeeze(1)?.unsqueeze(D::Minus1)?; // [B, H, 1]
+        let pred = kj.unsqueeze(2)?.matmul(&s)?.squeeze(2)?; // Sᵀ k: [B, H, V]
+        let delta = (vj - pred)?.broadcast_mul(&bj)?;
+        s = (s + kj.unsqueeze(3)?.matmul(&delta.unsqueeze(2)?)?)?;
+    }
+    let o = (f32(q)?.contiguous()?.unsqueeze(2)?.matmul(&s)?.squeeze(2)? * scale)?
+        .to_dtype(q.dtype())?;
+    Ok((o, s))
+}
+
+/// Sizes of a decode step, checked by [`validate_step`].
+struct StepDims {
+    b: usize,
+    h: usize,
+    dk: usize,
+    dv: usize,
+    n: usize,
+    scale: f64,
+}
+
+/// Checks the arguments of a decode step (shapes, dtypes, devices, scale).
+fn validate_step(
+    state: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    scale: Option<f64>,
+) -> Result<StepDims> {
     let (b, h, dk, dv) = state.dims4().map_err(|_| GdpError::Rank {
         name: "state".into(),
         expected: 4,
@@ -95,19 +142,155 @@ pub fn gated_delta_product_step(
         }
         .into());
     }
-    let f32 = |x: &Tensor| x.to_dtype(DType::F32);
-    let decay = f32(g)?.exp()?.reshape((b, h, 1, 1))?;
-    let mut s = f32(state)?.broadcast_mul(&decay)?;
-    let (k, v, beta) = (f32(k)?, f32(v)?, f32(beta)?);
-    for j in 0..n {
-        let kj = k.narrow(1, j, 1)?.squeeze(1)?.contiguous()?; // [B, H, K]
-        let vj = v.narrow(1, j, 1)?.squeeze(1)?.contiguous()?; // [B, H, V]
-        let bj = beta.narrow(1, j, 1)?.squeeze(1)?.unsqueeze(D::Minus1)?; // [B, H, 1]
-        let pred = kj.unsqueeze(2)?.matmul(&s)?.squeeze(2)?; // Sᵀ k: [B, H, V]
-        let delta = (vj - pred)?.broadcast_mul(&bj)?;
-        s = (s + kj.unsqueeze(3)?.matmul(&delta.unsqueeze(2)?)?)?;
-    }
-    let o = (f32(q)?.contiguous()?.unsqueeze(2)?.matmul(&s)?.squeeze(2)? * scale)?
+    Ok(StepDims {
+        b,
+        h,
+        dk,
+        dv,
+        n,
+        scale,
+    })
+}
+
+/// [`gated_delta_product_step`] as one fused pass over the state: the state is read once and the
+/// new state written once (one CUDA kernel on a GPU, `K <= 256`; a rayon loop on the CPU).
+/// Same arguments and results (`o [B, H, V]` in `q`'s dtype, the new state `[B, H, K, V]` in
+/// f32), computed in f32; not differentiable (it is a decode-time op).
+pub fn gated_delta_product_step_fused(
+    state: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    scale: Option<f64>,
+) -> Result<(Tensor, Tensor)> {
+    let d = validate_step(state, q, k, v, g, beta, scale)?;
+    let flat = |x: &Tensor| x.to_dtype(DType::F32)?.flatten_all();
+    let small = Tensor::cat(&[flat(q)?, flat(k)?, flat(v)?, flat(g)?, flat(beta)?], 0)?;
+    let st = state.to_dtype(DType::F32)?.contiguous()?;
+    let op = FusedStep {
+        b: d.b,
+        h: d.h,
+        dk: d.dk,
+        dv: d.dv,
+        n: d.n,
+        scale: d.scale as f32,
+    };
+    let out = st.apply_op2_no_bwd(&small, &op)?;
+    let (bh, dk, dv) = (d.b * d.h, d.dk, d.dv);
+    let o = out
+        .narrow(0, 0, bh * dv)?
+        .reshape((d.b, d.h, dv))?
         .to_dtype(q.dtype())?;
+    let s = out
+        .narrow(0, bh * dv, bh * dk * dv)?
+        .reshape((d.b, d.h, dk, dv))?;
     Ok((o, s))
+}
+
+/// The fused step as a Candle op over the f32 state and the f32 buffer
+/// `[q (B H K) | k (B n H K) | v (B n H V) | g (B H) | beta (B n H)]`; output `[o | new state]`.
+struct FusedStep {
+    b: usize,
+    h: usize,
+    dk: usize,
+    dv: usize,
+    n: usize,
+    scale: f32,
+}
+
+impl FusedStep {
+    fn small_len(&self) -> usize {
+        let bh = self.b * self.h;
+        bh * self.dk * (1 + self.n) + bh * self.n * self.dv + bh * (1 + self.n)
+    }
+}
+
+impl CustomOp2 for FusedStep {
+    fn name(&self) -> &'static str {
+        "gated-delta-product-step"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let slice = |s: &'_ CpuStorage, l: &Layout, len: usize| -> Result<Vec<f32>> {
+            let (a, z) = l.contiguous_offsets().ok_or_else(|| {
+                candle_core::Error::Msg("gdp step: inputs must be contiguous".into())
+            })?;
+            let x = &s.as_slice::<f32>()?[a..z];
+            if x.len() != len {
+                candle_core::bail!("gdp step: {} elements, expected {len}", x.len());
+            }
+            Ok(x.to_vec())
+        };
+        let (bh, dk, dv, n, hh) = (self.b * self.h, self.dk, self.dv, self.n, self.h);
+        let state = slice(s1, l1, bh * dk * dv)?;
+        let small = slice(s2, l2, self.small_len())?;
+        let (q, rest) = small.split_at(bh * dk);
+        let (k, rest) = rest.split_at(bh * n * dk);
+        let (v, rest) = rest.split_at(bh * n * dv);
+        let (g, beta) = rest.split_at(bh);
+        let mut new_state = state;
+        let mut o = vec![0.0f32; bh * dv];
+        new_state
+            .par_chunks_mut(dk * dv)
+            .zip(o.par_chunks_mut(dv))
+            .enumerate()
+            .for_each(|(idx, (s, o))| {
+                let (b, h) = (idx / hh, idx % hh);
+                let decay = g[idx].exp();
+                s.iter_mut().for_each(|x| *x *= decay);
+                let mut col = vec![0.0f32; dv];
+                for j in 0..n {
+                    let row = (b * n + j) * hh + h;
+                    let kj = &k[row * dk..(row + 1) * dk];
+                    column_dot(s, kj, &mut col);
+                    let vj = &v[row * dv..(row + 1) * dv];
+                    for (c, &x) in col.iter_mut().zip(vj) {
+                        *c = beta[row] * (x - *c);
+                    }
+                    for (srow, &kr) in s.chunks_mut(dv).zip(kj) {
+                        srow.iter_mut().zip(&col).for_each(|(x, &d)| *x += kr * d);
+                    }
+                }
+                column_dot(s, &q[idx * dk..(idx + 1) * dk], o);
+                o.iter_mut().for_each(|x| *x *= self.scale);
+            });
+        o.extend_from_slice(&new_state);
+        let len = o.len();
+        Ok((CpuStorage::F32(o), Shape::from(len)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (bh, dk, dv) = (self.b * self.h, self.dk, self.dv);
+        let out = super::cuda::step(
+            (s1, l1),
+            (s2, l2),
+            [self.b, self.h, dk, dv, self.n],
+            self.small_len(),
+            self.scale,
+        )?;
+        Ok((out, Shape::from(bh * dv + bh * dk * dv)))
+    }
+}
+
+/// `out[c] = Σ_r x[r] s[r][c]` for a row-major `s [K, V]`.
+fn column_dot(s: &[f32], x: &[f32], out: &mut [f32]) {
+    out.fill(0.0);
+    for (srow, &xr) in s.chunks(out.len()).zip(x) {
+        out.iter_mut().zip(srow).for_each(|(o, &v)| *o += xr * v);
+    }
 }

@@ -5,12 +5,14 @@
 mod backward;
 mod chunked;
 mod launch;
+mod step;
 
 pub use backward::{
     backward, backward_len, backward_summaries, bwd_smem_bytes, dht_to_host, forward_summaries,
     initial_states_to_host, BwdPlan,
 };
 pub use launch::{forward, smem_bytes, LaunchPlan, THREADS};
+pub use step::step;
 
 /// PTX of `cuda/gdp.cu` (nvcc `--ptx -arch=compute_XX`, see `build.rs`).
 pub(crate) const GDP_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gdp.ptx"));

@@ -1,0 +1,73 @@
+//! Launcher of the fused decode step `gdp_step_f32` (`cuda/gdp.cu`).
+
+use super::launch::{to_i32, view};
+use super::{GDP_PTX, MODULE};
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaStorage, Layout, Result};
+
+/// Threads per block (`GDP_STEP_THREADS`): 8 warps, a value column per lane.
+const THREADS: u32 = 256;
+/// Value columns per block (one warp wide).
+const COLS: usize = 32;
+/// Largest K: rows per thread (`GDP_STEP_ROWS`) times the 8 warps.
+const MAX_K: usize = 256;
+
+/// One fused step on CUDA: `state [B, H, K, V]` (f32) and the f32 buffer `[q | k | v | g | beta]`
+/// of `small_len` elements; `dims = [B, H, K, V, n]`. Returns the f32 `[o | new state]`.
+pub fn step(
+    state: (&CudaStorage, &Layout),
+    small: (&CudaStorage, &Layout),
+    dims: [usize; 5],
+    small_len: usize,
+    scale: f32,
+) -> Result<CudaStorage> {
+    let [b, h, k, v, n] = dims;
+    if k > MAX_K {
+        candle_core::bail!(
+            "gdp cuda step: K = {k} exceeds {MAX_K}; use the CPU or the unfused step"
+        );
+    }
+    let dev = state.0.device().clone();
+    if !small.0.device().same_device(&dev) {
+        candle_core::bail!("gdp cuda step: the inputs are on another device than the state");
+    }
+    let st = view::<f32>(state.0, state.1, b * h * k * v, "state")?;
+    let sm = view::<f32>(small.0, small.1, small_len, "q/k/v/g/beta")?;
+    let mut out = dev.alloc_zeros::<f32>(b * h * v + b * h * k * v)?;
+    let rows = b * h;
+    if rows == 0 || v == 0 {
+        return Ok(CudaStorage::wrap_cuda_slice(out, dev));
+    }
+    if rows > i32::MAX as usize {
+        candle_core::bail!("gdp cuda step: B·H = {rows} is too large");
+    }
+    let args_i32 = [
+        to_i32(b, "B")?,
+        to_i32(h, "H")?,
+        to_i32(k, "K")?,
+        to_i32(v, "V")?,
+        to_i32(n, "n")?,
+    ];
+    let func = dev.get_or_load_custom_func("gdp_step_f32", MODULE, GDP_PTX)?;
+    let mut args = func.builder();
+    args.arg(&st);
+    args.arg(&sm);
+    args.arg(&mut out);
+    for x in &args_i32 {
+        args.arg(x);
+    }
+    args.arg(&scale);
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, v.div_ceil(COLS) as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 1024,
+    };
+    // SAFETY: the arguments match `gdp_step_f32` (state and buffer lengths checked above against
+    // the sizes passed; the output holds o and the new state); 1 KiB of dynamic shared memory
+    // is the kernel's [8][32] f32 reduction buffer.
+    unsafe { args.launch(cfg) }.w()?;
+    drop(args);
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
