@@ -129,25 +129,6 @@ fn half_precision_matches_f64_reference() -> Result<()> {
     Ok(())
 }
 
-/// The two-kernel bf16 forward (opt-in with `GDP_CUDA_FWD=chunked`): reruns
-/// `half_precision_matches_f64_reference` in a child process of this binary with it selected.
-#[test]
-fn chunked_bf16_forward_matches_f64_reference() -> Result<()> {
-    if std::env::var_os("GDP_CUDA_FWD").is_some() {
-        println!("GDP_CUDA_FWD is set: the forward path is already chosen for this process");
-        return Ok(());
-    }
-    let out = std::process::Command::new(std::env::current_exe()?)
-        .env("GDP_CUDA_FWD", "chunked")
-        .args(["half_precision_matches_f64_reference", "--exact"])
-        .args(["--test-threads", "1", "--nocapture"])
-        .output()?;
-    let log = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "chunked bf16 forward:\n{log}");
-    assert!(log.contains("1 passed"), "the child ran no test:\n{log}");
-    Ok(())
-}
-
 #[test]
 fn packed_entry_and_no_final_state() -> Result<()> {
     // The packed `qk [B, T, n+1, H, K]` entry point on CUDA gives the FLA-layout result, and
@@ -549,104 +530,6 @@ fn timing_backward_bf16_b4_t4096_h16_k128_v128_n2() -> Result<()> {
     })?;
     println!(
         "timing {note}: forward {fwd:.3} ms, forward + backward (incl. loss ops) {both:.3} ms"
-    );
-    Ok(())
-}
-
-/// Random step arguments `[state, q, k, v, g, beta]` on the CPU (unit keys and queries).
-fn step_inputs(b: usize, h: usize, k: usize, v: usize, n: usize) -> Result<[Tensor; 6]> {
-    let cpu = Device::Cpu;
-    let unit = |t: Tensor| -> Result<Tensor> {
-        let norm = t.sqr()?.sum_keepdim(candle_core::D::Minus1)?.sqrt()?;
-        Ok(t.broadcast_div(&norm)?)
-    };
-    let r = |s: &[usize]| Tensor::randn(0f32, 1f32, s, &cpu);
-    let u = |s: &[usize]| Tensor::rand(0f32, 1f32, s, &cpu);
-    Ok([
-        r(&[b, h, k, v])?,
-        unit(r(&[b, h, k])?)?,
-        unit(r(&[b, n, h, k])?)?,
-        r(&[b, n, h, v])?,
-        (u(&[b, h])? * -2.0)?,
-        (u(&[b, n, h])? * 2.0)?,
-    ])
-}
-
-#[test]
-fn fused_decode_step_matches_the_cpu_step() -> Result<()> {
-    use candle_gdp::op::recurrent::gated_delta_product_step_fused;
-    let dev = cuda()?;
-    for (b, h, k, v, n) in [
-        (2, 3, 16, 24, 1),
-        (1, 2, 40, 70, 2),
-        (1, 1, 256, 33, 3),
-        (4, 4, 128, 128, 2),
-    ] {
-        for dtype in [DType::F32, DType::BF16] {
-            let args = step_inputs(b, h, k, v, n)?;
-            let on = |d: &Device, i: usize| -> Result<Tensor> {
-                let dt = if i == 0 || i == 4 { DType::F32 } else { dtype };
-                Ok(args[i].to_dtype(dt)?.to_device(d)?)
-            };
-            let a: Vec<Tensor> = (0..6).map(|i| on(&dev, i)).collect::<Result<_>>()?;
-            let c: Vec<Tensor> = (0..6).map(|i| on(&Device::Cpu, i)).collect::<Result<_>>()?;
-            let (o_gpu, s_gpu) =
-                gated_delta_product_step_fused(&a[0], &a[1], &a[2], &a[3], &a[4], &a[5], None)?;
-            let (o_cpu, s_cpu) =
-                gated_delta_product_step(&c[0], &c[1], &c[2], &c[3], &c[4], &c[5], None)?;
-            let (eo, es) = (
-                rel_rms(&o_gpu.to_device(&Device::Cpu)?, &o_cpu)?,
-                rel_rms(&s_gpu.to_device(&Device::Cpu)?, &s_cpu)?,
-            );
-            println!("fused step B{b} H{h} K{k} V{v} n{n} {dtype:?}: o {eo:.1e} S {es:.1e}");
-            let tol_o = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
-            assert!(
-                eo <= tol_o && es <= 1e-5,
-                "B{b} H{h} K{k} V{v} n{n} {dtype:?}: o {eo:.1e} S {es:.1e}"
-            );
-        }
-    }
-    Ok(())
-}
-
-/// Issue 5's decode measurement: batch 64, H16, K=V=128, n=2, bf16 inputs, f32 state. Reports
-/// the fused step's bandwidth (state read + written, plus the small inputs and o) against the
-/// 4.3 TB/s device copy rate of these machines, and the unfused step in the same run.
-#[test]
-#[ignore = "timing; run with --ignored on a GPU"]
-fn timing_fused_decode_step_b64_h16_k128_v128() -> Result<()> {
-    use candle_gdp::op::recurrent::gated_delta_product_step_fused;
-    let dev = cuda()?;
-    let (b, h, k, v, n) = (64, 16, 128, 128, 2);
-    let args = step_inputs(b, h, k, v, n)?;
-    let a: Vec<Tensor> = args
-        .iter()
-        .enumerate()
-        .map(|(i, t)| {
-            let dt = if i == 0 || i == 4 {
-                DType::F32
-            } else {
-                DType::BF16
-            };
-            Ok(t.to_dtype(dt)?.to_device(&dev)?)
-        })
-        .collect::<Result<_>>()?;
-    let fused = median_ms(&dev, 10, 200, || {
-        gated_delta_product_step_fused(&a[0], &a[1], &a[2], &a[3], &a[4], &a[5], None)?;
-        Ok(())
-    })?;
-    let unfused = median_ms(&dev, 5, 50, || {
-        gated_delta_product_step(&a[0], &a[1], &a[2], &a[3], &a[4], &a[5], None)?;
-        Ok(())
-    })?;
-    let state_bytes = (b * h * k * v * 4) as f64;
-    let small = (b * h * (k * (1 + n) + n * v + 1 + n) * 2 + b * h * v * 4) as f64;
-    let gbs = (2.0 * state_bytes + small) / (fused * 1e-3) / 1e9;
-    println!(
-        "decode step B{b} H{h} K{k} V{v} n{n}: fused {fused:.4} ms = {gbs:.0} GB/s = {:.0}% of \
-         4300 GB/s; unfused {unfused:.4} ms ({:.1}x)",
-        100.0 * gbs / 4300.0,
-        unfused / fused
     );
     Ok(())
 }
