@@ -4,13 +4,11 @@
 //! `[h0 | I_K]`, and the initial-state gradient of the backward run with `do = [do | 0_K]`,
 //! `dht = [dht | I_K]`). Every CUDA failure is returned as a [`candle_core::Error`].
 
-use super::launch::{check_states, device_attr, shape_i32, to_i32, view, THREADS};
+use super::launch::{allow_smem, check_states, device_attr, shape_i32, to_i32, view, THREADS};
 use super::{GDP_PTX, MODULE};
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::cuda_backend::cudarc::driver::sys::{
-    CUdevice_attribute, CUfunction_attribute_enum,
-};
+use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
 };
@@ -243,11 +241,7 @@ impl Launch<'_> {
         let mut hs = dev.alloc_zeros::<f32>(hs_len)?;
 
         let func = dev.get_or_load_custom_func(kernel, MODULE, GDP_PTX)?;
-        func.set_attribute(
-            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            plan.smem as i32,
-        )
-        .w()?;
+        allow_smem(&func, plan.smem)?;
 
         let h0_off = sh.token_heads() * (1 + sh.n);
         let aux_h0 = aux_v.slice(h0_off.min(aux_v.len())..);

@@ -10,12 +10,10 @@
 //! per-chunk offset tables with 16-byte loads, passed the GPU tests (2026-11-29) and was not yet
 //! timed (`docs/perf.md`).
 
-use super::launch::{check_states, device_attr, shape_i32, to_i32, view};
+use super::launch::{allow_smem, check_states, device_attr, shape_i32, to_i32, view};
 use super::{GDP_PTX, MODULE};
 use crate::op::shape::{GdpShape, CHUNK};
-use candle_core::cuda_backend::cudarc::driver::sys::{
-    CUdevice_attribute, CUfunction_attribute_enum,
-};
+use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{CudaStorage, Layout, Result};
@@ -148,11 +146,7 @@ pub fn forward_bf16(
 
     if total_chunks > 0 {
         let wy = dev.get_or_load_custom_func("gdp_fwd_wy_bf16", MODULE, GDP_PTX)?;
-        wy.set_attribute(
-            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            wy_smem as i32,
-        )
-        .w()?;
+        allow_smem(&wy, wy_smem)?;
         let mut args = wy.builder();
         args.arg(&qk_v);
         args.arg(&v_v);
@@ -178,11 +172,7 @@ pub fn forward_bf16(
     }
 
     let scan = dev.get_or_load_custom_func("gdp_fwd_scan_bf16", MODULE, GDP_PTX)?;
-    scan.set_attribute(
-        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        scan_smem as i32,
-    )
-    .w()?;
+    allow_smem(&scan, scan_smem)?;
     let use_override = i32::from(h0_override.is_some());
     let has_h0 = i32::from(has_h0);
     let bv_i = bv as i32;

@@ -9,7 +9,7 @@ use candle_core::cuda_backend::cudarc::driver::sys::{
     CUdevice_attribute, CUfunction_attribute_enum,
 };
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result};
@@ -153,6 +153,16 @@ pub(super) fn check_states(x: Option<&CudaSlice<f32>>, sh: &GdpShape, name: &str
     }
 }
 
+/// Lets `func` use `smem` bytes of dynamic shared memory (over the default 48 KiB).
+pub(super) fn allow_smem(func: &CudaFunction, smem: usize) -> Result<()> {
+    func.set_attribute(
+        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .w()?;
+    Ok(())
+}
+
 pub(super) fn to_i32(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x)
         .map_err(|_| candle_core::Error::Msg(format!("gdp cuda: {what} = {x} exceeds i32")))
@@ -278,11 +288,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     let plan = LaunchPlan::new(sh, std::mem::size_of::<T>(), max_smem, sms)?;
 
     let func = dev.get_or_load_custom_func(kernel, MODULE, GDP_PTX)?;
-    func.set_attribute(
-        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        plan.smem as i32,
-    )
-    .w()?;
+    allow_smem(&func, plan.smem)?;
 
     let mut out = dev.alloc_zeros::<f32>(sh.o_len() + sh.state_len())?;
     let use_override = i32::from(h0_override.is_some());
