@@ -28,7 +28,7 @@ pub(crate) struct GdpBackward {
 }
 
 /// A contiguous slice of a CPU storage, or an error naming the input.
-fn cpu_slice<'a, T: candle_core::WithDType>(
+pub(crate) fn cpu_slice<'a, T: candle_core::WithDType>(
     s: &'a CpuStorage,
     l: &Layout,
     name: &str,

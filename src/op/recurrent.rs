@@ -3,6 +3,7 @@
 //! (any device, differentiable), and [`gated_delta_product_step_fused`], one pass over the state
 //! (one kernel on CUDA; no gradients), for decoding at memory speed.
 
+use super::custom::cpu_slice;
 use crate::error::GdpError;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
@@ -219,24 +220,24 @@ impl CustomOp2 for FusedStep {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let slice = |s: &'_ CpuStorage, l: &Layout, len: usize| -> Result<Vec<f32>> {
-            let (a, z) = l.contiguous_offsets().ok_or_else(|| {
-                candle_core::Error::Msg("gdp step: inputs must be contiguous".into())
-            })?;
-            let x = &s.as_slice::<f32>()?[a..z];
-            if x.len() != len {
-                candle_core::bail!("gdp step: {} elements, expected {len}", x.len());
-            }
-            Ok(x.to_vec())
-        };
         let (bh, dk, dv, n, hh) = (self.b * self.h, self.dk, self.dv, self.n, self.h);
-        let state = slice(s1, l1, bh * dk * dv)?;
-        let small = slice(s2, l2, self.small_len())?;
+        let sized = |s, l, len, name| -> Result<&[f32]> {
+            let x = cpu_slice::<f32>(s, l, name)?;
+            if x.len() != len {
+                candle_core::bail!(
+                    "gdp step: `{name}` holds {} elements, expected {len}",
+                    x.len()
+                );
+            }
+            Ok(x)
+        };
+        // The state is updated in a copy, which becomes the output; the inputs are borrowed.
+        let mut new_state = sized(s1, l1, bh * dk * dv, "state")?.to_vec();
+        let small = sized(s2, l2, self.small_len(), "q/k/v/g/beta")?;
         let (q, rest) = small.split_at(bh * dk);
         let (k, rest) = rest.split_at(bh * n * dk);
         let (v, rest) = rest.split_at(bh * n * dv);
         let (g, beta) = rest.split_at(bh);
-        let mut new_state = state;
         let mut o = vec![0.0f32; bh * dv];
         new_state
             .par_chunks_mut(dk * dv)
