@@ -15,7 +15,7 @@ use candle_gdp::op::recurrent::gated_delta_product_step;
 use candle_gdp::{
     gated_delta_product, gated_delta_product_packed, ContextParallel, Cotangents, GdpOptions,
 };
-use common::{inputs, rel_rms, run_op_on, run_reference, Case, Inputs};
+use common::{inputs, median_ms, rel_rms, run_op_on, run_reference, Case, Inputs};
 
 fn cuda() -> Result<Device> {
     Ok(Device::new_cuda(0)?)
@@ -410,29 +410,6 @@ fn context_parallel_packed_on_cuda_equals_single_device() -> Result<()> {
         &[2, 4],
     )?;
     Ok(())
-}
-
-/// Median wall time of `f` over `iters` runs after `warm` warm-up runs, synchronising the device
-/// around each run.
-fn median_ms(
-    dev: &Device,
-    warm: usize,
-    iters: usize,
-    mut f: impl FnMut() -> Result<()>,
-) -> Result<f64> {
-    for _ in 0..warm {
-        f()?;
-    }
-    dev.synchronize()?;
-    let mut ts = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let t0 = std::time::Instant::now();
-        f()?;
-        dev.synchronize()?;
-        ts.push(t0.elapsed().as_secs_f64() * 1e3);
-    }
-    ts.sort_by(|a, b| a.total_cmp(b));
-    Ok(ts[ts.len() / 2])
 }
 
 #[test]

@@ -10,32 +10,12 @@ mod common;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_gdp::op::recurrent::{gated_delta_product_step, gated_delta_product_step_fused};
-use common::{assert_close, inputs, rel_rms, run_op_on, run_reference, Case};
+use common::{
+    assert_close, inputs, median_ms, rel_rms, run_op_on, run_reference, step_inputs, Case,
+};
 
 fn cuda() -> Result<Device> {
     Ok(Device::new_cuda(0)?)
-}
-
-/// Median wall time of `f` in ms (device synchronised around each call) after `warm` calls.
-fn median_ms(
-    dev: &Device,
-    warm: usize,
-    iters: usize,
-    mut f: impl FnMut() -> Result<()>,
-) -> Result<f64> {
-    for _ in 0..warm {
-        f()?;
-    }
-    dev.synchronize()?;
-    let mut ts = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let t0 = std::time::Instant::now();
-        f()?;
-        dev.synchronize()?;
-        ts.push(t0.elapsed().as_secs_f64() * 1e3);
-    }
-    ts.sort_by(|a, b| a.total_cmp(b));
-    Ok(ts[ts.len() / 2])
 }
 
 /// Set in the child process that runs the chunked-forward checks.
@@ -89,25 +69,6 @@ fn chunked_bf16_forward_matches_f64_reference() -> Result<()> {
     Ok(())
 }
 
-/// Random step arguments `[state, q, k, v, g, beta]` on the CPU (unit keys and queries).
-fn step_inputs(b: usize, h: usize, k: usize, v: usize, n: usize) -> Result<[Tensor; 6]> {
-    let cpu = Device::Cpu;
-    let unit = |t: Tensor| -> Result<Tensor> {
-        let norm = t.sqr()?.sum_keepdim(candle_core::D::Minus1)?.sqrt()?;
-        Ok(t.broadcast_div(&norm)?)
-    };
-    let r = |s: &[usize]| Tensor::randn(0f32, 1f32, s, &cpu);
-    let u = |s: &[usize]| Tensor::rand(0f32, 1f32, s, &cpu);
-    Ok([
-        r(&[b, h, k, v])?,
-        unit(r(&[b, h, k])?)?,
-        unit(r(&[b, n, h, k])?)?,
-        r(&[b, n, h, v])?,
-        (u(&[b, h])? * -2.0)?,
-        (u(&[b, n, h])? * 2.0)?,
-    ])
-}
-
 #[test]
 fn fused_decode_step_matches_the_cpu_step() -> Result<()> {
     let dev = cuda()?;
@@ -118,7 +79,7 @@ fn fused_decode_step_matches_the_cpu_step() -> Result<()> {
         (4, 4, 128, 128, 2),
     ] {
         for dtype in [DType::F32, DType::BF16] {
-            let args = step_inputs(b, h, k, v, n)?;
+            let args = step_inputs(b, h, k, v, n, &Device::Cpu)?;
             let on = |d: &Device, i: usize| -> Result<Tensor> {
                 let dt = if i == 0 || i == 4 { DType::F32 } else { dtype };
                 Ok(args[i].to_dtype(dt)?.to_device(d)?)
@@ -152,7 +113,7 @@ fn fused_decode_step_matches_the_cpu_step() -> Result<()> {
 fn timing_fused_decode_step_b64_h16_k128_v128() -> Result<()> {
     let dev = cuda()?;
     let (b, h, k, v, n) = (64, 16, 128, 128, 2);
-    let args = step_inputs(b, h, k, v, n)?;
+    let args = step_inputs(b, h, k, v, n, &Device::Cpu)?;
     let a: Vec<Tensor> = args
         .iter()
         .enumerate()

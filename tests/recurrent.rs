@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_gdp::op::naive::gated_delta_product_naive;
 use candle_gdp::op::recurrent::gated_delta_product_step;
 use candle_gdp::{gated_delta_product, GdpOptions};
-use common::{inputs, rel_rms, run_op, Case, Inputs};
+use common::{inputs, rel_rms, run_op, step_inputs, Case, Inputs};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// The per-token inputs of the FLA layout: `q [B, T, H, K]`, `k [B, T·n, H, K]`,
@@ -562,32 +562,6 @@ fn step_rejects_integer_queries_and_non_finite_scale() {
     ]);
 }
 
-/// Step arguments `[state, q, k, v, g, beta]` on `dev`: unit keys and queries, gates in
-/// (-2, 0), betas in (0, 2).
-fn fused_args(
-    b: usize,
-    h: usize,
-    k: usize,
-    v: usize,
-    n: usize,
-    dev: &Device,
-) -> Result<[Tensor; 6]> {
-    let unit = |t: Tensor| -> Result<Tensor> {
-        let norm = t.sqr()?.sum_keepdim(candle_core::D::Minus1)?.sqrt()?;
-        Ok(t.broadcast_div(&norm)?)
-    };
-    let r = |s: &[usize]| Tensor::randn(0f32, 1f32, s, dev);
-    let u = |s: &[usize]| Tensor::rand(0f32, 1f32, s, dev);
-    Ok([
-        r(&[b, h, k, v])?,
-        unit(r(&[b, h, k])?)?,
-        unit(r(&[b, n, h, k])?)?,
-        r(&[b, n, h, v])?,
-        (u(&[b, h])? * -2.0)?,
-        (u(&[b, n, h])? * 2.0)?,
-    ])
-}
-
 #[test]
 fn fused_step_equals_the_step() -> Result<()> {
     use candle_gdp::op::recurrent::gated_delta_product_step_fused;
@@ -598,7 +572,7 @@ fn fused_step_equals_the_step() -> Result<()> {
         (2, 2, 48, 40, 2),
     ] {
         for dtype in [DType::F32, DType::BF16] {
-            let [s0, q, kk, vv, g, beta] = fused_args(b, h, k, v, n, &Device::Cpu)?;
+            let [s0, q, kk, vv, g, beta] = step_inputs(b, h, k, v, n, &Device::Cpu)?;
             let cast = |t: &Tensor| t.to_dtype(dtype);
             let (q, kk, vv, beta) = (cast(&q)?, cast(&kk)?, cast(&vv)?, cast(&beta)?);
             // Five chained steps each way.

@@ -86,7 +86,6 @@ pub struct Inputs {
 impl Inputs {
     /// The inputs as the op takes them in `dtype`: q, k, v, beta in `dtype`; the gates, the
     /// initial state and the cotangents in f32.
-    #[allow(dead_code)] // not every test binary uses it
     pub fn cast(&self, dtype: DType) -> candle_core::Result<Inputs> {
         let f32 = |t: &Tensor| t.to_dtype(DType::F32);
         Ok(Inputs {
@@ -299,4 +298,53 @@ pub fn assert_close(c: &Case, got: &Results, want: &Results, tol: f64) -> Result
     }
     println!("{:<28} {}", c.name, report.join("  "));
     Ok(worst)
+}
+
+/// Decode-step arguments `[state, q, k, v, g, beta]` on `dev`: a normal f32 state
+/// `[B, H, K, V]`, unit queries and keys, normal values, gates in (-2, 0), betas in (0, 2).
+pub fn step_inputs(
+    b: usize,
+    h: usize,
+    k: usize,
+    v: usize,
+    n: usize,
+    dev: &Device,
+) -> Result<[Tensor; 6]> {
+    let unit = |t: Tensor| -> Result<Tensor> {
+        let norm = t.sqr()?.sum_keepdim(candle_core::D::Minus1)?.sqrt()?;
+        Ok(t.broadcast_div(&norm)?)
+    };
+    let r = |s: &[usize]| Tensor::randn(0f32, 1f32, s, dev);
+    let u = |s: &[usize]| Tensor::rand(0f32, 1f32, s, dev);
+    Ok([
+        r(&[b, h, k, v])?,
+        unit(r(&[b, h, k])?)?,
+        unit(r(&[b, n, h, k])?)?,
+        r(&[b, n, h, v])?,
+        (u(&[b, h])? * -2.0)?,
+        (u(&[b, n, h])? * 2.0)?,
+    ])
+}
+
+/// Median wall time of `f` in ms over `iters` calls, each followed by a device synchronisation,
+/// after `warm` calls.
+pub fn median_ms(
+    dev: &Device,
+    warm: usize,
+    iters: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    for _ in 0..warm {
+        f()?;
+    }
+    dev.synchronize()?;
+    let mut ts = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t0 = std::time::Instant::now();
+        f()?;
+        dev.synchronize()?;
+        ts.push(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    ts.sort_by(|a, b| a.total_cmp(b));
+    Ok(ts[ts.len() / 2])
 }
