@@ -364,10 +364,15 @@ GDP_FWD_ENTRY(gdp_fwd_f16, __half)
 extern "C" __global__ void __launch_bounds__(GDP_STEP_THREADS)
     gdp_step_f32(const float* __restrict__ state, const float* __restrict__ small,
                  float* __restrict__ out, int B, int H, int K, int V, int n, float scale) {
-  // [8][32] partial column dots (dynamic shared memory, 1 KiB).
+  // Dynamic shared memory: [2][8][32] partial column dots (two buffers: one barrier per dot),
+  // then this block's small inputs: q [K], k [n][K], v [n][32], beta [n].
   extern __shared__ __align__(16) unsigned char gdps_smem[];
-  float (*red)[32] = reinterpret_cast<float (*)[32]>(gdps_smem);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float (*red)[8][32] = reinterpret_cast<float (*)[8][32]>(gdps_smem);
+  float* qs = reinterpret_cast<float*>(gdps_smem) + 2 * 8 * 32;
+  float* ks = qs + K;
+  float* vs = ks + n * K;
+  float* bs = vs + n * 32;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int bh = blockIdx.x, b = bh / H, h = bh % H;
   const int col = blockIdx.y * 32 + lane;
   const bool valid = col < V;
@@ -381,14 +386,32 @@ extern "C" __global__ void __launch_bounds__(GDP_STEP_THREADS)
   float* o = out;
   float* s_out = out + BH * V + (int64_t)bh * K * V;
 
-  const float decay = expf(gg[bh]);
+  // One round trip to global memory: the state slice into registers and the small inputs into
+  // shared memory, all loads issued before any is used.
   float s[GDP_STEP_ROWS];
 #pragma unroll
   for (int i = 0; i < GDP_STEP_ROWS; ++i) {
     const int r = warp + 8 * i;
-    s[i] = (valid && r < K) ? decay * s_in[(int64_t)r * V + col] : 0.f;
+    s[i] = (valid && r < K) ? s_in[(int64_t)r * V + col] : 0.f;
   }
-  // Column dot x·S over all K rows, for this thread's column (every thread gets it).
+  const float g = gg[bh];
+  for (int i = tid; i < (1 + n) * K; i += GDP_STEP_THREADS) {
+    const int j = i / K - 1, r = i - (j + 1) * K;  // j = -1: the query
+    qs[i] = j < 0 ? q[r] : kk[(((int64_t)b * n + j) * H + h) * K + r];
+  }
+  for (int i = tid; i < n * 32; i += GDP_STEP_THREADS) {
+    const int j = i >> 5, c = blockIdx.y * 32 + (i & 31);
+    const int64_t row = ((int64_t)b * n + j) * H + h;
+    vs[i] = c < V ? vv[row * V + c] : 0.f;
+    if ((i & 31) == 0) bs[j] = bb[row];
+  }
+  const float decay = expf(g);
+#pragma unroll
+  for (int i = 0; i < GDP_STEP_ROWS; ++i) s[i] *= decay;
+  __syncthreads();
+
+  // Column dot x·S over all K rows (x in shared memory), for this thread's column.
+  int buf = 0;
   auto column_dot = [&](const float* x) {
     float part = 0.f;
 #pragma unroll
@@ -396,26 +419,25 @@ extern "C" __global__ void __launch_bounds__(GDP_STEP_THREADS)
       const int r = warp + 8 * i;
       if (r < K) part = fmaf(x[r], s[i], part);
     }
-    red[warp][lane] = part;
+    red[buf][warp][lane] = part;
     __syncthreads();
     float total = 0.f;
 #pragma unroll
-    for (int w = 0; w < GDP_STEP_THREADS / 32; ++w) total += red[w][lane];
-    __syncthreads();
+    for (int w = 0; w < GDP_STEP_THREADS / 32; ++w) total += red[buf][w][lane];
+    buf ^= 1;  // the next dot writes the other buffer; the one after waits on its barrier
     return total;
   };
   for (int j = 0; j < n; ++j) {
-    const int64_t row = ((int64_t)b * n + j) * H + h;  // index into [B, n, H]
-    const float* kj = kk + row * K;
+    const float* kj = ks + j * K;
     const float pred = column_dot(kj);
-    const float delta = valid ? bb[row] * (vv[row * V + col] - pred) : 0.f;
+    const float delta = valid ? bs[j] * (vs[j * 32 + lane] - pred) : 0.f;
 #pragma unroll
     for (int i = 0; i < GDP_STEP_ROWS; ++i) {
       const int r = warp + 8 * i;
       if (r < K) s[i] = fmaf(kj[r], delta, s[i]);
     }
   }
-  const float ov = column_dot(q);
+  const float ov = column_dot(qs);
   if (warp == 0 && valid) o[(int64_t)bh * V + col] = scale * ov;
 #pragma unroll
   for (int i = 0; i < GDP_STEP_ROWS; ++i) {

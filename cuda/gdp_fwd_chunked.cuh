@@ -4,108 +4,110 @@
 // 1. gdp_fwd_wy_bf16, grid (chunks, H), fully parallel: per interleaved chunk of c <= 64 rows
 //    (compensated gate cumsum G, dec(i, j) = e^{G_i - G_j} for j <= i),
 //      A  = strict_lower(β_i k_i·k_j dec),  Ainv = (I + A)^-1          (f32, cuda/inverse.cuh)
-//      W  = Ainv diag(β e^G) K   [64, K]     U = Ainv diag(β) V   [64, V]
+//      W  = Ainv bf16(β e^G ⊙ K)   [64, K]     U = Ainv bf16(β ⊙ V)   [64, V]
 //      P  = scale (q_r·k_j) dec(i_r, j)   [64, 64] for the query rows i_r = first + r n
 //      coef = [scale e^{G_{i_r}} (64) | e^{G_last - G_i} (64) | e^{G_last}, 0...]   (f32)
 //    written to a scratch buffer: W, U, P in bf16 (tensor-core operands), coef in f32. The
-//    products run on tensor cores from bf16 operands staged in shared memory (K, Q, and the
-//    scaled, transposed K and V); the inverse is solved in f32 and rounded to bf16 for W and U,
-//    as FLA does.
-// 2. gdp_fwd_scan_bf16, grid (N*H, ceil(V / BV)), sequential over the chunks of a sequence, the
-//    state slice S [K, BV] in f32 in shared memory:
-//      Delta = U - W S,   o_r = coef_q[r] q_r S + P Delta,   S = e^{G_last} S + (coef_k ⊙ K)^T Delta
-//    Products on tensor cores from bf16 operands staged in shared memory in fragment order
-//    (rows padded by 8 elements: conflict-free 32-bit fragment loads), f32 accumulators. Like
-//    FLA, the state and Delta enter the products rounded to bf16; S itself stays f32.
+//    products run on tensor cores from bf16 fragments (ldmatrix); the inverse is f32 FFMA
+//    (tri_inverse64) and enters the W and U products as bf16(Ainv diag(β e^G)) and
+//    bf16(Ainv diag(β)) against the unscaled keys and values (FLA rounds Ainv and the scaled
+//    rows separately).
+// 2. gdp_fwd_scan_bf16_<BV>_<KPT>, grid (N*H, ceil(V / BV)), sequential over the chunks of a
+//    sequence, the f32 state slice S [K, BV] in registers (in mma accumulator layout), a bf16
+//    copy of it in shared memory:
+//      Delta = U - W S
+//      o_r   = coef_q[r] (q_r S) + P bf16(Delta)
+//      S     = e^{G_last} S + K^T bf16(coef_k ⊙ Delta)
+//    (FLA rounds the same operands to bf16.) The chunk's operands (W, K and Q rows, P, the U
+//    slice, coef) are copied with cp.async into one of two stage buffers while the previous
+//    chunk computes (from per-chunk row tables built a chunk ahead, no per-element index
+//    arithmetic); products read their fragments with ldmatrix (cuda/ldsm.cuh).
 //
 // Table (int): per sequence (batch row, first token, tokens, first chunk) at 4 s, then per chunk
 // (sequence, chunk index within it) at 4 N + 2 c. Scratch per (chunk, head) at
 // (chunk * H + head): W [64][K], U [64][V], P [64][64] (bf16) and coef [3][64] (f32).
 
+#include "ldsm.cuh"
+
 #define GDPC_THREADS 128
 
-// 16-row/8-column tensor-core tile loop over bf16 operands in shared memory: A row-major
-// [m][k] (stride lda elements), B given transposed, [n][k] (stride ldb). Every row and k column
-// the loop touches must exist (zero padded): m0 + 16 WM rows, n0 + 8 WN rows of Bt, kd a
-// multiple of 16.
-template <int WM, int WN>
-__device__ __forceinline__ void gdpc_mma(float (&acc)[WM][WN][4], const __nv_bfloat16* A, int lda,
-                                         const __nv_bfloat16* Bt, int ldb, int m0, int n0,
-                                         int kd, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  for (int k0 = 0; k0 < kd; k0 += 16) {
-    uint32_t a[WM][4], b[WN][2];
-#pragma unroll
-    for (int i = 0; i < WM; ++i) {
-      const __nv_bfloat16* p = A + (m0 + 16 * i + g) * lda + k0 + 2 * t;
-      a[i][0] = *reinterpret_cast<const uint32_t*>(p);
-      a[i][1] = *reinterpret_cast<const uint32_t*>(p + 8 * lda);
-      a[i][2] = *reinterpret_cast<const uint32_t*>(p + 8);
-      a[i][3] = *reinterpret_cast<const uint32_t*>(p + 8 * lda + 8);
-    }
-#pragma unroll
-    for (int j = 0; j < WN; ++j) {
-      const __nv_bfloat16* p = Bt + (n0 + 8 * j + g) * ldb + k0 + 2 * t;
-      b[j][0] = *reinterpret_cast<const uint32_t*>(p);
-      b[j][1] = *reinterpret_cast<const uint32_t*>(p + 8);
-    }
-#pragma unroll
-    for (int i = 0; i < WM; ++i)
-#pragma unroll
-      for (int j = 0; j < WN; ++j) MmaBf16::mma(acc[i][j], a[i], b[j]);
+// Row offsets (elements of qk) of the interleaved chunk that starts at row p0 of a sequence
+// whose first token is tok0: key row i (i < c), query row r (r < nq).
+struct GdpcRows {
+  int64_t tok0, t0, tq0;
+  int r0, n, H, K, head;
+  __device__ __forceinline__ GdpcRows(int64_t tok0_, int64_t p0, int first, int n_, int H_,
+                                      int K_, int head_)
+      : tok0(tok0_), t0(p0 / n_), tq0((p0 + first) / n_), r0((int)(p0 % n_)), n(n_), H(H_),
+        K(K_), head(head_) {}
+  __device__ __forceinline__ int64_t key(int i) const {
+    const int x = r0 + i;
+    return ((tok0 + t0 + x / n) * (n + 1) + 1 + x % n) * H * K + (int64_t)head * K;
   }
-}
+  __device__ __forceinline__ int64_t query(int r) const {
+    return ((tok0 + tq0 + r) * (n + 1)) * H * K + (int64_t)head * K;
+  }
+  // Token of query row r.
+  __device__ __forceinline__ int64_t query_token(int r) const { return tok0 + tq0 + r; }
+};
 
-// Copies `rows` rows of `len` bf16 values from global memory (row r at src + off(r)) to shared
-// memory (row stride ld), 16 bytes at a time when `vec` (len and ld multiples of 8, src and dst
-// 16-byte aligned). Offsets come from a per-chunk table, not from divisions per element.
-template <typename Off>
-__device__ __forceinline__ void gdpc_copy_rows(__nv_bfloat16* __restrict__ dst, int ld,
-                                               const __nv_bfloat16* __restrict__ src, Off off,
-                                               int rows, int len, bool vec, int tid, int nthr) {
-  if (vec) {
+// A thread's share of copying rows of `len` bf16 values 16 bytes at a time: column block cv of
+// rows r0, r0 + rs, ... (`ok` when len is a multiple of 8 and the rows split evenly over the
+// threads, so that no per-element division is needed).
+struct GdpcSplit {
+  int cv, r0, rs;
+  bool ok;
+  __device__ __forceinline__ GdpcSplit(int len, int tid, int nthr) {
     const int vpr = len >> 3;
-    for (int idx = tid; idx < rows * vpr; idx += nthr) {
-      const int r = idx / vpr, cv = idx - r * vpr;
-      *reinterpret_cast<uint4*>(dst + r * ld + cv * 8) =
-          __ldg(reinterpret_cast<const uint4*>(src + off(r) + cv * 8));
+    ok = len % 8 == 0 && vpr > 0 && nthr % vpr == 0;
+    cv = ok ? tid % vpr : 0;
+    r0 = ok ? tid / vpr : 0;
+    rs = ok ? nthr / vpr : 1;
+  }
+};
+
+// Copies rows [0, rows) of `len` bf16 values (row r at src + off(r)) into a shared tile with row
+// stride ld, and zeros rows [rows, zrows). cp.async when `vec` (the split is ok and every row
+// start is 16-byte aligned), plain loads otherwise. Columns [len, ld) are not touched.
+template <typename Off>
+__device__ __forceinline__ void gdpc_stage_rows(__nv_bfloat16* __restrict__ dst, int ld,
+                                                const __nv_bfloat16* __restrict__ src, Off off,
+                                                int rows, int zrows, int len, bool vec,
+                                                const GdpcSplit& sp, int tid, int nthr) {
+  if (vec && sp.ok) {
+    for (int r = sp.r0; r < zrows; r += sp.rs) {
+      __nv_bfloat16* d = dst + r * ld + sp.cv * 8;
+      if (r < rows)
+        cp_async16(d, src + off(r) + sp.cv * 8);
+      else
+        *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
     }
   } else {
-    for (int idx = tid; idx < rows * len; idx += nthr) {
+    const __nv_bfloat16 zero = __float2bfloat16_rn(0.f);
+    for (int idx = tid; idx < zrows * len; idx += nthr) {
       const int r = idx / len, d = idx - r * len;
-      dst[r * ld + d] = src[off(r) + d];
+      dst[r * ld + d] = r < rows ? src[off(r) + d] : zero;
     }
   }
 }
 
-__device__ __forceinline__ void gdpc_unpack8(uint4 w, float* x) {
-  const uint32_t u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    x[2 * e] = __uint_as_float(u[e] << 16);
-    x[2 * e + 1] = __uint_as_float(u[e] & 0xffff0000u);
-  }
+// Zeros columns [c0, c1) of rows [0, rows) of a shared bf16 tile.
+__device__ __forceinline__ void gdpc_zero_cols(__nv_bfloat16* dst, int ld, int rows, int c0,
+                                               int c1, int tid, int nthr) {
+  const int w = c1 - c0;
+  if (w <= 0) return;
+  for (int idx = tid; idx < rows * w; idx += nthr)
+    dst[(idx / w) * ld + c0 + idx % w] = __float2bfloat16_rn(0.f);
 }
 
-__device__ __forceinline__ uint4 gdpc_pack8(const float* x) {
-  uint32_t u[4];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(x[2 * e], x[2 * e + 1]);
-    u[e] = *reinterpret_cast<const uint32_t*>(&h);
-  }
-  return make_uint4(u[0], u[1], u[2], u[3]);
-}
-
-// Element offsets into qk of the key and query rows of a chunk (rows past its end: -1).
-__device__ __forceinline__ void gdpc_row_offsets(int64_t* koff, int64_t* qoff, int64_t tok0,
-                                                 int64_t p0, int c, int first, int nq, int n,
-                                                 int H, int K, int head, int tid, int nthr) {
-  for (int i = tid; i < GDP_CHUNK; i += nthr) {
-    const int64_t p = p0 + i;
-    koff[i] = i < c ? ((tok0 + p / n) * (n + 1) + 1 + p % n) * H * K + (int64_t)head * K : -1;
-    const int64_t pq = p0 + first + (int64_t)i * n;
-    qoff[i] = i < nq ? ((tok0 + pq / n) * (n + 1)) * H * K + (int64_t)head * K : -1;
+// Stores a bf16 pair (cols col, col + 1 of a row; the second only when col + 1 < ncols).
+__device__ __forceinline__ void gdpc_store_pair(__nv_bfloat16* row, int col, int ncols, float x0,
+                                                float x1, bool vec) {
+  if (vec && col + 1 < ncols) {
+    *reinterpret_cast<__nv_bfloat162*>(row + col) = __floats2bfloat162_rn(x0, x1);
+  } else {
+    if (col < ncols) row[col] = __float2bfloat16_rn(x0);
+    if (col + 1 < ncols) row[col + 1] = __float2bfloat16_rn(x1);
   }
 }
 
@@ -120,7 +122,6 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
                     int K, int V, int n, int N, float scale) {
   constexpr int C = GDP_CHUNK;
   const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31, warp = tid >> 5;
-  const int nwarps = nthr >> 5;
   const int chunk = blockIdx.x, head = blockIdx.y;
   const int sidx = table[4 * N + 2 * chunk], ci = table[4 * N + 2 * chunk + 1];
   const int seq_b = table[4 * sidx], seq_start = table[4 * sidx + 1], seq_len = table[4 * sidx + 2];
@@ -130,27 +131,36 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
   const int c = (int)min((int64_t)C, L - p0);
   const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
   const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
+  const int mq = (nq + 15) / 16;  // 16-row tiles of query rows
   const int64_t BTH = (int64_t)B * TT * H;
-  // K padded to the mma k step; K and V padded to the 32-column output tiles of W and U.
-  const int KP = (K + 15) & ~15, KN = (K + 31) & ~31, VN = (V + 31) & ~31;
-  const int LK = KP + 8, LC = C + 8;  // bf16 row strides of the operand buffers
+  const int KP = (K + 15) & ~15, VP = (V + 15) & ~15;
+  const int LK = KP + 8, LV = VP + 8;  // bf16 row strides
+  const bool vk = (K % 8 == 0) && ((reinterpret_cast<uintptr_t>(qk) & 15) == 0);
+  const bool vvec = (V % 8 == 0) && ((reinterpret_cast<uintptr_t>(vv) & 15) == 0);
+  const GdpcRows rows(tok0, p0, first, n, H, K, head);
 
+  constexpr int CS = GDP_INV_LD;  // f32 row stride of A and its inverse
   extern __shared__ __align__(16) unsigned char gdpc_smem[];
-  float* A = reinterpret_cast<float*>(gdpc_smem);  // [C][C]   A (row stride c)
-  float* Ai = A + C * C;                             // [C][C]   (I + A)^-1 (row stride c)
-  float* G = Ai + C * C;                             // [C]      gate cumsum (hi)
-  float* Gl = G + C;                                 // [C]      its rounding error
-  float* Bt = Gl + C;                                // [C]      beta
-  float* Eg = Bt + C;                                // [C]      e^G
-  int64_t* koff = reinterpret_cast<int64_t*>(Eg + C);  // [C]    key row offsets
-  int64_t* qoff = koff + C;                            // [C]    query row offsets
-  __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(qoff + C);  // [C][LK]  K
-  __nv_bfloat16* Qs = Ks + C * LK;                                 // [C][LK]  Q (query rows)
-  __nv_bfloat16* KbT = Qs + C * LK;                                // [KN][LC] (β e^G ⊙ K)^T
-  __nv_bfloat16* VbT = KbT + KN * LC;                              // [VN][LC] (β ⊙ V)^T
-  __nv_bfloat16* Aib = VbT + VN * LC;                              // [C][LC]  Ainv (bf16)
+  float* A = reinterpret_cast<float*>(gdpc_smem);  // [C][CS] A (zero outside strict lower c x c)
+  float* Ai = A + C * CS;                            // [C][CS] (I + A)^-1
+  float* G = Ai + C * CS;                            // [C]     gate cumsum (hi)
+  float* Gl = G + C;                                 // [C]     its rounding error
+  float* Bt = Gl + C;                                // [C]     beta
+  float* Eg = Bt + C;                                // [C]     e^G
+  float* sk = Eg + C;                                // [C]     β e^G (0 past c): W's column scale
+  float* sv = sk + C;                                // [C]     β (0 past c): U's column scale
+  __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(sv + C);  // [C][LK] K
+  __nv_bfloat16* QV = Ks + C * LK;  // [C][max(LK, LV)] Q (query rows), then V
+  const GdpcSplit sk_split(K, tid, nthr), sv_split(V, tid, nthr);
 
-  gdpc_row_offsets(koff, qoff, tok0, p0, c, first, nq, n, H, K, head, tid, nthr);
+  // ---- Stage K and Q; gates and betas meanwhile.
+  gdpc_stage_rows(Ks, LK, qk, [&](int i) { return rows.key(i); }, c, C, K, vk, sk_split, tid,
+                  nthr);
+  gdpc_stage_rows(QV, LK, qk, [&](int r) { return rows.query(r); }, nq, 16 * mq, K, vk,
+                  sk_split, tid, nthr);
+  cp_async_commit();
+  gdpc_zero_cols(Ks, LK, C, K, KP, tid, nthr);
+  gdpc_zero_cols(QV, LK, 16 * mq, K, KP, tid, nthr);
   for (int i = tid; i < c; i += nthr) {
     const int64_t p = p0 + i;
     G[i] = (p % n == 0) ? aux[(tok0 + p / n) * H + head] : 0.f;
@@ -158,73 +168,126 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
   }
   __syncthreads();
   if (tid == 0) gdpb_cumsum(G, Gl, c);
+  cp_async_wait<0>();
   __syncthreads();
-  for (int i = tid; i < c; i += nthr) Eg[i] = expf(G[i] + Gl[i]);
-  __syncthreads();
-
-  // ---- Stage K, Q (row-major, zero padded) and the scaled, transposed K and V.
-  const __nv_bfloat16 zero = __float2bfloat16_rn(0.f);
-  for (int idx = tid; idx < C * KP; idx += nthr) {
-    const int i = idx % C, d = idx / C;  // consecutive threads: consecutive rows
-    const __nv_bfloat16 kv = (i < c && d < K) ? qk[koff[i] + d] : zero;
-    Ks[i * LK + d] = kv;
-    Qs[i * LK + d] = (i < nq && d < K) ? qk[qoff[i] + d] : zero;
-    KbT[d * LC + i] = __float2bfloat16_rn((i < c ? Bt[i] * Eg[i] : 0.f) * __bfloat162float(kv));
+  for (int i = tid; i < C; i += nthr) {
+    Eg[i] = i < c ? expf(G[i] + Gl[i]) : 0.f;
+    sk[i] = i < c ? Bt[i] * Eg[i] : 0.f;
+    sv[i] = i < c ? Bt[i] : 0.f;
   }
-  for (int idx = C * KP + tid; idx < C * KN; idx += nthr) KbT[(idx / C) * LC + idx % C] = zero;
-  for (int idx = tid; idx < C * VN; idx += nthr) {
-    const int i = idx % C, d = idx / C;
-    float x = 0.f;
-    if (i < c && d < V) x = Bt[i] * __bfloat162float(vv[((tok0 * n + p0 + i) * H + head) * V + d]);
-    VbT[d * LC + i] = __float2bfloat16_rn(x);
-  }
-  __syncthreads();
 
-  // ---- A = strict_lower(β_i (k_i·k_j) dec_ij) (tiles on/above the diagonal skipped) and
-  // P = scale (q_r·k_j) dec(i_r, j), from one tile list.
+  // ---- A = strict_lower(β_i (k_i·k_j) dec_ij) (warp w: rows 16 w.., the 2 (w + 1) column
+  // tiles up to its diagonal) and P = scale (q_r·k_j) dec(i_r, j) (warp w: query rows 16 w..).
   const int64_t slot = (int64_t)chunk * H + head;
   __nv_bfloat16* pm = pg + slot * C * C;
-  for (int tile = warp; tile < 16; tile += nwarps) {
-    const bool is_p = tile >= 8;
-    const int m0 = ((tile & 7) >> 1) * 16, n0 = (tile & 1) * 32;
-    if (!is_p && n0 >= m0 + 15) continue;
-    float acc[1][4][4] = {};
-    gdpc_mma<1, 4>(acc, is_p ? Qs : Ks, LK, Ks, LK, m0, n0, KP, lane);
-    if (is_p)
-      mma_store<1, 4>(acc, lane, m0, n0, C, C, [&](int r, int j, float a) {
-        const float x = (r < nq && j < c) ? a * (scale * gdpb_dec(G, Gl, first + r * n, j)) : 0.f;
-        pm[r * C + j] = __float2bfloat16_rn(x);
-      });
-    else
-      mma_store<1, 4>(acc, lane, m0, n0, c, c, [&](int i, int j, float a) {
-        if (j < i) A[i * c + j] = (a * Bt[i]) * gdpb_dec(G, Gl, i, j);
-      });
+  const int g = lane >> 2, t = lane & 3;
+  for (int pass = 0; pass < 2; ++pass) {
+    const bool is_p = pass == 1;
+    if (is_p && warp >= mq) break;
+    const int m0 = 16 * warp;
+    const int npairs = is_p ? 4 : warp + 1;  // 16-column pairs of n8 tiles
+    const __nv_bfloat16* a_src = is_p ? QV : Ks;
+    float acc[8][4] = {};
+    for (int k0 = 0; k0 < KP; k0 += 16) {
+      uint32_t a[4];
+      ldsm_a(a, a_src, LK, m0, k0, lane);
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        if (p < npairs) {
+          uint32_t b[2][2];
+          ldsm_b_nk(b, Ks, LK, k0, 16 * p, lane);
+          MmaBf16::mma(acc[2 * p], a, b[0]);
+          MmaBf16::mma(acc[2 * p + 1], a, b[1]);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j < 2 * npairs) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int i = m0 + g + 8 * h, col = 8 * j + 2 * t;
+          float x[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int jj = col + e;
+            if (is_p)
+              x[e] = (i < nq && jj < c)
+                         ? acc[j][2 * h + e] * (scale * gdpb_dec(G, Gl, first + i * n, jj))
+                         : 0.f;
+            else
+              x[e] = (i < c && jj < i) ? (acc[j][2 * h + e] * Bt[i]) * gdpb_dec(G, Gl, i, jj)
+                                       : 0.f;
+          }
+          if (is_p)
+            *reinterpret_cast<__nv_bfloat162*>(pm + i * C + col) =
+                __floats2bfloat162_rn(x[0], x[1]);
+          else
+            *reinterpret_cast<float2*>(A + i * CS + col) = make_float2(x[0], x[1]);
+        }
+      }
+    }
   }
-  __syncthreads();
-  tri_inverse(A, Ai, c, tid, nthr, 1);
-  __syncthreads();
-  for (int idx = tid; idx < C * C; idx += nthr) {
-    const int i = idx / C, j = idx % C;
-    Aib[i * LC + j] = __float2bfloat16_rn(i < c && j < c ? Ai[i * c + j] : 0.f);
-  }
+  // Rows of P past the query tiles (the scan reads 16-row tiles of it).
+  for (int idx = tid; idx < (C - 16 * mq) * C; idx += nthr)
+    pm[16 * mq * C + idx] = __float2bfloat16_rn(0.f);
   __syncthreads();
 
-  // ---- W = Ainv KbTᵀ [C, K] and U = Ainv VbTᵀ [C, V] (rows >= c come out zero).
-  __nv_bfloat16* w = wg + slot * C * K;
-  __nv_bfloat16* u = ug + slot * C * V;
-  const int tw = KN / 32, tu = VN / 32;
-  for (int tile = warp; tile < 4 * (tw + tu); tile += nwarps) {
-    const bool is_u = tile >= 4 * tw;
-    const int t2 = is_u ? tile - 4 * tw : tile, tn = is_u ? tu : tw;
-    const int m0 = (t2 / tn) * 16, n0 = (t2 % tn) * 32;
-    float acc[1][4][4] = {};
-    gdpc_mma<1, 4>(acc, Aib, LC, is_u ? VbT : KbT, LC, m0, n0, C, lane);
-    if (is_u)
-      mma_store<1, 4>(acc, lane, m0, n0, C, V,
-                      [&](int i, int d, float a) { u[i * V + d] = __float2bfloat16_rn(a); });
-    else
-      mma_store<1, 4>(acc, lane, m0, n0, C, K,
-                      [&](int i, int d, float a) { w[i * K + d] = __float2bfloat16_rn(a); });
+  // ---- V into QV (Q is no longer read) while the inverse runs.
+  gdpc_stage_rows(
+      QV, LV, vv, [&](int i) { return ((tok0 * n + p0 + i) * H + head) * (int64_t)V; }, c, C, V,
+      vvec, sv_split, tid, nthr);
+  cp_async_commit();
+  gdpc_zero_cols(QV, LV, C, V, VP, tid, nthr);
+  tri_inverse64(A, Ai, tid);
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // ---- W = Ainv diag(β e^G) K [C, K], U = Ainv diag(β) V [C, V]: warp w rows 16 w.., the
+  // column scales folded into the A fragments (the inverse rounded to bf16 once, scaled).
+  {
+    __nv_bfloat16* w = wg + slot * C * K;
+    __nv_bfloat16* u = ug + slot * C * V;
+    const int m0 = 16 * warp;
+    for (int pass = 0; pass < 2; ++pass) {
+      const bool is_u = pass == 1;
+      const float* scl = is_u ? sv : sk;
+      uint32_t a[4][4];
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int row = m0 + g + ((r & 1) ? 8 : 0), col = 16 * ks + 2 * t + ((r & 2) ? 8 : 0);
+          const float2 x = *reinterpret_cast<const float2*>(Ai + row * CS + col);
+          a[ks][r] = MmaBf16::pack(x.x * scl[col], x.y * scl[col + 1]);
+        }
+      const int D = is_u ? V : K, DP = is_u ? VP : KP, ld = is_u ? LV : LK;
+      const __nv_bfloat16* bsrc = is_u ? QV : Ks;
+      __nv_bfloat16* dst = is_u ? u : w;
+      const bool vst = (D % 2 == 0);
+      for (int n0 = 0; n0 < DP; n0 += 64) {
+        float acc[8][4] = {};
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+          for (int p = 0; p < 4; ++p) {
+            if (n0 + 16 * p < DP) {
+              uint32_t b[2][2];
+              ldsm_b_kn(b, bsrc, ld, 16 * ks, n0 + 16 * p, lane);
+              MmaBf16::mma(acc[2 * p], a[ks], b[0]);
+              MmaBf16::mma(acc[2 * p + 1], a[ks], b[1]);
+            }
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int i = m0 + g + 8 * h, col = n0 + 8 * j + 2 * t;
+            gdpc_store_pair(dst + (int64_t)i * D, col, D, acc[j][2 * h], acc[j][2 * h + 1], vst);
+          }
+      }
+    }
   }
 
   float* cf = cg + slot * 3 * C;
@@ -236,18 +299,31 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
 }
 
 // ----------------------------------------------------------------------------------------------
-// Kernel 2: the state scan and the output.
+// Kernel 2: the state scan and the output. Template: BV value columns per block (16, 32, 64),
+// KPT the key dimension padded to 64, 128 or 256 (a compile-time k loop; columns past K are
+// zero), NW warps (4 for BV = 16, else 8). Warp w computes Delta and the output for the rows of
+// 16-row tile w % 4 and the value columns of its half (NW = 8) of the block, and owns the state
+// rows of tiles w, w + NW, ... (all BV columns) in registers.
 
-extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
-    gdp_fwd_scan_bf16(const __nv_bfloat16* __restrict__ qk, const float* __restrict__ aux,
-                      const int* __restrict__ table, const __nv_bfloat16* __restrict__ wg,
-                      const __nv_bfloat16* __restrict__ ug, const __nv_bfloat16* __restrict__ pg,
-                      const float* __restrict__ cg, const float* __restrict__ h0_override,
-                      int use_h0_override, float* __restrict__ out, int B, int TT, int H, int K,
-                      int V, int n, int has_h0, int BV) {
-  constexpr int C = GDP_CHUNK;
+// Shared memory of one stage buffer (bytes); QR query rows per chunk.
+__host__ __device__ constexpr int gdpc_stage_bytes(int KP, int QR, int BV) {
+  return 2 * ((64 + 64 + QR) * (KP + 8) + QR * 72 + 64 * (BV + 8)) + 4 * 3 * 64;
+}
+
+template <int BV, int KPT, int NW>
+__device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
+    const __nv_bfloat16* __restrict__ qk, const float* __restrict__ aux,
+    const int* __restrict__ table, const __nv_bfloat16* __restrict__ wg,
+    const __nv_bfloat16* __restrict__ ug, const __nv_bfloat16* __restrict__ pg,
+    const float* __restrict__ cg, const float* __restrict__ h0_override, int use_h0_override,
+    float* __restrict__ out, int B, int TT, int H, int K, int V, int n, int has_h0, int QR) {
+  constexpr int C = GDP_CHUNK, NT = BV / 8, LB = BV + 8, LC = C + 8, LK = KPT + 8;
+  constexpr int NTW = NT * 4 / NW, NPW = NTW / 2;  // n8 tiles / pairs of a warp's column half
+  constexpr int MT = KPT / 16, STW = (MT + NW - 1) / NW;  // state tiles, per warp
+  static_assert(NPW >= 1, "a warp's column range must hold a pair of n8 tiles");
   const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31, warp = tid >> 5;
-  const int nwarps = nthr >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int mi = warp & 3, nc0 = (warp >> 2) * 8 * NTW;  // Delta / output tile, column offset
   const int sidx = blockIdx.x / H, head = blockIdx.x % H;
   const int v0 = blockIdx.y * BV;
   const int bv = min(BV, V - v0);
@@ -259,170 +335,279 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
   const int64_t BTH = (int64_t)B * TT * H;
   const int64_t KV = (int64_t)K * V;
   const int64_t state_off = ((int64_t)sidx * H + head) * KV;
-  const int KP = (K + 15) & ~15;         // K padded to the mma k step
-  const int LK = KP + 8, LC = C + 8;     // bf16 row strides of the operand buffers
-  const int SS = BV + 4;                 // f32 row stride of the state
   const bool vk = (K % 8 == 0) && ((reinterpret_cast<uintptr_t>(qk) & 15) == 0);
-  const bool vu = (V % 8 == 0);  // U rows start 16-byte aligned; bv is then a multiple of 8
+  const bool vu = (V % 8 == 0) && (bv % 8 == 0);
 
-  extern __shared__ __align__(16) unsigned char gdpc_smem[];
-  float* S = reinterpret_cast<float*>(gdpc_smem);  // [KP][SS]  state (f32)
-  float* U = S + KP * SS;                            // [C][SS]   U, then Delta (f32)
-  float* cf = U + C * SS;                            // [3][C]    coefficients
-  int64_t* koff = reinterpret_cast<int64_t*>(cf + 3 * C);  // [C] key row offsets
-  int64_t* qoff = koff + C;                                // [C] query row offsets
-  __nv_bfloat16* St = reinterpret_cast<__nv_bfloat16*>(qoff + C);   // [BV][LK] S^T
-  __nv_bfloat16* Ws = St + BV * LK;                                   // [C][LK]  W
-  __nv_bfloat16* Qe = Ws + C * LK;                                    // [C][LK]  coef_q q
-  __nv_bfloat16* Ps = Qe + C * LK;                                    // [C][LC]  P
-  __nv_bfloat16* KdT = Ps + C * LC;                                   // [KP][LC] (coef_k ⊙ K)^T
-  __nv_bfloat16* Dt = KdT + KP * LC;                                  // [BV][LC] Delta^T
+  extern __shared__ __align__(16) unsigned char gdpcs_smem[];
+  const int stage_bytes = gdpc_stage_bytes(KPT, QR, BV);
+  __nv_bfloat16* Sb = reinterpret_cast<__nv_bfloat16*>(gdpcs_smem + 2 * stage_bytes);  // [2][KPT][LB]
+  __nv_bfloat16* Dn = Sb + 2 * KPT * LB;  // [C][LB] bf16(Delta)
+  __nv_bfloat16* Dk = Dn + C * LB;       // [C][LB] bf16(coef_k ⊙ Delta)
+  struct Stage {
+    __nv_bfloat16 *W, *Kr, *Q, *P, *U;
+    float* cf;
+  };
+  auto stage = [&](int s) {
+    unsigned char* base = gdpcs_smem + s * stage_bytes;
+    Stage st;
+    st.W = reinterpret_cast<__nv_bfloat16*>(base);  // [C][LK]
+    st.Kr = st.W + C * LK;                           // [C][LK]  key rows
+    st.Q = st.Kr + C * LK;                           // [QR][LK] query rows
+    st.P = st.Q + QR * LK;                           // [QR][LC]
+    st.U = st.P + QR * LC;                           // [C][LB]  U slice
+    st.cf = reinterpret_cast<float*>(st.U + C * LB); // [3][C]
+    return st;
+  };
 
+  // Element offsets into qk of the key and query rows of chunk ci (-1 past its rows), two
+  // chunks' worth: chunk ci's at tables[ci & 1].
+  int64_t* tables = reinterpret_cast<int64_t*>(Dk + C * LB);  // [2][2][C]
+  auto fill_table = [&](int ci) {
+    int64_t* koff = tables + (ci & 1) * 2 * C;
+    int64_t* qoff = koff + C;
+    const int64_t p0 = (int64_t)ci * C;
+    const int c = (int)min((int64_t)C, L - p0);
+    const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
+    const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
+    const GdpcRows rows(tok0, p0, first, n, H, K, head);
+    for (int i = tid; i < C; i += nthr) {
+      koff[i] = i < c ? rows.key(i) : -1;
+      qoff[i] = i < nq ? rows.query(i) : -1;
+    }
+  };
+  const GdpcSplit sp_k(K, tid, nthr), sp_p(C, tid, nthr), sp_u(bv, tid, nthr);
+
+  // Issues the copies of chunk ci into stage s (one cp.async group); its row table is ready.
+  auto prefetch = [&](int ci, int s) {
+    const Stage st = stage(s);
+    const int64_t p0 = (int64_t)ci * C;
+    const int c = (int)min((int64_t)C, L - p0);
+    const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
+    const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
+    const int64_t* koff = tables + (ci & 1) * 2 * C;
+    const int64_t* qoff = koff + C;
+    const int64_t slot = (int64_t)(cbase + ci) * H + head;
+    const __nv_bfloat16* w = wg + slot * C * K;
+    const __nv_bfloat16* u = ug + slot * C * V + v0;
+    gdpc_stage_rows(st.W, LK, w, [&](int r) { return (int64_t)r * K; }, C, C, K, vk, sp_k, tid,
+                    nthr);
+    gdpc_stage_rows(st.Kr, LK, qk, [&](int i) { return koff[i]; }, c, C, K, vk, sp_k, tid, nthr);
+    gdpc_stage_rows(st.Q, LK, qk, [&](int r) { return qoff[r]; }, nq, QR, K, vk, sp_k, tid,
+                    nthr);
+    gdpc_stage_rows(st.P, LC, pg + slot * C * C, [&](int r) { return (int64_t)r * C; }, QR, QR,
+                    C, true, sp_p, tid, nthr);
+    if (vu) {
+      gdpc_stage_rows(st.U, LB, u, [&](int r) { return (int64_t)r * V; }, C, C, bv, true, sp_u,
+                      tid, nthr);
+    } else {
+      for (int idx = tid; idx < C * BV; idx += nthr) {
+        const int r = idx / BV, col = idx - r * BV;
+        st.U[r * LB + col] = col < bv ? u[(int64_t)r * V + col] : __float2bfloat16_rn(0.f);
+      }
+    }
+    for (int i = tid; i < 3 * C / 4; i += nthr) cp_async16(st.cf + 4 * i, cg + slot * 3 * C + 4 * i);
+    cp_async_commit();
+  };
+
+  // ---- Initial state: registers (rows 16 (w + NW s) + g (+8), cols 8 j + 2 t (+1)) and Sb[0].
+  float S[STW][NT][4];
   {
     const float* h0 = nullptr;
     if (use_h0_override)
       h0 = h0_override + state_off;
     else if (has_h0)
       h0 = aux + BTH * (1 + n) + state_off;
-    for (int idx = tid; idx < KP * BV; idx += nthr) {
-      const int r = idx / BV, col = idx % BV;
-      const float x = (h0 != nullptr && r < K && col < bv) ? h0[(int64_t)r * V + v0 + col] : 0.f;
-      S[r * SS + col] = x;
-      St[col * LK + r] = __float2bfloat16_rn(x);
+#pragma unroll
+    for (int s = 0; s < STW; ++s)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = 16 * (warp + NW * s) + g + (e >= 2 ? 8 : 0), col = 8 * j + 2 * t + (e & 1);
+          S[s][j][e] = (h0 != nullptr && r < K && col < bv) ? h0[(int64_t)r * V + v0 + col] : 0.f;
+        }
+    // Padding columns of the operand tiles (never written by the copies) stay zero.
+    for (int s = 0; s < 2; ++s) {
+      const Stage st = stage(s);
+      gdpc_zero_cols(st.W, LK, C, K, KPT, tid, nthr);
+      gdpc_zero_cols(st.Kr, LK, C, K, KPT, tid, nthr);
+      gdpc_zero_cols(st.Q, LK, QR, K, KPT, tid, nthr);
+      gdpc_zero_cols(st.U, LB, C, bv, BV, tid, nthr);
     }
-    // Padding columns of the operand rows stay zero for the whole scan.
-    for (int idx = tid; idx < C * (LK - K); idx += nthr) {
-      const int r = idx / (LK - K), d = K + idx % (LK - K);
-      Ws[r * LK + d] = __float2bfloat16_rn(0.f);
-      Qe[r * LK + d] = __float2bfloat16_rn(0.f);
-    }
-    for (int idx = tid; idx < (KP - K) * LC; idx += nthr)
-      KdT[K * LC + idx] = __float2bfloat16_rn(0.f);
   }
+  auto store_sb = [&](__nv_bfloat16* sb) {
+#pragma unroll
+    for (int s = 0; s < STW; ++s)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = 16 * (warp + NW * s) + g + 8 * h, col = 8 * j + 2 * t;
+          if (r < KPT)
+            *reinterpret_cast<__nv_bfloat162*>(sb + r * LB + col) =
+                __floats2bfloat162_rn(S[s][j][2 * h], S[s][j][2 * h + 1]);
+        }
+  };
+  store_sb(Sb);
+  if (nch > 0) fill_table(0);
+  if (nch > 1) fill_table(1);
   __syncthreads();
+  if (nch > 0) prefetch(0, 0);
 
   for (int ci = 0; ci < nch; ++ci) {
+    const int cur = ci & 1;
+    const Stage st = stage(cur);
+    const __nv_bfloat16* sb = Sb + cur * KPT * LB;
     const int64_t p0 = (int64_t)ci * C;
     const int c = (int)min((int64_t)C, L - p0);
     const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
     const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
-    const int64_t slot = (int64_t)(cbase + ci) * H + head;
-    const __nv_bfloat16* w = wg + slot * C * K;
-    const __nv_bfloat16* u = ug + slot * C * V;
-    const __nv_bfloat16* pm = pg + slot * C * C;
+    cp_async_wait<0>();
+    __syncthreads();  // stage cur complete; chunk ci - 1 done with stage cur ^ 1 and Dn / Dk
+    if (ci + 1 < nch) prefetch(ci + 1, cur ^ 1);
+    // Row table of chunk ci + 2 (its slot was last read by the prefetch of chunk ci).
+    if (ci + 2 < nch) fill_table(ci + 2);
 
-    // ---- Stage the chunk's operands: W, U, P and the coefficients copied; the query rows
-    // scaled by coef_q and the key rows by coef_k (transposed) in a second pass.
-    gdpc_row_offsets(koff, qoff, tok0, p0, c, first, nq, n, H, K, head, tid, nthr);
-    for (int i = tid; i < 3 * C; i += nthr) cf[i] = cg[slot * 3 * C + i];
-    gdpc_copy_rows(Ws, LK, w, [&](int r) { return (int64_t)r * K; }, C, K, vk, tid, nthr);
-    gdpc_copy_rows(Ps, LC, pm, [&](int r) { return (int64_t)r * C; }, C, C, true, tid, nthr);
-    if (vu) {
-      const int vpr = BV / 8;
-      for (int idx = tid; idx < C * vpr; idx += nthr) {
-        const int r = idx / vpr, col = (idx - r * vpr) * 8;
-        float x[8] = {};
-        if (col < bv) gdpc_unpack8(__ldg(reinterpret_cast<const uint4*>(u + r * V + v0 + col)), x);
-        float4* d = reinterpret_cast<float4*>(U + r * SS + col);
-        d[0] = make_float4(x[0], x[1], x[2], x[3]);
-        d[1] = make_float4(x[4], x[5], x[6], x[7]);
+    // ---- Phase A: Delta = U - W S for rows 16 mi.., this warp's columns; into Dn and Dk.
+    {
+      const int m0 = 16 * mi;
+      float acc[NTW][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < KPT; k0 += 16) {
+        uint32_t a[4];
+        ldsm_a(a, st.W, LK, m0, k0, lane);
+#pragma unroll
+        for (int p = 0; p < NPW; ++p) {
+          uint32_t b[2][2];
+          ldsm_b_kn(b, sb, LB, k0, nc0 + 16 * p, lane);
+          MmaBf16::mma(acc[2 * p], a, b[0]);
+          MmaBf16::mma(acc[2 * p + 1], a, b[1]);
+        }
       }
-    } else {
-      for (int idx = tid; idx < C * BV; idx += nthr) {
-        const int r = idx / BV, col = idx - r * BV;
-        U[r * SS + col] = col < bv ? __bfloat162float(u[r * V + v0 + col]) : 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = m0 + g + 8 * h;
+        const float ck = st.cf[C + r];
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) {
+          const int col = nc0 + 8 * j + 2 * t;
+          const float2 uu = __bfloat1622float2(
+              *reinterpret_cast<const __nv_bfloat162*>(st.U + r * LB + col));
+          const float d0 = uu.x - acc[j][2 * h], d1 = uu.y - acc[j][2 * h + 1];
+          *reinterpret_cast<__nv_bfloat162*>(Dn + r * LB + col) = __floats2bfloat162_rn(d0, d1);
+          *reinterpret_cast<__nv_bfloat162*>(Dk + r * LB + col) =
+              __floats2bfloat162_rn(ck * d0, ck * d1);
+        }
       }
     }
     __syncthreads();
-    if (vk) {
-      const int vpr = K / 8;
-      for (int idx = tid; idx < C * vpr; idx += nthr) {
-        // Consecutive threads take consecutive rows: the transposed stores to KdT then fall in
-        // consecutive 2-byte slots.
-        const int r = idx % C, cv = idx / C;
-        float x[8] = {};
+
+    // ---- Phase B: output rows 16 mi.. (if query rows), this warp's columns; then its state.
+    if (16 * mi < nq) {
+      const int m0 = 16 * mi;
+      float acc[NTW][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < KPT; k0 += 16) {
+        uint32_t a[4];
+        ldsm_a(a, st.Q, LK, m0, k0, lane);
+#pragma unroll
+        for (int p = 0; p < NPW; ++p) {
+          uint32_t b[2][2];
+          ldsm_b_kn(b, sb, LB, k0, nc0 + 16 * p, lane);
+          MmaBf16::mma(acc[2 * p], a, b[0]);
+          MmaBf16::mma(acc[2 * p + 1], a, b[1]);
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float cq = st.cf[m0 + g + 8 * h];
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) acc[j][2 * h] *= cq, acc[j][2 * h + 1] *= cq;
+      }
+#pragma unroll
+      for (int k0 = 0; k0 < C; k0 += 16) {
+        uint32_t a[4];
+        ldsm_a(a, st.P, LC, m0, k0, lane);
+#pragma unroll
+        for (int p = 0; p < NPW; ++p) {
+          uint32_t b[2][2];
+          ldsm_b_kn(b, Dn, LB, k0, nc0 + 16 * p, lane);
+          MmaBf16::mma(acc[2 * p], a, b[0]);
+          MmaBf16::mma(acc[2 * p + 1], a, b[1]);
+        }
+      }
+      const GdpcRows rows(tok0, p0, first, n, H, K, head);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = m0 + g + 8 * h;
         if (r < nq) {
-          gdpc_unpack8(__ldg(reinterpret_cast<const uint4*>(qk + qoff[r] + cv * 8)), x);
+          float* orow = out + (rows.query_token(r) * H + head) * (int64_t)V + v0;
 #pragma unroll
-          for (int e = 0; e < 8; ++e) x[e] *= cf[r];
+          for (int j = 0; j < NTW; ++j) {
+            const int col = nc0 + 8 * j + 2 * t;
+            if (col + 1 < bv) {
+              *reinterpret_cast<float2*>(orow + col) = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+            } else if (col < bv) {
+              orow[col] = acc[j][2 * h];
+            }
+          }
         }
-        *reinterpret_cast<uint4*>(Qe + r * LK + cv * 8) = gdpc_pack8(x);
-        float y[8] = {};
-        if (r < c) {
-          gdpc_unpack8(__ldg(reinterpret_cast<const uint4*>(qk + koff[r] + cv * 8)), y);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) y[e] *= cf[C + r];
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) KdT[(cv * 8 + e) * LC + r] = __float2bfloat16_rn(y[e]);
-      }
-    } else {
-      for (int idx = tid; idx < C * K; idx += nthr) {
-        const int r = idx % C, d = idx / C;
-        const float q = r < nq ? cf[r] * __bfloat162float(qk[qoff[r] + d]) : 0.f;
-        Qe[r * LK + d] = __float2bfloat16_rn(q);
-        const float kd = r < c ? cf[C + r] * __bfloat162float(qk[koff[r] + d]) : 0.f;
-        KdT[d * LC + r] = __float2bfloat16_rn(kd);
       }
     }
-    __syncthreads();
-
-    // ---- Delta = U - W S   [C, BV]: into U (f32) and Dt (bf16, transposed).
     {
-      const int tn = BV / 32, tiles = (C / 16) * tn;
-      for (int tile = warp; tile < tiles; tile += nwarps) {
-        const int m0 = (tile / tn) * 16, n0 = (tile % tn) * 32;
-        float acc[1][4][4] = {};
-        gdpc_mma<1, 4>(acc, Ws, LK, St, LK, m0, n0, KP, lane);
-        mma_store<1, 4>(acc, lane, m0, n0, C, BV, [&](int m, int nn, float a) {
-          const float d = U[m * SS + nn] - a;
-          U[m * SS + nn] = d;
-          Dt[nn * LC + m] = __float2bfloat16_rn(d);
-        });
-      }
-    }
-    __syncthreads();
-
-    // ---- o = Qe S + P Delta (query rows) and S = e^{G_last} S + KdT Delta, one tile list.
-    {
-      const int tn = BV / 32;
-      const int mq = (nq + 15) / 16;
-      const int o_tiles = mq * tn, s_tiles = (KP / 16) * tn;
-      const float eglast = cf[2 * C];
-      for (int tile = warp; tile < o_tiles + s_tiles; tile += nwarps) {
-        float acc[1][4][4] = {};
-        if (tile < o_tiles) {
-          const int m0 = (tile / tn) * 16, n0 = (tile % tn) * 32;
-          gdpc_mma<1, 4>(acc, Qe, LK, St, LK, m0, n0, KP, lane);
-          gdpc_mma<1, 4>(acc, Ps, LC, Dt, LC, m0, n0, C, lane);
-          mma_store<1, 4>(acc, lane, m0, n0, nq, bv, [&](int r, int nn, float a) {
-            const int64_t tok = tok0 + (p0 + first + (int64_t)r * n) / n;
-            out[(tok * H + head) * V + v0 + nn] = a;
-          });
-        } else {
-          const int t2 = tile - o_tiles;
-          const int m0 = (t2 / tn) * 16, n0 = (t2 % tn) * 32;
-          gdpc_mma<1, 4>(acc, KdT, LC, Dt, LC, m0, n0, C, lane);
-          mma_store<1, 4>(acc, lane, m0, n0, KP, BV, [&](int m, int nn, float a) {
-            S[m * SS + nn] = eglast * S[m * SS + nn] + a;
-          });
+      const float eglast = st.cf[2 * C];
+#pragma unroll
+      for (int s = 0; s < STW; ++s) {
+        const int m0 = 16 * (warp + NW * s);
+        if (m0 < KPT) {
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) S[s][j][e] *= eglast;
+#pragma unroll
+          for (int k0 = 0; k0 < C; k0 += 16) {
+            uint32_t a[4];
+            ldsm_a_t(a, st.Kr, LK, m0, k0, lane);
+#pragma unroll
+            for (int p = 0; p < NT / 2; ++p) {
+              uint32_t b[2][2];
+              ldsm_b_kn(b, Dk, LB, k0, 16 * p, lane);
+              MmaBf16::mma(S[s][2 * p], a, b[0]);
+              MmaBf16::mma(S[s][2 * p + 1], a, b[1]);
+            }
+          }
         }
       }
+      store_sb(Sb + (cur ^ 1) * KPT * LB);
     }
-    __syncthreads();
-    for (int idx = tid; idx < (KP / 2) * BV; idx += nthr) {
-      // Consecutive threads write consecutive 32-bit pairs of a row of S^T.
-      const int rp = idx % (KP / 2), col = idx / (KP / 2);
-      const __nv_bfloat162 h =
-          __floats2bfloat162_rn(S[2 * rp * SS + col], S[(2 * rp + 1) * SS + col]);
-      *reinterpret_cast<__nv_bfloat162*>(St + col * LK + 2 * rp) = h;
-    }
-    __syncthreads();
   }
 
   float* fin = out + BTH * V + state_off;
-  for (int idx = tid; idx < K * bv; idx += nthr) {
-    const int r = idx / bv, col = idx % bv;
-    fin[(int64_t)r * V + v0 + col] = S[r * SS + col];
-  }
+#pragma unroll
+  for (int s = 0; s < STW; ++s)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 16 * (warp + NW * s) + g + (e >= 2 ? 8 : 0), col = 8 * j + 2 * t + (e & 1);
+        if (r < K && col < bv) fin[(int64_t)r * V + v0 + col] = S[s][j][e];
+      }
 }
+
+#define GDPC_SCAN_ENTRY(BV, KPT, NW)                                                             \
+  extern "C" __global__ void __launch_bounds__(NW * 32) gdp_fwd_scan_bf16_##BV##_##KPT(         \
+      const __nv_bfloat16* qk, const float* aux, const int* table, const __nv_bfloat16* wg,      \
+      const __nv_bfloat16* ug, const __nv_bfloat16* pg, const float* cg,                        \
+      const float* h0_override, int use_h0_override, float* out, int B, int TT, int H, int K,    \
+      int V, int n, int has_h0, int QR) {                                                        \
+    gdp_fwd_scan_bf16_impl<BV, KPT, NW>(qk, aux, table, wg, ug, pg, cg, h0_override,           \
+                                        use_h0_override, out, B, TT, H, K, V, n, has_h0, QR);    \
+  }
+GDPC_SCAN_ENTRY(16, 64, 4)
+GDPC_SCAN_ENTRY(16, 128, 4)
+GDPC_SCAN_ENTRY(16, 256, 4)
+GDPC_SCAN_ENTRY(32, 64, 8)
+GDPC_SCAN_ENTRY(32, 128, 8)
+GDPC_SCAN_ENTRY(32, 256, 8)
+GDPC_SCAN_ENTRY(64, 64, 8)
+GDPC_SCAN_ENTRY(64, 128, 8)

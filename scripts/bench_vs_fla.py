@@ -2,13 +2,15 @@
 flash-linear-attention's `chunk_gated_delta_product` on the same inputs, in the same run.
 
     python3 scripts/bench_vs_fla.py --gdp ./gdp [--reps 20] [--shapes all|small]
+                                    [--variant "NAME VAR=VALUE ..."]...
 
 Needs a CUDA build of `gdp` (`cargo build --release --features cuda --bin gdp`) and the
 flash-linear-attention + fla-core wheels on PYTHONPATH. For each shape it writes q k v g beta do
 to a safetensors file, times FLA (triton.testing.do_bench median; forward, and forward+backward
 through torch autograd), runs `gdp run --device cuda:0 --dtype bf16 --repeat N` on the same
 file, checks that both outputs agree, and prints the ratio FLA time / gdp time (> 1 means gdp
-is faster).
+is faster). Each `--variant` adds a row per shape: gdp run again on the same inputs with
+those environment variables set (e.g. `--variant "chunked GDP_CUDA_FWD=chunked"`).
 """
 import argparse
 import os
@@ -59,9 +61,9 @@ def fla_times(q, k, v, g, beta, do, n):
     return o.float(), t_fwd, t_fb
 
 
-def gdp_times(gdp, path, out, reps):
+def gdp_times(gdp, path, out, reps, env=None):
     cmd = [gdp, "run", "--input", path, "--output", out, "--dtype", "bf16", "--device", "cuda:0", "--repeat", str(reps)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if res.returncode != 0:
         return None, None, res.stderr.strip().splitlines()[-1] if res.stderr else f"exit {res.returncode}"
     get = lambda key: (float(m.group(1)) if (m := re.search(key + r"=([0-9.]+)", res.stdout)) else None)
@@ -73,6 +75,7 @@ def main():
     ap.add_argument("--gdp", required=True)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default="all")
+    ap.add_argument("--variant", action="append", default=[], help='"NAME VAR=VALUE ..."')
     args = ap.parse_args()
     shapes = SHAPES if args.shapes == "all" else SHAPES[:1]
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, bf16, K=V=128, medians")
@@ -84,14 +87,19 @@ def main():
         path, out = os.path.join(tmp, "in.safetensors"), os.path.join(tmp, "out.safetensors")
         cpu = lambda x: x.detach().cpu().contiguous()
         save_file({"q": cpu(q), "k": cpu(k), "v": cpu(v), "g": cpu(g), "beta": cpu(beta), "do": cpu(do)}, path)
-        g_fwd, g_fb, err = gdp_times(args.gdp, path, out, args.reps)
-        if g_fwd is None:
-            print(f"{B},{T},{H},{n:<8} {f_fwd:9.3f} {'-':>9} {'-':>6} {f_fb:9.3f}  gdp failed: {err}")
-            continue
-        o_gdp = load_file(out)["o"].cuda()
-        rel = ((o_gdp - o_fla).pow(2).mean().sqrt() / o_fla.pow(2).mean().sqrt()).item()
-        fb = f"{g_fb:9.3f} {f_fb / g_fb:6.2f}" if g_fb else f"{'-':>9} {'-':>6}"
-        print(f"{B},{T},{H},{n:<8} {f_fwd:9.3f} {g_fwd:9.3f} {f_fwd / g_fwd:6.2f} {f_fb:9.3f} {fb}  {rel:.1e}")
+        variants = [("", {})] + [
+            (v.split()[0], dict(kv.split("=", 1) for kv in v.split()[1:])) for v in args.variant
+        ]
+        for name, env in variants:
+            label = f"{B},{T},{H},{n}" + (f" {name}" if name else "")
+            g_fwd, g_fb, err = gdp_times(args.gdp, path, out, args.reps, env)
+            if g_fwd is None:
+                print(f"{label:<16} {f_fwd:9.3f} {'-':>9} {'-':>6} {f_fb:9.3f}  gdp failed: {err}")
+                continue
+            o_gdp = load_file(out)["o"].cuda()
+            rel = ((o_gdp - o_fla).pow(2).mean().sqrt() / o_fla.pow(2).mean().sqrt()).item()
+            fb = f"{g_fb:9.3f} {f_fb / g_fb:6.2f}" if g_fb else f"{'-':>9} {'-':>6}"
+            print(f"{label:<16} {f_fwd:9.3f} {g_fwd:9.3f} {f_fwd / g_fwd:6.2f} {f_fb:9.3f} {fb}  {rel:.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-//! GPU tests of the fast paths added after the last GPU run of `tests/gpu.rs` (2026-11-29,
-//! 18:30 UTC), which have run only in the CPU emulation of `cuda/emu` so far: the opt-in
-//! two-kernel bf16 forward (`GDP_CUDA_FWD=chunked`) and the fused decode step. Feature `cuda`,
-//! needs a GPU: `cargo test --release --features cuda --test gpu_fast_paths`; `--ignored` adds
-//! the decode-step bandwidth timing (B64 H16 K=V=128, issue 5).
+//! GPU tests of the fast paths: both bf16 forwards (the two-kernel one, the default where it
+//! fits, and the one-kernel one, `GDP_CUDA_FWD=fused`), the op after
+//! `retain_freed_memory`, and the fused decode step. Feature
+//! `cuda`, needs a GPU: `cargo test --release --features cuda --test gpu_fast_paths`;
+//! `--ignored` adds the decode-step bandwidth timing (B64 H16 K=V=128, issue 5).
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -18,25 +18,27 @@ fn cuda() -> Result<Device> {
     Ok(Device::new_cuda(0)?)
 }
 
-/// Set in the child process that runs the chunked-forward checks.
+/// Set in the child processes that run the bf16 forward checks.
 const CHILD: &str = "GDP_FAST_PATH_CHILD";
 
-/// The two-kernel bf16 forward (and the backward after it) against the f64 reference. The path
-/// is chosen per process by `GDP_CUDA_FWD`, so the checks run in a child process of this binary
-/// with `GDP_CUDA_FWD=chunked`.
+/// Both bf16 forwards (and the backward after them) against the f64 reference. The path is
+/// chosen per process by `GDP_CUDA_FWD`, so the checks run in a child process of this binary
+/// for each setting.
 #[test]
-fn chunked_bf16_forward_matches_f64_reference() -> Result<()> {
+fn bf16_forwards_match_f64_reference() -> Result<()> {
     if std::env::var_os(CHILD).is_none() {
-        let out = std::process::Command::new(std::env::current_exe()?)
-            .env("GDP_CUDA_FWD", "chunked")
-            .env(CHILD, "1")
-            .args(["chunked_bf16_forward_matches_f64_reference", "--exact"])
-            .args(["--test-threads", "1", "--nocapture"])
-            .output()?;
-        let log = String::from_utf8_lossy(&out.stdout);
-        println!("{log}");
-        assert!(out.status.success(), "chunked bf16 forward:\n{log}");
-        assert!(log.contains("1 passed"), "the child ran no test:\n{log}");
+        for path in ["chunked", "fused"] {
+            let out = std::process::Command::new(std::env::current_exe()?)
+                .env("GDP_CUDA_FWD", path)
+                .env(CHILD, "1")
+                .args(["bf16_forwards_match_f64_reference", "--exact"])
+                .args(["--test-threads", "1", "--nocapture"])
+                .output()?;
+            let log = String::from_utf8_lossy(&out.stdout);
+            println!("GDP_CUDA_FWD={path}\n{log}");
+            assert!(out.status.success(), "bf16 forward {path}:\n{log}");
+            assert!(log.contains("1 passed"), "the child ran no test:\n{log}");
+        }
         return Ok(());
     }
     let dev = cuda()?;
@@ -64,6 +66,25 @@ fn chunked_bf16_forward_matches_f64_reference() -> Result<()> {
         let x = inputs(&c, DType::BF16)?;
         let got = run_op_on(&c, &x, DType::BF16, &dev)?;
         let want = run_reference(&c, &x)?;
+        assert_close(&c, &got, &want, 1e-2)?;
+    }
+    Ok(())
+}
+
+/// `retain_freed_memory` changes the device's allocation policy, not the results: the op (and
+/// its backward) after it, twice, against the f64 reference.
+#[test]
+fn results_hold_with_retained_pool_memory() -> Result<()> {
+    let dev = cuda()?;
+    candle_gdp::op::cuda::retain_freed_memory(&dev)?;
+    candle_gdp::op::cuda::retain_freed_memory(&Device::Cpu)?;
+    let c = Case::new("n2 T300 K64 V48 h0", 2, 300, 2, 64, 48, 2)
+        .h0()
+        .seed(31);
+    let x = inputs(&c, DType::BF16)?;
+    let want = run_reference(&c, &x)?;
+    for _ in 0..2 {
+        let got = run_op_on(&c, &x, DType::BF16, &dev)?;
         assert_close(&c, &got, &want, 1e-2)?;
     }
     Ok(())

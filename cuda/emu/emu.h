@@ -23,6 +23,7 @@ extern thread_local dim3 threadIdx;
 extern dim3 blockIdx, blockDim;
 
 #define __device__
+#define __host__
 #define __global__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
@@ -40,6 +41,7 @@ struct float4 {
   float x, y, z, w;
 };
 inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
+inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 template <class T>
 T __ldg(const T* p) {
@@ -96,6 +98,8 @@ struct EmuBlock {
   std::mutex named_mu;
   // Fragment registers of every lane, two buffers: a (4 per thread), b (2 per thread).
   std::vector<uint32_t> frag_a, frag_b;
+  // Row addresses of every lane for ldmatrix, two buffers.
+  std::vector<const void*> ldsm_rows;
 };
 extern EmuBlock* g_block;
 inline void __syncthreads() { g_block->sync->arrive_and_wait(); }
@@ -178,7 +182,31 @@ inline void gdp_emu_mma_tf32(float* c, const uint32_t* a, const uint32_t* b) {
   gdp_emu_mma<8>(c, a, b, EmuTf32Frag{});
 }
 
+// ldmatrix .x4 (optionally .trans): lane l gives the address of row l % 8 of matrix l / 8 (eight
+// 16-bit elements); register i of lane l = 4 g + t holds, of matrix i, the elements (g, 2t) and
+// (g, 2t + 1), or with .trans (2t, g) and (2t + 1, g). Same two-buffer scheme as the mma.
+inline void gdp_emu_ldsm(uint32_t (&r)[4], const void* p, bool trans) {
+  thread_local unsigned calls = 0;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  EmuBlock& blk = *g_block;
+  const int buf = calls++ & 1;
+  const size_t nthr = blk.ldsm_rows.size() / 2;
+  const void** rows = &blk.ldsm_rows[buf * nthr + warp * 32];
+  rows[lane] = p;
+  blk.warps[warp]->arrive_and_wait();
+  const int g = lane >> 2, t = lane & 3;
+  auto elem = [&](int i, int row, int col) {
+    return static_cast<const uint16_t*>(rows[8 * i + row])[col];
+  };
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = trans ? elem(i, 2 * t, g) : elem(i, g, 2 * t);
+    const uint32_t hi = trans ? elem(i, 2 * t + 1, g) : elem(i, g, 2 * t + 1);
+    r[i] = lo | (hi << 16);
+  }
+}
+
 extern unsigned char smem_raw[];
 extern unsigned char gdpb_smem[];
 extern unsigned char gdpc_smem[];
+extern unsigned char gdpcs_smem[];
 extern unsigned char gdps_smem[];

@@ -13,7 +13,8 @@ EmuBlock* g_block;
 alignas(16) unsigned char smem_raw[256 * 1024];
 alignas(16) unsigned char gdpb_smem[256 * 1024];
 alignas(16) unsigned char gdpc_smem[256 * 1024];
-alignas(16) unsigned char gdps_smem[1024];
+alignas(16) unsigned char gdpcs_smem[256 * 1024];
+alignas(16) unsigned char gdps_smem[48 * 1024];
 
 static bool g_reverse = false;
 
@@ -29,11 +30,13 @@ void launch(unsigned gx, unsigned gy, int nthr, F f) {
       memset(smem_raw, 0x7f, sizeof(smem_raw));
       memset(gdpb_smem, 0x7f, sizeof(gdpb_smem));
       memset(gdpc_smem, 0x7f, sizeof(gdpc_smem));
+      memset(gdpcs_smem, 0x7f, sizeof(gdpcs_smem));
       EmuBlock blk;
       blk.sync = std::make_unique<std::barrier<>>(nthr);
       for (int w = 0; w < nthr / 32; ++w) blk.warps.push_back(std::make_unique<std::barrier<>>(32));
       blk.frag_a.assign(2 * nthr * 4, 0);
       blk.frag_b.assign(2 * nthr * 2, 0);
+      blk.ldsm_rows.assign(2 * nthr, nullptr);
       g_block = &blk;
       std::vector<std::thread> ts;
       for (int t = 0; t < nthr; ++t)
@@ -275,12 +278,23 @@ void run_bf16(const Case& c) {
       gdp_fwd_wy_bf16(qkb.data(), vb.data(), P.aux.data(), tab.data(), wg.data(), ug.data(),
                       pg.data(), cg.data(), c.B, c.T, c.H, c.K, c.V, c.n, N, scale);
     });
-  for (int bv : {32, 64}) {
+  const int QR = 16 * (((64 + c.n - 1) / c.n + 15) / 16);
+  const int KPT = c.K <= 64 ? 64 : c.K <= 128 ? 128 : 256;
+  for (int bv : {16, 32, 64}) {
+    if (bv == 64 && KPT == 256) continue;
     std::vector<float> out(BTH * V + sl, 0.f);
-    launch(N * H, (V + bv - 1) / bv, 128, [&] {
-      gdp_fwd_scan_bf16(qkb.data(), P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(),
-                        cg.data(), P.aux.data(), 0, out.data(), c.B, c.T, c.H, c.K, c.V, c.n, c.h0,
-                        bv);
+    launch(N * H, (V + bv - 1) / bv, bv == 16 ? 128 : 256, [&] {
+#define ARGS qkb.data(), P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(), cg.data(), \
+             P.aux.data(), 0, out.data(), c.B, c.T, c.H, c.K, c.V, c.n, c.h0, QR
+      if (bv == 16 && KPT == 64) gdp_fwd_scan_bf16_16_64(ARGS);
+      if (bv == 16 && KPT == 128) gdp_fwd_scan_bf16_16_128(ARGS);
+      if (bv == 16 && KPT == 256) gdp_fwd_scan_bf16_16_256(ARGS);
+      if (bv == 32 && KPT == 64) gdp_fwd_scan_bf16_32_64(ARGS);
+      if (bv == 32 && KPT == 128) gdp_fwd_scan_bf16_32_128(ARGS);
+      if (bv == 32 && KPT == 256) gdp_fwd_scan_bf16_32_256(ARGS);
+      if (bv == 64 && KPT == 64) gdp_fwd_scan_bf16_64_64(ARGS);
+      if (bv == 64 && KPT == 128) gdp_fwd_scan_bf16_64_128(ARGS);
+#undef ARGS
     });
     char what[32];
     snprintf(what, sizeof what, "bf16 2k%d o", bv);
@@ -364,6 +378,7 @@ int main(int argc, char** argv) {
   if (!only_bf16)
     for (auto& c : cases) run_case(c);
   cases.push_back({"n2 T90 K128 V128 h0", 1, 90, 2, 128, 128, 2, true, {}, 1.f, 64});
+  cases.push_back({"n1 T70 K200 V40 h0", 1, 70, 1, 200, 40, 1, true, {}, 1.f, 8});
   for (auto& c : cases) run_bf16(c);
   printf("fails: %d\n", fails);
   return fails != 0;

@@ -84,12 +84,16 @@ impl DeviceArg {
     pub fn open(self) -> Result<Device, CliError> {
         match self {
             Self::Cpu => Ok(Device::Cpu),
-            Self::Cuda(n) => Device::new_cuda(n).map_err(|e| {
-                CliError::new(format!(
-                    "--device {self}: cannot open the device: {}",
-                    CliError::from_lib(&e)
-                ))
-            }),
+            Self::Cuda(n) => {
+                let dev = Device::new_cuda(n).map_err(|e| {
+                    CliError::new(format!(
+                        "--device {self}: cannot open the device: {}",
+                        CliError::from_lib(&e)
+                    ))
+                })?;
+                retain_pool_memory(&dev)?;
+                Ok(dev)
+            }
         }
     }
 }
@@ -677,4 +681,18 @@ pub fn write_output(path: &Path, out: &RunOutput) -> Result<(), CliError> {
             CliError::from_lib(&e)
         ))
     })
+}
+
+/// With `GDP_RETAIN_POOL=1`, keeps freed device memory in CUDA's pool
+/// (`candle_gdp::op::cuda::retain_freed_memory`), so that timings measure the kernels rather
+/// than page mapping. Opt-in until measured on a GPU (`docs/perf.md`).
+fn retain_pool_memory(dev: &Device) -> Result<(), CliError> {
+    if !std::env::var("GDP_RETAIN_POOL").is_ok_and(|v| v.trim() == "1") {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    candle_gdp::op::cuda::retain_freed_memory(dev).map_err(|e| CliError::from_lib(&e))?;
+    #[cfg(not(feature = "cuda"))]
+    let _ = dev;
+    Ok(())
 }

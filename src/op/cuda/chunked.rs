@@ -1,14 +1,12 @@
 //! Launcher of the two-kernel bf16 forward of `cuda/gdp_fwd_chunked.cuh`: the WY factors of
 //! every chunk in parallel (`gdp_fwd_wy_bf16`), then the state scan with the output fused in
-//! (`gdp_fwd_scan_bf16`). The one-kernel forward of `launch.rs` recomputes the V-independent WY
-//! factors in every value tile and keeps them on the sequential path; this split takes them off
-//! it.
-//!
-//! Opt-in (`GDP_CUDA_FWD=chunked`) until it is measured faster: its first version (per-element
-//! 64-bit index arithmetic in the staging loops) took 16.3 ms against the one-kernel forward's
-//! 8.8 ms at B4 T4096 H16 K=V=128 n2 bf16 on an H200; this version stages whole rows from
-//! per-chunk offset tables with 16-byte loads, passed the GPU tests (2026-11-29) and was not yet
-//! timed (`docs/perf.md`).
+//! (`gdp_fwd_scan_bf16_<BV>_<KPT>`: the state in registers, the next chunk's operands copied
+//! with cp.async while the current one computes). The one-kernel forward of `launch.rs`
+//! recomputes the V-independent WY factors in every value tile and keeps them on the sequential
+//! path; this split takes them off it. It is the bf16 default wherever its shared memory fits
+//! (K up to 128 for every n, K = 256 for n >= 2 on an H200); `GDP_CUDA_FWD=fused` forces the
+//! one-kernel forward, `GDP_CUDA_FWD=chunked` this one (an error where it does not fit).
+//! Timings in `docs/perf.md`.
 
 use super::launch::{allow_smem, check_states, device_attr, shape_i32, to_i32, view};
 use super::{GDP_PTX, MODULE};
@@ -18,64 +16,122 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKer
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{CudaStorage, Layout, Result};
 
-/// Threads per block of both kernels (`GDPC_THREADS`).
+/// Threads per block of the WY kernel (`GDPC_THREADS`).
 const THREADS: u32 = 128;
 
-/// Whether the bf16 forward takes this path (`GDP_CUDA_FWD=chunked`).
-pub fn enabled() -> bool {
-    std::env::var("GDP_CUDA_FWD").is_ok_and(|v| v.trim() == "chunked")
+/// Which bf16 forward `GDP_CUDA_FWD` asks for: `fused` (the one-kernel forward of `launch.rs`),
+/// `chunked` (this one, an error where it does not fit), or unset: this one where it fits.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Choice {
+    Auto,
+    Fused,
+    Chunked,
 }
+
+/// The `GDP_CUDA_FWD` setting.
+pub fn choice() -> Result<Choice> {
+    match std::env::var("GDP_CUDA_FWD") {
+        Err(_) => Ok(Choice::Auto),
+        Ok(v) => match v.trim() {
+            "" | "auto" => Ok(Choice::Auto),
+            "fused" => Ok(Choice::Fused),
+            "chunked" => Ok(Choice::Chunked),
+            other => candle_core::bail!(
+                "gdp cuda: GDP_CUDA_FWD must be `fused`, `chunked` or `auto`, got {other:?}"
+            ),
+        },
+    }
+}
+
+/// f32 row stride of the inverse's tiles (`GDP_INV_LD`).
+const INV_LD: usize = 68;
 
 /// Shared memory of the WY kernel, bytes (the carve-up at the top of `gdp_fwd_wy_bf16`).
 pub fn wy_smem_bytes(dk: usize, dv: usize) -> usize {
     let c = CHUNK;
-    let (kp, kn, vn) = (
-        dk.next_multiple_of(16),
-        dk.next_multiple_of(32),
-        dv.next_multiple_of(32),
-    );
-    let (lk, lc) = (kp + 8, c + 8);
-    4 * (2 * c * c + 4 * c) + 8 * 2 * c + 2 * (2 * c * lk + (kn + vn) * lc + c * lc)
+    let (kp, vp) = (dk.next_multiple_of(16), dv.next_multiple_of(16));
+    4 * (2 * c * INV_LD + 6 * c) + 2 * c * ((kp + 8) + (kp + 8).max(vp + 8))
 }
 
-/// Shared memory of the scan kernel for `bv` value columns, bytes (`gdp_fwd_scan_bf16`).
-pub fn scan_smem_bytes(dk: usize, bv: usize) -> usize {
+/// Query rows per chunk that the scan stages: 16-row tiles of `ceil(64 / n)`.
+fn query_rows(n: usize) -> usize {
+    CHUNK.div_ceil(n).next_multiple_of(16)
+}
+
+/// The scan's compile-time key tile (`KPT`): K padded to 64, 128 or 256.
+fn key_tile(dk: usize) -> Option<usize> {
+    [64, 128, 256].into_iter().find(|&t| dk <= t)
+}
+
+/// Threads per block of the scan (`NW` warps): 4 for 16 value columns, else 8.
+fn scan_threads(bv: usize) -> u32 {
+    if bv == 16 {
+        128
+    } else {
+        256
+    }
+}
+
+/// Shared memory of the scan kernel for `bv` value columns, bytes (`gdp_fwd_scan_bf16_impl`:
+/// two stage buffers of `gdpc_stage_bytes`, the bf16 state twice, Delta twice, two chunks' row
+/// tables).
+pub fn scan_smem_bytes(kpt: usize, n: usize, bv: usize) -> usize {
     let c = CHUNK;
-    let kp = dk.next_multiple_of(16);
-    let (lk, lc) = (kp + 8, c + 8);
-    4 * ((kp + c) * (bv + 4) + 3 * c)
-        + 8 * 2 * c
-        + 2 * (bv * lk + 2 * c * lk + c * lc + kp * lc + bv * lc)
+    let qr = query_rows(n);
+    let stage = 2 * ((2 * c + qr) * (kpt + 8) + qr * (c + 8) + c * (bv + 8)) + 4 * 3 * c;
+    2 * stage + 2 * 2 * kpt * (bv + 8) + 2 * 2 * c * (bv + 8) + 8 * 2 * 2 * c
 }
 
-/// Value tile of the scan: `GDP_CUDA_SCAN_BV` (32 or 64) when set, else 32 (two blocks per SM
-/// at K = 128, twice the blocks of 64 for small batch x heads), or 64 where 32 does not fit.
-fn scan_bv(dk: usize, max_smem: usize) -> Result<usize> {
-    let fits = |bv: usize| scan_smem_bytes(dk, bv) <= max_smem;
+/// The scan's launch plan: value columns per block, threads, shared memory and kernel name.
+struct ScanPlan {
+    bv: usize,
+    threads: u32,
+    smem: usize,
+    kernel: String,
+}
+
+/// Picks the scan's value tile: `GDP_CUDA_SCAN_BV` (16, 32 or 64) when set; else the widest
+/// tile that still gives about one block per multiprocessor (fewer, wider blocks stage each
+/// chunk's W, K and Q fewer times), or 16. `None` where nothing fits (K > 256, or shared memory).
+fn scan_plan(sh: &GdpShape, max_smem: usize, sms: usize) -> Result<Option<ScanPlan>> {
+    let Some(kpt) = key_tile(sh.dk) else {
+        return Ok(None);
+    };
+    // The state lives in registers: at most 32 f32 per thread (kernels exist for these).
+    let ok = |bv: usize| !(kpt == 256 && bv == 64) && scan_smem_bytes(kpt, sh.n, bv) <= max_smem;
+    let plan = |bv: usize| ScanPlan {
+        bv,
+        threads: scan_threads(bv),
+        smem: scan_smem_bytes(kpt, sh.n, bv),
+        kernel: format!("gdp_fwd_scan_bf16_{bv}_{kpt}"),
+    };
     if let Ok(s) = std::env::var("GDP_CUDA_SCAN_BV") {
         let bv: usize = s.trim().parse().unwrap_or(0);
-        if !(bv == 32 || bv == 64) || !fits(bv) {
+        if !matches!(bv, 16 | 32 | 64) || !ok(bv) {
             candle_core::bail!(
-                "gdp cuda: GDP_CUDA_SCAN_BV must be 32 or 64 and fit in {max_smem} bytes of \
-                 shared memory, got {s:?}"
+                "gdp cuda: GDP_CUDA_SCAN_BV must be 16, 32 or 64 and fit (K = {}, n = {}, \
+                 {max_smem} bytes of shared memory), got {s:?}",
+                sh.dk,
+                sh.n
             );
         }
-        return Ok(bv);
+        return Ok(Some(plan(bv)));
     }
-    if fits(32) {
-        Ok(32)
-    } else {
-        candle_core::bail!(
-            "gdp cuda: K = {dk} needs {} bytes of shared memory in the scan, the device allows \
-             {max_smem}",
-            scan_smem_bytes(dk, 32)
-        )
-    }
+    let rows = sh.num_seqs() * sh.heads;
+    let fitting: Vec<usize> = [64, 32, 16].into_iter().filter(|&bv| ok(bv)).collect();
+    let enough = |bv: usize| 10 * rows * sh.dv.div_ceil(bv) >= 9 * sms;
+    Ok(fitting
+        .iter()
+        .copied()
+        .find(|&bv| enough(bv))
+        .or(fitting.last().copied())
+        .map(plan))
 }
 
-/// The bf16 forward: same contract as [`super::forward`] (packed f32 `[o | final state]`).
+/// Runs the two-kernel bf16 forward if `GDP_CUDA_FWD` allows it and it fits this shape;
+/// `Ok(None)` means: use the one-kernel forward.
 #[allow(clippy::too_many_arguments)]
-pub fn forward_bf16(
+pub fn try_forward_bf16(
     dev: &CudaDevice,
     qk: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
@@ -84,6 +140,59 @@ pub fn forward_bf16(
     scale: f32,
     has_h0: bool,
     h0_override: Option<&CudaSlice<f32>>,
+) -> Result<Option<CudaStorage>> {
+    let choice = choice()?;
+    if choice == Choice::Fused {
+        return Ok(None);
+    }
+    let max_smem = device_attr(
+        dev,
+        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+    )?;
+    let sms = device_attr(
+        dev,
+        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+    )?;
+    let wy_smem = wy_smem_bytes(sh.dk, sh.dv);
+    let plan = scan_plan(sh, max_smem, sms)?.filter(|_| wy_smem <= max_smem);
+    match (plan, choice) {
+        (Some(plan), _) => forward_bf16(
+            dev,
+            qk,
+            v,
+            aux,
+            sh,
+            scale,
+            has_h0,
+            h0_override,
+            &plan,
+            wy_smem,
+        )
+        .map(Some),
+        (None, Choice::Chunked) => candle_core::bail!(
+            "gdp cuda: GDP_CUDA_FWD=chunked does not fit K = {}, V = {}, n = {} in {max_smem} \
+             bytes of shared memory",
+            sh.dk,
+            sh.dv,
+            sh.n
+        ),
+        (None, _) => Ok(None),
+    }
+}
+
+/// The bf16 forward: same contract as [`super::forward`] (packed f32 `[o | final state]`).
+#[allow(clippy::too_many_arguments)]
+fn forward_bf16(
+    dev: &CudaDevice,
+    qk: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    aux: (&CudaStorage, &Layout),
+    sh: &GdpShape,
+    scale: f32,
+    has_h0: bool,
+    h0_override: Option<&CudaSlice<f32>>,
+    plan: &ScanPlan,
+    wy_smem: usize,
 ) -> Result<CudaStorage> {
     let qk_v = view::<half::bf16>(qk.0, qk.1, sh.qk_len(), "qk")?;
     let v_v = view::<half::bf16>(v.0, v.1, sh.v_len(), "v")?;
@@ -122,21 +231,6 @@ pub fn forward_bf16(
     let mut pg = unsafe { dev.alloc::<half::bf16>(slots * CHUNK * CHUNK)? };
     let mut cg = unsafe { dev.alloc::<f32>(slots * 3 * CHUNK)? };
 
-    let max_smem = device_attr(
-        dev,
-        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-    )?;
-    let wy_smem = wy_smem_bytes(sh.dk, sh.dv);
-    if wy_smem > max_smem {
-        candle_core::bail!(
-            "gdp cuda: K = {}, V = {} need {wy_smem} bytes of shared memory, the device allows \
-             {max_smem}",
-            sh.dk,
-            sh.dv
-        );
-    }
-    let bv = scan_bv(sh.dk, max_smem)?;
-    let scan_smem = scan_smem_bytes(sh.dk, bv);
     if total_chunks > i32::MAX as usize || sh.heads > 65_535 {
         candle_core::bail!(
             "gdp cuda: {total_chunks} chunks x {} heads is too large",
@@ -171,11 +265,11 @@ pub fn forward_bf16(
         drop(args);
     }
 
-    let scan = dev.get_or_load_custom_func("gdp_fwd_scan_bf16", MODULE, GDP_PTX)?;
-    allow_smem(&scan, scan_smem)?;
+    let scan = dev.get_or_load_custom_func(&plan.kernel, MODULE, GDP_PTX)?;
+    allow_smem(&scan, plan.smem)?;
     let use_override = i32::from(h0_override.is_some());
     let has_h0 = i32::from(has_h0);
-    let bv_i = bv as i32;
+    let qr = query_rows(sh.n) as i32;
     let mut args = scan.builder();
     args.arg(&qk_v);
     args.arg(&aux_v);
@@ -191,16 +285,16 @@ pub fn forward_bf16(
     };
     args.arg(&use_override);
     args.arg(&mut out);
-    for x in [&b, &t, &h, &k, &vd, &n, &has_h0, &bv_i] {
+    for x in [&b, &t, &h, &k, &vd, &n, &has_h0, &qr] {
         args.arg(x);
     }
     let rows = sh.num_seqs() * sh.heads;
     let cfg = LaunchConfig {
-        grid_dim: (rows as u32, sh.dv.div_ceil(bv) as u32, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: scan_smem as u32,
+        grid_dim: (rows as u32, sh.dv.div_ceil(plan.bv) as u32, 1),
+        block_dim: (plan.threads, 1, 1),
+        shared_mem_bytes: plan.smem as u32,
     };
-    // SAFETY: the arguments match `gdp_fwd_scan_bf16`; the scratch buffers were filled by the
+    // SAFETY: the arguments match `gdp_fwd_scan_bf16_impl`; the scratch buffers were filled by the
     // WY launch on the same stream; the dynamic shared memory is `scan_smem_bytes`.
     unsafe { args.launch(cfg) }.w()?;
     drop(args);

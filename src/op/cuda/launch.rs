@@ -218,20 +218,31 @@ pub fn forward(
             has_h0,
             h0_override,
         ),
-        DType::BF16 if super::chunked::enabled() => {
-            super::chunked::forward_bf16(&dev, qk, v, aux, sh, scale, has_h0, h0_override)
+        DType::BF16 => {
+            match super::chunked::try_forward_bf16(
+                &dev,
+                qk,
+                v,
+                aux,
+                sh,
+                scale,
+                has_h0,
+                h0_override,
+            )? {
+                Some(out) => Ok(out),
+                None => launch::<half::bf16>(
+                    "gdp_fwd_bf16",
+                    &dev,
+                    qk,
+                    v,
+                    aux,
+                    sh,
+                    scale,
+                    has_h0,
+                    h0_override,
+                ),
+            }
         }
-        DType::BF16 => launch::<half::bf16>(
-            "gdp_fwd_bf16",
-            &dev,
-            qk,
-            v,
-            aux,
-            sh,
-            scale,
-            has_h0,
-            h0_override,
-        ),
         DType::F16 => launch::<half::f16>(
             "gdp_fwd_f16",
             &dev,

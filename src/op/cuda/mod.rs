@@ -5,6 +5,7 @@
 mod backward;
 mod chunked;
 mod launch;
+mod memory;
 mod step;
 
 pub use backward::{
@@ -12,6 +13,7 @@ pub use backward::{
     initial_states_to_host, BwdPlan,
 };
 pub use launch::{forward, smem_bytes, LaunchPlan, THREADS};
+pub use memory::retain_freed_memory;
 pub use step::step;
 
 /// PTX of `cuda/gdp.cu` (nvcc `--ptx -arch=compute_XX`, see `build.rs`).

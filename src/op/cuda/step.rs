@@ -13,6 +13,14 @@ const THREADS: u32 = 256;
 const COLS: usize = 32;
 /// Largest K: rows per thread (`GDP_STEP_ROWS`) times the 8 warps.
 const MAX_K: usize = 256;
+/// Dynamic shared memory a launch may take without opting in.
+const MAX_SMEM: usize = 48 * 1024;
+
+/// Dynamic shared memory of `gdp_step_f32`, bytes: two [8][32] reduction buffers, then q [K],
+/// k [n][K], v [n][32] and beta [n] of the block's (batch row, head).
+fn smem_bytes(k: usize, n: usize) -> usize {
+    4 * (2 * 8 * COLS + (1 + n) * k + n * COLS + n)
+}
 
 /// One fused step on CUDA: `state [B, H, K, V]` (f32) and the f32 buffer `[q | k | v | g | beta]`
 /// of `small_len` elements; `dims = [B, H, K, V, n]`. Returns the f32 `[o | new state]`.
@@ -29,13 +37,21 @@ pub fn step(
             "gdp cuda step: K = {k} exceeds {MAX_K}; use the CPU or the unfused step"
         );
     }
+    let smem = smem_bytes(k, n);
+    if smem > MAX_SMEM {
+        candle_core::bail!(
+            "gdp cuda step: K = {k}, n = {n} need {smem} bytes of shared memory (at most \
+             {MAX_SMEM}); use the unfused step"
+        );
+    }
     let dev = state.0.device().clone();
     if !small.0.device().same_device(&dev) {
         candle_core::bail!("gdp cuda step: the inputs are on another device than the state");
     }
     let st = view::<f32>(state.0, state.1, b * h * k * v, "state")?;
     let sm = view::<f32>(small.0, small.1, small_len, "q/k/v/g/beta")?;
-    let mut out = dev.alloc_zeros::<f32>(b * h * v + b * h * k * v)?;
+    // SAFETY: the kernel writes every element (o for every (row, column), the whole new state).
+    let mut out = unsafe { dev.alloc::<f32>(b * h * v + b * h * k * v)? };
     let rows = b * h;
     if rows == 0 || v == 0 {
         return Ok(CudaStorage::wrap_cuda_slice(out, dev));
@@ -62,11 +78,11 @@ pub fn step(
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, v.div_ceil(COLS) as u32, 1),
         block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 1024,
+        shared_mem_bytes: smem as u32,
     };
     // SAFETY: the arguments match `gdp_step_f32` (state and buffer lengths checked above against
-    // the sizes passed; the output holds o and the new state); 1 KiB of dynamic shared memory
-    // is the kernel's [8][32] f32 reduction buffer.
+    // the sizes passed; the output holds o and the new state); the dynamic shared memory is
+    // `smem_bytes`, within the default limit.
     unsafe { args.launch(cfg) }.w()?;
     drop(args);
     Ok(CudaStorage::wrap_cuda_slice(out, dev))

@@ -1,0 +1,143 @@
+// Kernel-only timings (CUDA events, median of repeated launches) of the bf16 two-kernel forward
+// (gdp_fwd_wy_bf16, gdp_fwd_scan_bf16_<BV>_128) at the benchmark shapes of docs/perf.md and of
+// the fused decode step (gdp_step_f32) at B64 H16 K=V=128 n2, with achieved bandwidth. No Rust
+// needed, so it separates kernel time from the op's host-side work:
+//   nvcc -O3 -std=c++17 -arch=sm_90 -Icuda cuda/bench/kernels.cu -o kbench && ./kbench
+#include "gdp.cu"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#define CK(x)                                                                     \
+  do {                                                                            \
+    cudaError_t e = (x);                                                          \
+    if (e != cudaSuccess) {                                                       \
+      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
+      exit(1);                                                                    \
+    }                                                                             \
+  } while (0)
+
+template <class F>
+static float median_ms(F launch, int reps = 20) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) launch();
+  std::vector<float> ts;
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaEventRecord(a));
+    launch();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    ts.push_back(ms);
+  }
+  CK(cudaGetLastError());
+  std::sort(ts.begin(), ts.end());
+  return ts[ts.size() / 2];
+}
+
+template <class T>
+static T* upload(const std::vector<T>& h) {
+  T* d;
+  CK(cudaMalloc(&d, h.size() * sizeof(T)));
+  CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+static void forward(int B, int T, int H, int n) {
+  const int K = 128, V = 128, C = 64;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd(0, 1);
+  const long BT = (long)B * T, BTH = BT * H;
+  std::vector<__nv_bfloat16> qk(BT * (n + 1) * H * K), v(BT * n * H * V);
+  for (auto& x : qk) x = __float2bfloat16_rn(nd(rng) / sqrtf((float)K));
+  for (auto& x : v) x = __float2bfloat16_rn(nd(rng));
+  std::vector<float> aux(BTH * (1 + n));
+  for (long i = 0; i < BTH; ++i) aux[i] = -log1pf(expf(-nd(rng)));  // logsigmoid
+  for (long i = BTH; i < (long)aux.size(); ++i) aux[i] = 1.f / (1.f + expf(-nd(rng)));
+  std::vector<int> tab, chunks;
+  for (int s = 0; s < B; ++s) {
+    const int nch = (T * n + C - 1) / C;
+    tab.insert(tab.end(), {s, 0, T, (int)chunks.size() / 2});
+    for (int c = 0; c < nch; ++c) chunks.insert(chunks.end(), {s, c});
+  }
+  const long total = chunks.size() / 2, slots = total * H;
+  tab.insert(tab.end(), chunks.begin(), chunks.end());
+  auto* dqk = upload(qk);
+  auto* dv = upload(v);
+  auto* daux = upload(aux);
+  auto* dtab = upload(tab);
+  __nv_bfloat16 *w, *u, *p;
+  float *cf, *out;
+  CK(cudaMalloc(&w, slots * C * K * 2));
+  CK(cudaMalloc(&u, slots * C * V * 2));
+  CK(cudaMalloc(&p, slots * C * C * 2));
+  CK(cudaMalloc(&cf, slots * 3 * C * 4));
+  CK(cudaMalloc(&out, (BTH * V + (long)B * H * K * V) * 4));
+  const float scale = 1.f / sqrtf((float)K);
+  const int KP = K, VP = V;
+  const int wy_smem = 4 * (2 * C * GDP_INV_LD + 6 * C) + 2 * C * ((KP + 8) + std::max(KP, VP) + 8);
+  CK(cudaFuncSetAttribute(gdp_fwd_wy_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize, wy_smem));
+  const float t_wy = median_ms([&] {
+    gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dqk, dv, daux, dtab, w, u, p, cf, B, T, H,
+                                                       K, V, n, B, scale);
+  });
+  const int QR = 16 * (((C + n - 1) / n + 15) / 16);
+  printf("B%d T%d H%d n%d: wy %.3f ms", B, T, H, n, t_wy);
+  auto scan = [&](auto kern, int bv) {
+    const int stage = gdpc_stage_bytes(KP, QR, bv);
+    const int smem = 2 * stage + 2 * 2 * KP * (bv + 8) + 2 * 2 * C * (bv + 8) + 8 * 2 * 2 * C;
+    CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const float t = median_ms([&] {
+      kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(dqk, daux, dtab, w, u, p, cf, daux,
+                                                               0, out, B, T, H, K, V, n, 0, QR);
+    });
+    printf(" | scan BV%d %.3f ms (%d blocks)", bv, t, B * H * V / bv);
+  };
+  scan(gdp_fwd_scan_bf16_16_128, 16);
+  scan(gdp_fwd_scan_bf16_32_128, 32);
+  scan(gdp_fwd_scan_bf16_64_128, 64);
+  printf("\n");
+  for (void* x : {(void*)dqk, (void*)dv, (void*)daux, (void*)dtab, (void*)w, (void*)u, (void*)p,
+                  (void*)cf, (void*)out})
+    CK(cudaFree(x));
+}
+
+static void step() {
+  const int B = 64, H = 16, K = 128, V = 128, n = 2;
+  const long BH = (long)B * H;
+  std::mt19937 rng(2);
+  std::normal_distribution<float> nd(0, 1);
+  std::vector<float> state(BH * K * V), small(BH * K * (1 + n) + BH * n * V + BH * (1 + n));
+  for (auto& x : state) x = nd(rng);
+  for (auto& x : small) x = nd(rng) / sqrtf((float)K);
+  auto* ds = upload(state);
+  auto* dsm = upload(small);
+  float* out;
+  CK(cudaMalloc(&out, (BH * V + BH * K * V) * 4));
+  const float t = median_ms([&] {
+    gdp_step_f32<<<dim3(BH, (V + 31) / 32), 256, 4 * (512 + (1 + n) * K + 33 * n)>>>(
+        ds, dsm, out, B, H, K, V, n, 0.1f);
+  }, 50);
+  const double bytes = 2.0 * BH * K * V * 4;
+  printf("step B%d H%d K%d V%d n%d: %.4f ms, %.0f GB/s (state read + written)\n", B, H, K, V, n,
+         t, bytes / t / 1e6);
+  const float tc = median_ms([&] { CK(cudaMemcpyAsync(out + BH * V, ds, BH * K * V * 4, cudaMemcpyDeviceToDevice)); }, 50);
+  printf("copy of the state: %.4f ms, %.0f GB/s\n", tc, bytes / tc / 1e6);
+}
+
+int main() {
+  step();
+  if (getenv("KB_ONLY_N2") == nullptr) forward(4, 4096, 16, 1);
+  forward(4, 4096, 16, 2);
+  forward(4, 4096, 16, 3);
+  forward(1, 32768, 16, 2);
+  return 0;
+}

@@ -1,0 +1,87 @@
+// Shared-memory tile primitives of the bf16 two-kernel forward (cuda/gdp_fwd_chunked.cuh):
+// `ldmatrix` fragment loads for mma.sync m16n8k16 and `cp.async` copies from global memory.
+//
+// Fragment loads (whole warp, every lane; tiles are bf16, rows 16-byte aligned; `ld` is the row
+// stride in elements, a multiple of 8 — a stride of 8 mod 64 elements is bank-conflict free):
+//   ldsm_a     A [16 x 16] at (m0, k0) of a row-major [m][k] tile
+//   ldsm_a_t   A [16 x 16] at (m0, k0) of a tile stored transposed, [k][m] (A = stored^T)
+//   ldsm_b_kn  B [16 x 16] = two n8 tiles at (k0, n0) of a row-major [k][n] tile
+//   ldsm_b_nk  B [16 x 16] = two n8 tiles at (k0, n0) of a tile stored transposed, [n][k]
+// B results: b[j] is the fragment of columns n0 + 8 j.
+//
+// `GDP_EMU` swaps the inline PTX for the CPU emulation of cuda/emu.
+
+#pragma once
+
+#include <stdint.h>
+
+#include <cuda_bf16.h>
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const __nv_bfloat16* p, bool trans) {
+#ifdef GDP_EMU
+  gdp_emu_ldsm(r, p, trans);
+#else
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  if (trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+#endif
+}
+
+// Matrix i of an x4 load takes its eight row addresses from lanes 8 i .. 8 i + 7.
+__device__ __forceinline__ void ldsm_a(uint32_t (&a)[4], const __nv_bfloat16* t, int ld, int m0,
+                                       int k0, int lane) {
+  // Matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
+  ldsm_x4(a, t + (m0 + (lane & 15)) * ld + k0 + (lane >> 4) * 8, false);
+}
+
+__device__ __forceinline__ void ldsm_a_t(uint32_t (&a)[4], const __nv_bfloat16* t, int ld, int m0,
+                                         int k0, int lane) {
+  const int i = lane >> 3, r = lane & 7;
+  ldsm_x4(a, t + (k0 + (i >> 1) * 8 + r) * ld + m0 + (i & 1) * 8, true);
+}
+
+__device__ __forceinline__ void ldsm_b_kn(uint32_t (&b)[2][2], const __nv_bfloat16* t, int ld,
+                                          int k0, int n0, int lane) {
+  const int i = lane >> 3, r = lane & 7;
+  uint32_t x[4];
+  ldsm_x4(x, t + (k0 + (i & 1) * 8 + r) * ld + n0 + (i >> 1) * 8, true);
+  b[0][0] = x[0], b[0][1] = x[1], b[1][0] = x[2], b[1][1] = x[3];
+}
+
+__device__ __forceinline__ void ldsm_b_nk(uint32_t (&b)[2][2], const __nv_bfloat16* t, int ld,
+                                          int k0, int n0, int lane) {
+  const int i = lane >> 3, r = lane & 7;
+  uint32_t x[4];
+  ldsm_x4(x, t + (n0 + (i >> 1) * 8 + r) * ld + k0 + (i & 1) * 8, false);
+  b[0][0] = x[0], b[0][1] = x[1], b[1][0] = x[2], b[1][1] = x[3];
+}
+
+// 16-byte asynchronous copy global -> shared (both 16-byte aligned), and its group fences.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+#ifdef GDP_EMU
+  memcpy(dst, src, 16);
+#else
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#ifndef GDP_EMU
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most `N` of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#ifndef GDP_EMU
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
