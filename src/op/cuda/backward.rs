@@ -5,7 +5,7 @@
 //! `dht = [dht | I_K]`). Every CUDA failure is returned as a [`candle_core::Error`].
 
 use super::launch::{allow_smem, check_states, device_attr, shape_i32, to_i32, view, THREADS};
-use super::{GDP_PTX, MODULE};
+use super::module::load_kernel;
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
@@ -240,7 +240,7 @@ impl Launch<'_> {
         };
         let mut hs = dev.alloc_zeros::<f32>(hs_len)?;
 
-        let func = dev.get_or_load_custom_func(kernel, MODULE, GDP_PTX)?;
+        let func = load_kernel(dev, kernel)?;
         allow_smem(&func, plan.smem)?;
 
         let h0_off = sh.token_heads() * (1 + sh.n);

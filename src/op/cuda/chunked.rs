@@ -9,7 +9,7 @@
 //! Timings in `docs/perf.md`.
 
 use super::launch::{allow_smem, check_states, device_attr, shape_i32, to_i32, view};
-use super::{GDP_PTX, MODULE};
+use super::module::load_kernel;
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
@@ -239,7 +239,7 @@ fn forward_bf16(
     }
 
     if total_chunks > 0 {
-        let wy = dev.get_or_load_custom_func("gdp_fwd_wy_bf16", MODULE, GDP_PTX)?;
+        let wy = load_kernel(dev, "gdp_fwd_wy_bf16")?;
         allow_smem(&wy, wy_smem)?;
         let mut args = wy.builder();
         args.arg(&qk_v);
@@ -265,7 +265,7 @@ fn forward_bf16(
         drop(args);
     }
 
-    let scan = dev.get_or_load_custom_func(&plan.kernel, MODULE, GDP_PTX)?;
+    let scan = load_kernel(dev, &plan.kernel)?;
     allow_smem(&scan, plan.smem)?;
     let use_override = i32::from(h0_override.is_some());
     let has_h0 = i32::from(has_h0);

@@ -2,7 +2,7 @@
 //! shared memory, uploads the sequence table and launches on the device's stream. Every CUDA
 //! failure is returned as a [`candle_core::Error`].
 
-use super::{GDP_PTX, MODULE};
+use super::module::load_kernel;
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::cudarc::driver::sys::{
@@ -298,7 +298,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     )?;
     let plan = LaunchPlan::new(sh, std::mem::size_of::<T>(), max_smem, sms)?;
 
-    let func = dev.get_or_load_custom_func(kernel, MODULE, GDP_PTX)?;
+    let func = load_kernel(dev, kernel)?;
     allow_smem(&func, plan.smem)?;
 
     let mut out = dev.alloc_zeros::<f32>(sh.o_len() + sh.state_len())?;

@@ -1,11 +1,13 @@
 //! CUDA kernels of the operator (feature `cuda`): the chunked forward and backward of
-//! `cuda/gdp.cu` (`cuda/gdp_bwd.cuh`), compiled to PTX by `build.rs` and loaded lazily per
-//! device, and the context-parallel summaries built on the backward kernel.
+//! `cuda/gdp.cu` (`cuda/gdp_bwd.cuh`, `cuda/gdp_fwd_chunked.cuh`), compiled to a fat binary by
+//! `build.rs` and loaded lazily per device (`module.rs`), the context-parallel summaries built
+//! on the backward kernel, and the fused decode step.
 
 mod backward;
 mod chunked;
 mod launch;
 mod memory;
+mod module;
 mod step;
 
 pub use backward::{
@@ -15,9 +17,3 @@ pub use backward::{
 pub use launch::{forward, smem_bytes, LaunchPlan, THREADS};
 pub use memory::retain_freed_memory;
 pub use step::step;
-
-/// PTX of `cuda/gdp.cu` (nvcc `--ptx -arch=compute_XX`, see `build.rs`).
-pub(crate) const GDP_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gdp.ptx"));
-
-/// Name under which the module is cached in each `CudaDevice`.
-pub(crate) const MODULE: &str = "candle_gdp";

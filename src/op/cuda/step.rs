@@ -1,7 +1,7 @@
 //! Launcher of the fused decode step `gdp_step_f32` (`cuda/gdp.cu`).
 
 use super::launch::{to_i32, view};
-use super::{GDP_PTX, MODULE};
+use super::module::load_kernel;
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
@@ -66,7 +66,7 @@ pub fn step(
         to_i32(v, "V")?,
         to_i32(n, "n")?,
     ];
-    let func = dev.get_or_load_custom_func("gdp_step_f32", MODULE, GDP_PTX)?;
+    let func = load_kernel(&dev, "gdp_step_f32")?;
     let mut args = func.builder();
     args.arg(&st);
     args.arg(&sm);

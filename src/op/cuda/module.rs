@@ -1,0 +1,67 @@
+//! Loading the kernels: the fat binary of `cuda/gdp.cu` (machine code for the build's
+//! `CUDA_COMPUTE_CAP` and its PTX, see `build.rs`), loaded once per Candle device.
+//!
+//! Candle's `get_or_load_custom_func` takes PTX text, which the driver JIT-compiles when a
+//! process first loads it (ptxas needs about 50 s for these kernels on a 2-core machine; the
+//! driver's JIT cache helps only where it persists). Loading the fat binary instead runs the
+//! ahead-of-time machine code; on other GPUs the driver JIT-compiles its PTX.
+
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchArgs};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+use candle_core::cuda_backend::{CudaDevice, DeviceId, WrapErr};
+use candle_core::Result;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Fat binary of `cuda/gdp.cu` (`nvcc --fatbin`, see `build.rs`).
+const GDP_FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/gdp.fatbin"));
+
+/// A kernel of the module and the device's stream it launches on.
+pub(super) struct GdpFunc {
+    func: CudaFunction,
+    stream: Arc<CudaStream>,
+}
+
+impl GdpFunc {
+    /// Argument builder of one launch on the device's stream.
+    pub fn builder(&self) -> LaunchArgs<'_> {
+        self.stream.launch_builder(&self.func)
+    }
+}
+
+impl std::ops::Deref for GdpFunc {
+    type Target = CudaFunction;
+
+    fn deref(&self) -> &CudaFunction {
+        &self.func
+    }
+}
+
+/// The module of every Candle device that has used it.
+fn modules() -> &'static Mutex<HashMap<DeviceId, Arc<CudaModule>>> {
+    static MODULES: OnceLock<Mutex<HashMap<DeviceId, Arc<CudaModule>>>> = OnceLock::new();
+    MODULES.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Kernel `name` of `cuda/gdp.cu` on `dev` (the module is loaded on first use).
+pub(super) fn load_kernel(dev: &CudaDevice, name: &str) -> Result<GdpFunc> {
+    let stream = dev.cuda_stream();
+    let module = {
+        let mut map = modules()
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("gdp cuda: module cache poisoned".into()))?;
+        match map.get(&dev.id()) {
+            Some(m) => m.clone(),
+            None => {
+                let m = stream
+                    .context()
+                    .load_module(Ptx::from_binary(GDP_FATBIN.to_vec()))
+                    .w()?;
+                map.insert(dev.id(), m.clone());
+                m
+            }
+        }
+    };
+    let func = module.load_function(name).w()?;
+    Ok(GdpFunc { func, stream })
+}
