@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU checks of a session, from the repository root on a machine with an NVIDIA GPU, nvcc
+# and PyTorch (+ the flash-linear-attention and fla-core wheels on PYTHONPATH for the last step):
+#
+#   scripts/gpu_check.sh BIN_DIR [OUT_DIR]
+#
+# BIN_DIR holds `gpu`, `gpu_fast_paths` (the test binaries of
+# `cargo test --release --features cuda --no-run --test gpu --test gpu_fast_paths`) and `gdp`
+# (`cargo build --release --features cuda --bin gdp`). Runs, each with a time limit, logging to
+# OUT_DIR (default $OUT or /tmp/gpu_check): the GPU tests (tests/gpu.rs, then
+# tests/gpu_fast_paths.rs with its ignored timing), the kernel-only timings
+# (cuda/bench/kernels.cu, compiled here), and the side-by-side benchmark against FLA with the
+# pool-retention and one-kernel-forward variants (scripts/bench_vs_fla.py).
+set -u
+bin=${1:?usage: scripts/gpu_check.sh BIN_DIR [OUT_DIR]}
+out=${2:-${OUT:-/tmp/gpu_check}}
+mkdir -p "$out"
+summary() { grep -E "test result|FAILED|panicked|^Error|decode step" "$1" | head -20; }
+
+echo "== tests/gpu.rs"
+timeout 300 "$bin/gpu" --test-threads 1 > "$out/gpu.log" 2>&1
+summary "$out/gpu.log"
+echo "== tests/gpu_fast_paths.rs (with the decode timing)"
+timeout 300 "$bin/gpu_fast_paths" --test-threads 1 --include-ignored > "$out/fast.log" 2>&1
+summary "$out/fast.log"
+echo "== kernel-only timings"
+nvcc -O3 -std=c++17 -arch=sm_90 -Icuda cuda/bench/kernels.cu -o "$out/kbench" &&
+  timeout 120 "$out/kbench" 2>&1 | tee "$out/kbench.log"
+echo "== against FLA"
+timeout 600 python3 -u scripts/bench_vs_fla.py --gdp "$bin/gdp" --reps 5 \
+  --variant "retain GDP_RETAIN_POOL=1" --variant "fused GDP_CUDA_FWD=fused" 2>&1 |
+  tee "$out/bench.log"
