@@ -19,8 +19,8 @@
 //      o_r   = coef_q[r] (q_r S) + P bf16(Delta)
 //      S     = e^{G_last} S + K^T bf16(coef_k ⊙ Delta)
 //    (FLA rounds the same operands to bf16.) The chunk's operands (W, K and Q rows, P, the U
-//    slice, coef) are copied with cp.async into one of two stage buffers while the previous
-//    chunk computes (from per-chunk row tables built a chunk ahead, no per-element index
+//    slice, coef) are copied with cp.async into one of NS = 2 or 3 stage buffers, NS - 1 chunks
+//    ahead of the one computing (from per-chunk row tables built ahead, no per-element index
 //    arithmetic); products read their fragments with ldmatrix (cuda/ldsm.cuh).
 //
 // Table (int): per sequence (batch row, first token, tokens, first chunk) at 4 s, then per chunk
@@ -316,7 +316,8 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const int* __restrict__ table, const __nv_bfloat16* __restrict__ wg,
     const __nv_bfloat16* __restrict__ ug, const __nv_bfloat16* __restrict__ pg,
     const float* __restrict__ cg, const float* __restrict__ h0_override, int use_h0_override,
-    float* __restrict__ out, int B, int TT, int H, int K, int V, int n, int has_h0, int QR) {
+    float* __restrict__ out, int B, int TT, int H, int K, int V, int n, int has_h0, int QR,
+    int NS) {
   constexpr int C = GDP_CHUNK, NT = BV / 8, LB = BV + 8, LC = C + 8, LK = KPT + 8;
   constexpr int NTW = NT * 4 / NW, NPW = NTW / 2;  // n8 tiles / pairs of a warp's column half
   constexpr int MT = KPT / 16, STW = (MT + NW - 1) / NW;  // state tiles, per warp
@@ -340,7 +341,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
 
   extern __shared__ __align__(16) unsigned char gdpcs_smem[];
   const int stage_bytes = gdpc_stage_bytes(KPT, QR, BV);
-  __nv_bfloat16* Sb = reinterpret_cast<__nv_bfloat16*>(gdpcs_smem + 2 * stage_bytes);  // [2][KPT][LB]
+  __nv_bfloat16* Sb = reinterpret_cast<__nv_bfloat16*>(gdpcs_smem + NS * stage_bytes);  // [2][KPT][LB]
   __nv_bfloat16* Dn = Sb + 2 * KPT * LB;  // [C][LB] bf16(Delta)
   __nv_bfloat16* Dk = Dn + C * LB;       // [C][LB] bf16(coef_k ⊙ Delta)
   struct Stage {
@@ -359,11 +360,11 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     return st;
   };
 
-  // Element offsets into qk of the key and query rows of chunk ci (-1 past its rows), two
-  // chunks' worth: chunk ci's at tables[ci & 1].
-  int64_t* tables = reinterpret_cast<int64_t*>(Dk + C * LB);  // [2][2][C]
+  // Element offsets into qk of the key and query rows of chunk ci (-1 past its rows), NS
+  // chunks' worth: chunk ci's at tables[ci % NS].
+  int64_t* tables = reinterpret_cast<int64_t*>(Dk + C * LB);  // [NS][2][C]
   auto fill_table = [&](int ci) {
-    int64_t* koff = tables + (ci & 1) * 2 * C;
+    int64_t* koff = tables + (ci % NS) * 2 * C;
     int64_t* qoff = koff + C;
     const int64_t p0 = (int64_t)ci * C;
     const int c = (int)min((int64_t)C, L - p0);
@@ -384,7 +385,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const int c = (int)min((int64_t)C, L - p0);
     const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
     const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
-    const int64_t* koff = tables + (ci & 1) * 2 * C;
+    const int64_t* koff = tables + (ci % NS) * 2 * C;
     const int64_t* qoff = koff + C;
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
     const __nv_bfloat16* w = wg + slot * C * K;
@@ -427,7 +428,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
           S[s][j][e] = (h0 != nullptr && r < K && col < bv) ? h0[(int64_t)r * V + v0 + col] : 0.f;
         }
     // Padding columns of the operand tiles (never written by the copies) stay zero.
-    for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < NS; ++s) {
       const Stage st = stage(s);
       gdpc_zero_cols(st.W, LK, C, K, KPT, tid, nthr);
       gdpc_zero_cols(st.Kr, LK, C, K, KPT, tid, nthr);
@@ -449,24 +450,28 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
         }
   };
   store_sb(Sb);
-  if (nch > 0) fill_table(0);
-  if (nch > 1) fill_table(1);
+  for (int ci = 0; ci < min(NS, nch); ++ci) fill_table(ci);
   __syncthreads();
-  if (nch > 0) prefetch(0, 0);
+  for (int ci = 0; ci < min(NS - 1, nch); ++ci) prefetch(ci, ci);
 
   for (int ci = 0; ci < nch; ++ci) {
-    const int cur = ci & 1;
-    const Stage st = stage(cur);
+    const int cur = ci & 1;  // the bf16 state's buffer
+    const Stage st = stage(ci % NS);
     const __nv_bfloat16* sb = Sb + cur * KPT * LB;
     const int64_t p0 = (int64_t)ci * C;
     const int c = (int)min((int64_t)C, L - p0);
     const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
     const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
-    cp_async_wait<0>();
-    __syncthreads();  // stage cur complete; chunk ci - 1 done with stage cur ^ 1 and Dn / Dk
-    if (ci + 1 < nch) prefetch(ci + 1, cur ^ 1);
-    // Row table of chunk ci + 2 (its slot was last read by the prefetch of chunk ci).
-    if (ci + 2 < nch) fill_table(ci + 2);
+    // Chunks ci .. ci + NS - 2 are in flight (one cp.async group each): wait for chunk ci's.
+    if (NS == 3 && ci + 1 < nch)
+      cp_async_wait<1>();
+    else
+      cp_async_wait<0>();
+    __syncthreads();  // chunk ci staged; chunk ci - 1 done with its stage and with Dn / Dk
+    // Chunk ci + NS - 1 into the stage chunk ci - 1 used.
+    if (ci + NS - 1 < nch) prefetch(ci + NS - 1, (ci + NS - 1) % NS);
+    // Row table of chunk ci + NS (its slot was last read by the prefetch of chunk ci).
+    if (ci + NS < nch) fill_table(ci + NS);
 
     // ---- Phase A: Delta = U - W S for rows 16 mi.., this warp's columns; into Dn and Dk.
     {
@@ -599,9 +604,9 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
       const __nv_bfloat16* qk, const float* aux, const int* table, const __nv_bfloat16* wg,      \
       const __nv_bfloat16* ug, const __nv_bfloat16* pg, const float* cg,                        \
       const float* h0_override, int use_h0_override, float* out, int B, int TT, int H, int K,    \
-      int V, int n, int has_h0, int QR) {                                                        \
+      int V, int n, int has_h0, int QR, int NS) {                                                \
     gdp_fwd_scan_bf16_impl<BV, KPT, NW>(qk, aux, table, wg, ug, pg, cg, h0_override,           \
-                                        use_h0_override, out, B, TT, H, K, V, n, has_h0, QR);    \
+                                        use_h0_override, out, B, TT, H, K, V, n, has_h0, QR, NS); \
   }
 GDPC_SCAN_ENTRY(16, 64, 4)
 GDPC_SCAN_ENTRY(16, 128, 4)

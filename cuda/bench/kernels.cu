@@ -93,13 +93,16 @@ static void forward(int B, int T, int H, int n) {
   printf("B%d T%d H%d n%d: wy %.3f ms", B, T, H, n, t_wy);
   auto scan = [&](auto kern, int bv) {
     const int stage = gdpc_stage_bytes(KP, QR, bv);
-    const int smem = 2 * stage + 2 * 2 * KP * (bv + 8) + 2 * 2 * C * (bv + 8) + 8 * 2 * 2 * C;
+    auto smem_of = [&](int ns) {
+      return ns * stage + 2 * 2 * KP * (bv + 8) + 2 * 2 * C * (bv + 8) + 8 * ns * 2 * C;
+    };
+    const int NS = smem_of(3) <= 232448 ? 3 : 2, smem = smem_of(NS);
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const float t = median_ms([&] {
       kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(dqk, daux, dtab, w, u, p, cf, daux,
-                                                               0, out, B, T, H, K, V, n, 0, QR);
+                                                               0, out, B, T, H, K, V, n, 0, QR, NS);
     });
-    printf(" | scan BV%d %.3f ms (%d blocks)", bv, t, B * H * V / bv);
+    printf(" | scan BV%d/%d stages %.3f ms (%d blocks)", bv, NS, t, B * H * V / bv);
   };
   scan(gdp_fwd_scan_bf16_16_128, 16);
   scan(gdp_fwd_scan_bf16_32_128, 32);

@@ -280,12 +280,13 @@ void run_bf16(const Case& c) {
     });
   const int QR = 16 * (((64 + c.n - 1) / c.n + 15) / 16);
   const int KPT = c.K <= 64 ? 64 : c.K <= 128 ? 128 : 256;
-  for (int bv : {16, 32, 64}) {
+  for (int cfg = 0; cfg < 6; ++cfg) {
+    const int bv = 16 << (cfg % 3), NS = 2 + cfg / 3;
     if (bv == 64 && KPT == 256) continue;
     std::vector<float> out(BTH * V + sl, 0.f);
     launch(N * H, (V + bv - 1) / bv, bv == 16 ? 128 : 256, [&] {
 #define ARGS qkb.data(), P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(), cg.data(), \
-             P.aux.data(), 0, out.data(), c.B, c.T, c.H, c.K, c.V, c.n, c.h0, QR
+             P.aux.data(), 0, out.data(), c.B, c.T, c.H, c.K, c.V, c.n, c.h0, QR, NS
       if (bv == 16 && KPT == 64) gdp_fwd_scan_bf16_16_64(ARGS);
       if (bv == 16 && KPT == 128) gdp_fwd_scan_bf16_16_128(ARGS);
       if (bv == 16 && KPT == 256) gdp_fwd_scan_bf16_16_256(ARGS);
@@ -297,9 +298,9 @@ void run_bf16(const Case& c) {
 #undef ARGS
     });
     char what[32];
-    snprintf(what, sizeof what, "bf16 2k%d o", bv);
+    snprintf(what, sizeof what, "bf16 2k%d/%d o", bv, NS);
     report(c.name, what, rel(out.data(), R.o.data(), BTH * V), 1e-2);
-    snprintf(what, sizeof what, "bf16 2k%d ht", bv);
+    snprintf(what, sizeof what, "bf16 2k%d/%d ht", bv, NS);
     report(c.name, what, rel(out.data() + BTH * V, R.fin.data(), sl), 1e-2);
   }
 }

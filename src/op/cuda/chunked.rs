@@ -72,19 +72,21 @@ fn scan_threads(bv: usize) -> u32 {
     }
 }
 
-/// Shared memory of the scan kernel for `bv` value columns, bytes (`gdp_fwd_scan_bf16_impl`:
-/// two stage buffers of `gdpc_stage_bytes`, the bf16 state twice, Delta twice, two chunks' row
-/// tables).
-pub fn scan_smem_bytes(kpt: usize, n: usize, bv: usize) -> usize {
+/// Shared memory of the scan kernel for `bv` value columns and `ns` stage buffers, bytes
+/// (`gdp_fwd_scan_bf16_impl`: `ns` stages of `gdpc_stage_bytes`, the bf16 state twice, Delta
+/// twice, `ns` chunks' row tables).
+pub fn scan_smem_bytes(kpt: usize, n: usize, bv: usize, ns: usize) -> usize {
     let c = CHUNK;
     let qr = query_rows(n);
     let stage = 2 * ((2 * c + qr) * (kpt + 8) + qr * (c + 8) + c * (bv + 8)) + 4 * 3 * c;
-    2 * stage + 2 * 2 * kpt * (bv + 8) + 2 * 2 * c * (bv + 8) + 8 * 2 * 2 * c
+    ns * stage + 2 * 2 * kpt * (bv + 8) + 2 * 2 * c * (bv + 8) + 8 * ns * 2 * c
 }
 
-/// The scan's launch plan: value columns per block, threads, shared memory and kernel name.
+/// The scan's launch plan: value columns per block, stage buffers, threads, shared memory and
+/// kernel name.
 struct ScanPlan {
     bv: usize,
+    stages: usize,
     threads: u32,
     smem: usize,
     kernel: String,
@@ -92,18 +94,27 @@ struct ScanPlan {
 
 /// Picks the scan's value tile: `GDP_CUDA_SCAN_BV` (16, 32 or 64) when set; else the widest
 /// tile that still gives about one block per multiprocessor (fewer, wider blocks stage each
-/// chunk's W, K and Q fewer times), or 16. `None` where nothing fits (K > 256, or shared memory).
+/// chunk's W, K and Q fewer times), or 16. Three stage buffers (copies two chunks ahead) where
+/// they fit, else two. `None` where nothing fits (K > 256, or shared memory).
 fn scan_plan(sh: &GdpShape, max_smem: usize, sms: usize) -> Result<Option<ScanPlan>> {
     let Some(kpt) = key_tile(sh.dk) else {
         return Ok(None);
     };
     // The state lives in registers: at most 32 f32 per thread (kernels exist for these).
-    let ok = |bv: usize| !(kpt == 256 && bv == 64) && scan_smem_bytes(kpt, sh.n, bv) <= max_smem;
-    let plan = |bv: usize| ScanPlan {
-        bv,
-        threads: scan_threads(bv),
-        smem: scan_smem_bytes(kpt, sh.n, bv),
-        kernel: format!("gdp_fwd_scan_bf16_{bv}_{kpt}"),
+    let ok = |bv: usize| !(kpt == 256 && bv == 64) && scan_smem_bytes(kpt, sh.n, bv, 2) <= max_smem;
+    let plan = |bv: usize| {
+        let stages = if scan_smem_bytes(kpt, sh.n, bv, 3) <= max_smem {
+            3
+        } else {
+            2
+        };
+        ScanPlan {
+            bv,
+            stages,
+            threads: scan_threads(bv),
+            smem: scan_smem_bytes(kpt, sh.n, bv, stages),
+            kernel: format!("gdp_fwd_scan_bf16_{bv}_{kpt}"),
+        }
     };
     if let Ok(s) = std::env::var("GDP_CUDA_SCAN_BV") {
         let bv: usize = s.trim().parse().unwrap_or(0);
@@ -270,6 +281,7 @@ fn forward_bf16(
     let use_override = i32::from(h0_override.is_some());
     let has_h0 = i32::from(has_h0);
     let qr = query_rows(sh.n) as i32;
+    let stages = plan.stages as i32;
     let mut args = scan.builder();
     args.arg(&qk_v);
     args.arg(&aux_v);
@@ -285,7 +297,7 @@ fn forward_bf16(
     };
     args.arg(&use_override);
     args.arg(&mut out);
-    for x in [&b, &t, &h, &k, &vd, &n, &has_h0, &qr] {
+    for x in [&b, &t, &h, &k, &vd, &n, &has_h0, &qr, &stages] {
         args.arg(x);
     }
     let rows = sh.num_seqs() * sh.heads;
