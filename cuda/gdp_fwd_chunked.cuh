@@ -310,6 +310,26 @@ __host__ __device__ constexpr int gdpc_stage_bytes(int KP, int QR, int BV) {
   return 2 * ((64 + 64 + QR) * (KP + 8) + QR * 72 + 64 * (BV + 8)) + 4 * 3 * 64;
 }
 
+// acc[2 p + j] += A[m0 .. m0 + 16, 0 .. KD) B[0 .. KD, n0 + 16 p + 8 j ..) for p < NP, j < 2:
+// A row-major in shared memory (ldmatrix), B row-major [k][n] (ldmatrix.trans), bf16 operands.
+template <int KD, int NP>
+__device__ __forceinline__ void gdpc_mma_kn(float (&acc)[2 * NP][4], const __nv_bfloat16* A,
+                                            int lda, int m0, const __nv_bfloat16* B, int ldb,
+                                            int n0, int lane) {
+#pragma unroll
+  for (int k0 = 0; k0 < KD; k0 += 16) {
+    uint32_t a[4];
+    ldsm_a(a, A, lda, m0, k0, lane);
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {
+      uint32_t b[2][2];
+      ldsm_b_kn(b, B, ldb, k0, n0 + 16 * p, lane);
+      MmaBf16::mma(acc[2 * p], a, b[0]);
+      MmaBf16::mma(acc[2 * p + 1], a, b[1]);
+    }
+  }
+}
+
 template <int BV, int KPT, int NW>
 __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const __nv_bfloat16* __restrict__ qk, const float* __restrict__ aux,
@@ -477,18 +497,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     {
       const int m0 = 16 * mi;
       float acc[NTW][4] = {};
-#pragma unroll
-      for (int k0 = 0; k0 < KPT; k0 += 16) {
-        uint32_t a[4];
-        ldsm_a(a, st.W, LK, m0, k0, lane);
-#pragma unroll
-        for (int p = 0; p < NPW; ++p) {
-          uint32_t b[2][2];
-          ldsm_b_kn(b, sb, LB, k0, nc0 + 16 * p, lane);
-          MmaBf16::mma(acc[2 * p], a, b[0]);
-          MmaBf16::mma(acc[2 * p + 1], a, b[1]);
-        }
-      }
+      gdpc_mma_kn<KPT, NPW>(acc, st.W, LK, m0, sb, LB, nc0, lane);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = m0 + g + 8 * h;
@@ -511,36 +520,14 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     if (16 * mi < nq) {
       const int m0 = 16 * mi;
       float acc[NTW][4] = {};
-#pragma unroll
-      for (int k0 = 0; k0 < KPT; k0 += 16) {
-        uint32_t a[4];
-        ldsm_a(a, st.Q, LK, m0, k0, lane);
-#pragma unroll
-        for (int p = 0; p < NPW; ++p) {
-          uint32_t b[2][2];
-          ldsm_b_kn(b, sb, LB, k0, nc0 + 16 * p, lane);
-          MmaBf16::mma(acc[2 * p], a, b[0]);
-          MmaBf16::mma(acc[2 * p + 1], a, b[1]);
-        }
-      }
+      gdpc_mma_kn<KPT, NPW>(acc, st.Q, LK, m0, sb, LB, nc0, lane);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float cq = st.cf[m0 + g + 8 * h];
 #pragma unroll
         for (int j = 0; j < NTW; ++j) acc[j][2 * h] *= cq, acc[j][2 * h + 1] *= cq;
       }
-#pragma unroll
-      for (int k0 = 0; k0 < C; k0 += 16) {
-        uint32_t a[4];
-        ldsm_a(a, st.P, LC, m0, k0, lane);
-#pragma unroll
-        for (int p = 0; p < NPW; ++p) {
-          uint32_t b[2][2];
-          ldsm_b_kn(b, Dn, LB, k0, nc0 + 16 * p, lane);
-          MmaBf16::mma(acc[2 * p], a, b[0]);
-          MmaBf16::mma(acc[2 * p + 1], a, b[1]);
-        }
-      }
+      gdpc_mma_kn<C, NPW>(acc, st.P, LC, m0, Dn, LB, nc0, lane);
       const GdpcRows rows(tok0, p0, first, n, H, K, head);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
