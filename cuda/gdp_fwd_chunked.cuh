@@ -118,8 +118,9 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
     gdp_fwd_wy_bf16(const __nv_bfloat16* __restrict__ qk, const __nv_bfloat16* __restrict__ vv,
                     const float* __restrict__ aux, const int* __restrict__ table,
                     __nv_bfloat16* __restrict__ wg, __nv_bfloat16* __restrict__ ug,
-                    __nv_bfloat16* __restrict__ pg, float* __restrict__ cg, int B, int TT, int H,
-                    int K, int V, int n, int N, float scale) {
+                    __nv_bfloat16* __restrict__ pg, float* __restrict__ cg,
+                    __nv_bfloat16* __restrict__ ag, int B, int TT, int H, int K, int V, int n,
+                    int N, float scale) {
   constexpr int C = GDP_CHUNK;
   const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31, warp = tid >> 5;
   const int chunk = blockIdx.x, head = blockIdx.y;
@@ -242,6 +243,14 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
   tri_inverse64(A, Ai, tid);
   cp_async_wait<0>();
   __syncthreads();
+  if (ag != nullptr) {  // bf16(Ainv) for the backward (gdp_bwd_chunked.cuh)
+    __nv_bfloat16* a = ag + slot * C * C;
+    for (int idx = tid; idx < C * C / 2; idx += nthr) {
+      const int i = idx / (C / 2), j = 2 * (idx % (C / 2));
+      *reinterpret_cast<__nv_bfloat162*>(a + i * C + j) =
+          __floats2bfloat162_rn(Ai[i * CS + j], Ai[i * CS + j + 1]);
+    }
+  }
 
   // ---- W = Ainv diag(β e^G) K [C, K], U = Ainv diag(β) V [C, V]: warp w rows 16 w.., the
   // column scales folded into the A fragments (the inverse rounded to bf16 once, scaled).
@@ -336,8 +345,8 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const int* __restrict__ table, const __nv_bfloat16* __restrict__ wg,
     const __nv_bfloat16* __restrict__ ug, const __nv_bfloat16* __restrict__ pg,
     const float* __restrict__ cg, const float* __restrict__ h0_override, int use_h0_override,
-    float* __restrict__ out, int B, int TT, int H, int K, int V, int n, int has_h0, int QR,
-    int NS) {
+    float* __restrict__ out, __nv_bfloat16* __restrict__ hs, __nv_bfloat16* __restrict__ dn,
+    int B, int TT, int H, int K, int V, int n, int has_h0, int QR, int NS) {
   constexpr int C = GDP_CHUNK, NT = BV / 8, LB = BV + 8, LC = C + 8, LK = KPT + 8;
   constexpr int NTW = NT * 4 / NW, NPW = NTW / 2;  // n8 tiles / pairs of a warp's column half
   constexpr int MT = KPT / 16, STW = (MT + NW - 1) / NW;  // state tiles, per warp
@@ -492,6 +501,24 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     if (ci + NS - 1 < nch) prefetch(ci + NS - 1, (ci + NS - 1) % NS);
     // Row table of chunk ci + NS (its slot was last read by the prefetch of chunk ci).
     if (ci + NS < nch) fill_table(ci + NS);
+    const int64_t slot = (int64_t)(cbase + ci) * H + head;
+    if (hs != nullptr) {  // the chunk's start state (bf16) for the backward
+      __nv_bfloat16* dst = hs + slot * KV + v0;
+      if (vu) {
+        constexpr int VPR = BV / 8;
+        for (int idx = tid; idx < K * VPR; idx += nthr) {
+          const int r = idx / VPR, c8 = 8 * (idx - r * VPR);
+          if (c8 < bv)
+            *reinterpret_cast<uint4*>(dst + (int64_t)r * V + c8) =
+                *reinterpret_cast<const uint4*>(sb + r * LB + c8);
+        }
+      } else {
+        for (int idx = tid; idx < K * BV; idx += nthr) {
+          const int r = idx / BV, col = idx - r * BV;
+          if (col < bv) dst[(int64_t)r * V + col] = sb[r * LB + col];
+        }
+      }
+    }
 
     // ---- Phase A: Delta = U - W S for rows 16 mi.., this warp's columns; into Dn and Dk.
     {
@@ -511,13 +538,14 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
           *reinterpret_cast<__nv_bfloat162*>(Dn + r * LB + col) = __floats2bfloat162_rn(d0, d1);
           *reinterpret_cast<__nv_bfloat162*>(Dk + r * LB + col) =
               __floats2bfloat162_rn(ck * d0, ck * d1);
+          if (dn != nullptr) gdpc_store_pair(dn + (slot * C + r) * V + v0, col, bv, d0, d1, vu);
         }
       }
     }
     __syncthreads();
 
     // ---- Phase B: output rows 16 mi.. (if query rows), this warp's columns; then its state.
-    if (16 * mi < nq) {
+    if (out != nullptr && 16 * mi < nq) {
       const int m0 = 16 * mi;
       float acc[NTW][4] = {};
       gdpc_mma_kn<KPT, NPW>(acc, st.Q, LK, m0, sb, LB, nc0, lane);
@@ -574,6 +602,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     }
   }
 
+  if (out == nullptr) return;
   float* fin = out + BTH * V + state_off;
 #pragma unroll
   for (int s = 0; s < STW; ++s)
@@ -590,10 +619,11 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
   extern "C" __global__ void __launch_bounds__(NW * 32) gdp_fwd_scan_bf16_##BV##_##KPT(         \
       const __nv_bfloat16* qk, const float* aux, const int* table, const __nv_bfloat16* wg,      \
       const __nv_bfloat16* ug, const __nv_bfloat16* pg, const float* cg,                        \
-      const float* h0_override, int use_h0_override, float* out, int B, int TT, int H, int K,    \
-      int V, int n, int has_h0, int QR, int NS) {                                                \
+      const float* h0_override, int use_h0_override, float* out, __nv_bfloat16* hs,              \
+      __nv_bfloat16* dn, int B, int TT, int H, int K, int V, int n, int has_h0, int QR, int NS) { \
     gdp_fwd_scan_bf16_impl<BV, KPT, NW>(qk, aux, table, wg, ug, pg, cg, h0_override,           \
-                                        use_h0_override, out, B, TT, H, K, V, n, has_h0, QR, NS); \
+                                        use_h0_override, out, hs, dn, B, TT, H, K, V, n, has_h0,  \
+                                        QR, NS);                                                 \
   }
 GDPC_SCAN_ENTRY(16, 64, 4)
 GDPC_SCAN_ENTRY(16, 128, 4)

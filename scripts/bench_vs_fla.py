@@ -9,7 +9,8 @@ flash-linear-attention + fla-core wheels on PYTHONPATH. For each shape it writes
 to a safetensors file, times FLA (triton.testing.do_bench median; forward, and forward+backward
 through torch autograd), runs `gdp run --device cuda:0 --dtype bf16 --repeat N` on the same
 file, checks that both outputs agree, and prints the ratio FLA time / gdp time (> 1 means gdp
-is faster). Each `--variant` adds a row per shape: gdp run again on the same inputs with
+is faster), with the largest relative RMS difference of the gradients (dq dk dv dg dbeta)
+from FLA's. Each `--variant` adds a row per shape: gdp run again on the same inputs with
 those environment variables set (e.g. `--variant "chunked GDP_CUDA_FWD=chunked"`).
 """
 import argparse
@@ -58,7 +59,9 @@ def fla_times(q, k, v, g, beta, do, n):
         out.backward(do)
 
     t_fb = do_bench(fwd_bwd, warmup=50, rep=300)
-    return o.float(), t_fwd, t_fb
+    fwd_bwd()
+    grads = {name: x.grad.float() for name, x in zip(("dq", "dk", "dv", "dg", "dbeta"), leaves)}
+    return o.float(), t_fwd, t_fb, grads
 
 
 def gdp_times(gdp, path, out, reps, env=None):
@@ -79,11 +82,11 @@ def main():
     args = ap.parse_args()
     shapes = SHAPES if args.shapes == "all" else SHAPES[:1]
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, bf16, K=V=128, medians")
-    print(f"{'B,T,H,n':<16} {'FLA fwd':>9} {'gdp fwd':>9} {'ratio':>6} {'FLA f+b':>9} {'gdp f+b':>9} {'ratio':>6}  o rel RMS")
+    print(f"{'B,T,H,n':<16} {'FLA fwd':>9} {'gdp fwd':>9} {'ratio':>6} {'FLA f+b':>9} {'gdp f+b':>9} {'ratio':>6}  o rel RMS, worst grad")
     tmp = tempfile.mkdtemp()
     for B, T, H, D, n in shapes:
         q, k, v, g, beta, do = inputs(B, T, H, D, n)
-        o_fla, f_fwd, f_fb = fla_times(q, k, v, g, beta, do, n)
+        o_fla, f_fwd, f_fb, g_fla = fla_times(q, k, v, g, beta, do, n)
         path, out = os.path.join(tmp, "in.safetensors"), os.path.join(tmp, "out.safetensors")
         cpu = lambda x: x.detach().cpu().contiguous()
         save_file({"q": cpu(q), "k": cpu(k), "v": cpu(v), "g": cpu(g), "beta": cpu(beta), "do": cpu(do)}, path)
@@ -96,10 +99,13 @@ def main():
             if g_fwd is None:
                 print(f"{label:<16} {f_fwd:9.3f} {'-':>9} {'-':>6} {f_fb:9.3f}  gdp failed: {err}")
                 continue
-            o_gdp = load_file(out)["o"].cuda()
-            rel = ((o_gdp - o_fla).pow(2).mean().sqrt() / o_fla.pow(2).mean().sqrt()).item()
+            res = load_file(out)
+            rel = lambda a, b: ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+            e_o = rel(res["o"].cuda().float(), o_fla)
+            e_g = [(rel(res[k].cuda().float(), g_fla[k]), k) for k in g_fla if k in res]
+            worst = f", {max(e_g)[1]} {max(e_g)[0]:.1e}" if e_g else ""
             fb = f"{g_fb:9.3f} {f_fb / g_fb:6.2f}" if g_fb else f"{'-':>9} {'-':>6}"
-            print(f"{label:<16} {f_fwd:9.3f} {g_fwd:9.3f} {f_fwd / g_fwd:6.2f} {f_fb:9.3f} {fb}  {rel:.1e}", flush=True)
+            print(f"{label:<16} {f_fwd:9.3f} {g_fwd:9.3f} {f_fwd / g_fwd:6.2f} {f_fb:9.3f} {fb}  {e_o:.1e}{worst}", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,13 @@
 #
 # BIN_DIR holds `gpu`, `gpu_fast_paths` (the test binaries of
 # `cargo test --release --features cuda --no-run --test gpu --test gpu_fast_paths`) and `gdp`
-# (`cargo build --release --features cuda --bin gdp`). Runs, each with a time limit, logging to
-# OUT_DIR (default $OUT or /tmp/gpu_check): the GPU tests (tests/gpu.rs, then
-# tests/gpu_fast_paths.rs with its ignored timing), the kernel-only timings
-# (cuda/bench/kernels.cu, compiled here), and the side-by-side benchmark against FLA with the
-# pool-retention and one-kernel-forward variants (scripts/bench_vs_fla.py).
+# (`cargo build --release --features cuda --bin gdp`), and optionally `kbench.o` (the kernel
+# timing harness compiled elsewhere: `nvcc -O3 -std=c++17 -arch=sm_90 -Icuda -c
+# cuda/bench/kernels.cu -o kbench.o`; otherwise it is compiled here). Runs, each with a time
+# limit, logging to OUT_DIR (default $OUT or /tmp/gpu_check): the GPU tests (tests/gpu.rs, then
+# tests/gpu_fast_paths.rs with its ignored timing), the kernel-only timings, and the
+# side-by-side benchmark against FLA with the no-pool-retention and per-value-tile-backward
+# variants (scripts/bench_vs_fla.py).
 set -u
 bin=${1:?usage: scripts/gpu_check.sh BIN_DIR [OUT_DIR]}
 out=${2:-${OUT:-/tmp/gpu_check}}
@@ -24,9 +26,12 @@ echo "== tests/gpu_fast_paths.rs (with the decode timing)"
 timeout 300 "$bin/gpu_fast_paths" --test-threads 1 --include-ignored > "$out/fast.log" 2>&1
 summary "$out/fast.log"
 echo "== kernel-only timings"
-nvcc -O3 -std=c++17 -arch=sm_90 -Icuda cuda/bench/kernels.cu -o "$out/kbench" &&
-  timeout 120 "$out/kbench" 2>&1 | tee "$out/kbench.log"
+if [ -f "$bin/kbench.o" ]; then
+  nvcc -arch=sm_90 "$bin/kbench.o" -o "$out/kbench"
+else
+  nvcc -O3 -std=c++17 -arch=sm_90 -Icuda cuda/bench/kernels.cu -o "$out/kbench"
+fi && timeout 120 "$out/kbench" 2>&1 | tee "$out/kbench.log"
 echo "== against FLA"
 timeout 600 python3 -u scripts/bench_vs_fla.py --gdp "$bin/gdp" --reps 5 \
-  --variant "retain GDP_RETAIN_POOL=1" --variant "fused GDP_CUDA_FWD=fused" 2>&1 |
+  --variant "noretain GDP_RETAIN_POOL=0" --variant "tilebwd GDP_CUDA_BWD=fused" 2>&1 |
   tee "$out/bench.log"

@@ -1,5 +1,6 @@
 //! GPU tests of the fast paths: both bf16 forwards (the two-kernel one, the default where it
-//! fits, and the one-kernel one, `GDP_CUDA_FWD=fused`), the op after
+//! fits, and the one-kernel one, `GDP_CUDA_FWD=fused`) and both bf16 backwards (the split one,
+//! the default where it fits, and the per-value-tile one, `GDP_CUDA_BWD=fused`), the op after
 //! `retain_freed_memory`, and the fused decode step. Feature
 //! `cuda`, needs a GPU: `cargo test --release --features cuda --test gpu_fast_paths`;
 //! `--ignored` adds the decode-step bandwidth timing (B64 H16 K=V=128, issue 5).
@@ -18,25 +19,27 @@ fn cuda() -> Result<Device> {
     Ok(Device::new_cuda(0)?)
 }
 
-/// Set in the child processes that run the bf16 forward checks.
+/// Set in the child processes that run the bf16 checks.
 const CHILD: &str = "GDP_FAST_PATH_CHILD";
 
-/// Both bf16 forwards (and the backward after them) against the f64 reference. The path is
-/// chosen per process by `GDP_CUDA_FWD`, so the checks run in a child process of this binary
-/// for each setting.
+/// Both bf16 forwards and both bf16 backwards against the f64 reference. The paths are chosen
+/// per process by `GDP_CUDA_FWD` and `GDP_CUDA_BWD`, so the checks run in a child process of
+/// this binary for each setting: the split kernels where they fit (K256 takes the other
+/// backward), then the one-kernel forward and the per-value-tile backward everywhere.
 #[test]
-fn bf16_forwards_match_f64_reference() -> Result<()> {
+fn bf16_paths_match_f64_reference() -> Result<()> {
     if std::env::var_os(CHILD).is_none() {
-        for path in ["chunked", "fused"] {
+        for (fwd, bwd) in [("chunked", "auto"), ("fused", "fused")] {
             let out = std::process::Command::new(std::env::current_exe()?)
-                .env("GDP_CUDA_FWD", path)
+                .env("GDP_CUDA_FWD", fwd)
+                .env("GDP_CUDA_BWD", bwd)
                 .env(CHILD, "1")
-                .args(["bf16_forwards_match_f64_reference", "--exact"])
+                .args(["bf16_paths_match_f64_reference", "--exact"])
                 .args(["--test-threads", "1", "--nocapture"])
                 .output()?;
             let log = String::from_utf8_lossy(&out.stdout);
-            println!("GDP_CUDA_FWD={path}\n{log}");
-            assert!(out.status.success(), "bf16 forward {path}:\n{log}");
+            println!("GDP_CUDA_FWD={fwd} GDP_CUDA_BWD={bwd}\n{log}");
+            assert!(out.status.success(), "bf16 {fwd} / {bwd}:\n{log}");
             assert!(log.contains("1 passed"), "the child ran no test:\n{log}");
         }
         return Ok(());

@@ -1,6 +1,7 @@
 // Kernel-only timings (CUDA events, median of repeated launches) of the bf16 two-kernel forward
-// (gdp_fwd_wy_bf16, gdp_fwd_scan_bf16_<BV>_128) at the benchmark shapes of docs/perf.md and of
-// the fused decode step (gdp_step_f32) at B64 H16 K=V=128 n2, with achieved bandwidth. No Rust
+// (gdp_fwd_wy_bf16, gdp_fwd_scan_bf16_<BV>_128), of the split bf16 backward (the same two with
+// the states kept, gdp_bwd_dh_bf16_<BV>_128, gdp_bwd_grads_bf16_128_128) at the benchmark shapes
+// of docs/perf.md and of the fused decode step (gdp_step_f32) at B64 H16 K=V=128 n2, with achieved bandwidth. No Rust
 // needed, so it separates kernel time from the op's host-side work:
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icuda cuda/bench/kernels.cu -o kbench && ./kbench
 #include "gdp.cu"
@@ -86,8 +87,8 @@ static void forward(int B, int T, int H, int n) {
   const int wy_smem = 4 * (2 * C * GDP_INV_LD + 6 * C) + 2 * C * ((KP + 8) + std::max(KP, VP) + 8);
   CK(cudaFuncSetAttribute(gdp_fwd_wy_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize, wy_smem));
   const float t_wy = median_ms([&] {
-    gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dqk, dv, daux, dtab, w, u, p, cf, B, T, H,
-                                                       K, V, n, B, scale);
+    gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dqk, dv, daux, dtab, w, u, p, cf, nullptr,
+                                                       B, T, H, K, V, n, B, scale);
   });
   const int QR = 16 * (((C + n - 1) / n + 15) / 16);
   printf("B%d T%d H%d n%d: wy %.3f ms", B, T, H, n, t_wy);
@@ -99,8 +100,8 @@ static void forward(int B, int T, int H, int n) {
     const int NS = smem_of(3) <= 232448 ? 3 : 2, smem = smem_of(NS);
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const float t = median_ms([&] {
-      kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(dqk, daux, dtab, w, u, p, cf, daux,
-                                                               0, out, B, T, H, K, V, n, 0, QR, NS);
+      kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
+          dqk, daux, dtab, w, u, p, cf, daux, 0, out, nullptr, nullptr, B, T, H, K, V, n, 0, QR, NS);
     });
     printf(" | scan BV%d/%d stages %.3f ms (%d blocks)", bv, NS, t, B * H * V / bv);
   };
@@ -108,8 +109,73 @@ static void forward(int B, int T, int H, int n) {
   scan(gdp_fwd_scan_bf16_32_128, 32);
   scan(gdp_fwd_scan_bf16_64_128, 64);
   printf("\n");
+
+  // ---- The split backward (with dO random, dht zero).
+  __nv_bfloat16 *ag, *hs, *dn, *dhs, *ddn, *dob;
+  float *dht, *gout;
+  CK(cudaMalloc(&ag, slots * C * C * 2));
+  CK(cudaMalloc(&hs, slots * K * V * 2));
+  CK(cudaMalloc(&dn, slots * C * V * 2));
+  CK(cudaMalloc(&dhs, slots * K * V * 2));
+  CK(cudaMalloc(&ddn, slots * C * V * 2));
+  std::vector<__nv_bfloat16> hdo(BTH * V);
+  for (auto& x : hdo) x = __float2bfloat16_rn(nd(rng));
+  dob = upload(hdo);
+  CK(cudaMalloc(&dht, (long)B * H * K * V * 4));
+  CK(cudaMemset(dht, 0, (long)B * H * K * V * 4));
+  const long glen = BTH * (n + 1) * K + BTH * n * V + BTH * (1 + n);
+  CK(cudaMalloc(&gout, glen * 4));
+  const float t_wya = median_ms([&] {
+    gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dqk, dv, daux, dtab, w, u, p, cf, ag, B, T,
+                                                       H, K, V, n, B, scale);
+  });
+  printf("  bwd: wy+Ainv %.3f ms", t_wya);
+  float best_states = 1e9, best_dh = 1e9;
+  auto states = [&](auto kern, int bv) {
+    const int stage = gdpc_stage_bytes(KP, QR, bv);
+    auto smem_of = [&](int ns) {
+      return ns * stage + 2 * 2 * KP * (bv + 8) + 2 * 2 * C * (bv + 8) + 8 * ns * 2 * C;
+    };
+    const int NS = smem_of(3) <= 232448 ? 3 : 2, smem = smem_of(NS);
+    CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const float t = median_ms([&] {
+      kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
+          dqk, daux, dtab, w, u, p, cf, daux, 0, nullptr, hs, dn, B, T, H, K, V, n, 0, QR, NS);
+    });
+    best_states = std::min(best_states, t);
+    printf(" | states BV%d %.3f", bv, t);
+  };
+  states(gdp_fwd_scan_bf16_16_128, 16);
+  states(gdp_fwd_scan_bf16_32_128, 32);
+  states(gdp_fwd_scan_bf16_64_128, 64);
+  auto dh = [&](auto kern, int bv) {
+    const int LB = bv + 8;
+    auto smem_of = [&](int ns) {
+      return ns * gdpd_stage_bytes(KP, QR, bv) + 2 * (2 * KP * LB + C * LB + QR * LB) + 8 * ns * 3 * C;
+    };
+    const int NS = smem_of(3) <= 232448 ? 3 : 2, smem = smem_of(NS);
+    CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const float t = median_ms([&] {
+      kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
+          dqk, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, NS);
+    });
+    best_dh = std::min(best_dh, t);
+    printf(" | dh BV%d/%d %.3f", bv, NS, t);
+  };
+  dh(gdp_bwd_dh_bf16_16_128, 16);
+  dh(gdp_bwd_dh_bf16_32_128, 32);
+  dh(gdp_bwd_dh_bf16_64_128, 64);
+  const int gsmem = gdpg_smem_bytes(KP, V, QR);
+  CK(cudaFuncSetAttribute(gdp_bwd_grads_bf16_128_128, cudaFuncAttributeMaxDynamicSharedMemorySize, gsmem));
+  const float t_gr = median_ms([&] {
+    gdp_bwd_grads_bf16_128_128<<<dim3(total, H), GDPG_THREADS, gsmem>>>(dqk, dv, daux, dtab, ag, hs, dhs, dn, ddn,
+                                                              dob, gout, B, T, H, K, V, n, B, scale, QR);
+  });
+  printf(" | grads %.3f ms (smem %d) | bwd total %.3f ms\n", t_gr, gsmem,
+         t_wya + best_states + best_dh + t_gr);
   for (void* x : {(void*)dqk, (void*)dv, (void*)daux, (void*)dtab, (void*)w, (void*)u, (void*)p,
-                  (void*)cf, (void*)out})
+                  (void*)cf, (void*)out, (void*)ag, (void*)hs, (void*)dn, (void*)dhs, (void*)ddn,
+                  (void*)dob, (void*)dht, (void*)gout})
     CK(cudaFree(x));
 }
 

@@ -20,7 +20,7 @@ struct dim3 {
   unsigned x = 0, y = 0, z = 0;
 };
 extern thread_local dim3 threadIdx;
-extern dim3 blockIdx, blockDim;
+extern dim3 blockIdx, blockDim, gridDim;
 
 #define __device__
 #define __host__
@@ -100,6 +100,8 @@ struct EmuBlock {
   std::vector<uint32_t> frag_a, frag_b;
   // Row addresses of every lane for ldmatrix, two buffers.
   std::vector<const void*> ldsm_rows;
+  // Values of every lane for the shuffle reductions, two buffers.
+  std::vector<float> shfl;
 };
 extern EmuBlock* g_block;
 inline void __syncthreads() { g_block->sync->arrive_and_wait(); }
@@ -205,8 +207,28 @@ inline void gdp_emu_ldsm(uint32_t (&r)[4], const void* p, bool trans) {
   }
 }
 
+// Sum of x over the lanes l ^ m for every m made of the bits of `mask` (a butterfly of
+// __shfl_xor_sync over those bits); same two-buffer scheme as the mma.
+inline float gdp_emu_xor_sum(float x, int mask) {
+  thread_local unsigned calls = 0;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  EmuBlock& blk = *g_block;
+  const int buf = calls++ & 1;
+  const size_t nthr = blk.shfl.size() / 2;
+  float* v = &blk.shfl[buf * nthr + warp * 32];
+  v[lane] = x;
+  blk.warps[warp]->arrive_and_wait();
+  float s = 0.f;
+  for (int m = 0; m < 32; ++m)
+    if ((m & ~mask) == 0) s += v[lane ^ m];
+  return s;
+}
+inline float gdp_emu_quad_sum(float x) { return gdp_emu_xor_sum(x, 3); }
+inline float gdp_emu_column_sum(float x) { return gdp_emu_xor_sum(x, 28); }
+
 extern unsigned char smem_raw[];
 extern unsigned char gdpb_smem[];
 extern unsigned char gdpc_smem[];
 extern unsigned char gdpcs_smem[];
+extern unsigned char gdpg_smem[];
 extern unsigned char gdps_smem[];

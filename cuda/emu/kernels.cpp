@@ -1,6 +1,6 @@
 // Checks the CUDA kernels of cuda/ on the CPU (cuda/emu/emu.h) against a float64 token-by-token
-// reference: the f32 forward and backward (every gradient), the two CP summaries, and the bf16
-// forwards (one-kernel and two-kernel). Build and run: `sh cuda/emu/run.sh` (C++20 compiler).
+// reference: the f32 forward and backward (every gradient), the two CP summaries, the bf16
+// forwards (one-kernel and two-kernel) and the split bf16 backward (every gradient). Build and run: `sh cuda/emu/run.sh` (C++20 compiler).
 #include "gdp.cu"
 
 #include <cstdio>
@@ -8,12 +8,13 @@
 #include <random>
 
 thread_local dim3 threadIdx;
-dim3 blockIdx, blockDim;
+dim3 blockIdx, blockDim, gridDim;
 EmuBlock* g_block;
 alignas(16) unsigned char smem_raw[256 * 1024];
 alignas(16) unsigned char gdpb_smem[256 * 1024];
 alignas(16) unsigned char gdpc_smem[256 * 1024];
 alignas(16) unsigned char gdpcs_smem[256 * 1024];
+alignas(16) unsigned char gdpg_smem[256 * 1024];
 alignas(16) unsigned char gdps_smem[48 * 1024];
 
 static bool g_reverse = false;
@@ -31,12 +32,14 @@ void launch(unsigned gx, unsigned gy, int nthr, F f) {
       memset(gdpb_smem, 0x7f, sizeof(gdpb_smem));
       memset(gdpc_smem, 0x7f, sizeof(gdpc_smem));
       memset(gdpcs_smem, 0x7f, sizeof(gdpcs_smem));
+      memset(gdpg_smem, 0x7f, sizeof(gdpg_smem));
       EmuBlock blk;
       blk.sync = std::make_unique<std::barrier<>>(nthr);
       for (int w = 0; w < nthr / 32; ++w) blk.warps.push_back(std::make_unique<std::barrier<>>(32));
       blk.frag_a.assign(2 * nthr * 4, 0);
       blk.frag_b.assign(2 * nthr * 2, 0);
       blk.ldsm_rows.assign(2 * nthr, nullptr);
+      blk.shfl.assign(2 * nthr, 0.f);
       g_block = &blk;
       std::vector<std::thread> ts;
       for (int t = 0; t < nthr; ++t)
@@ -276,7 +279,7 @@ void run_bf16(const Case& c) {
   if (total > 0)
     launch(total, H, 128, [&] {
       gdp_fwd_wy_bf16(qkb.data(), vb.data(), P.aux.data(), tab.data(), wg.data(), ug.data(),
-                      pg.data(), cg.data(), c.B, c.T, c.H, c.K, c.V, c.n, N, scale);
+                      pg.data(), cg.data(), nullptr, c.B, c.T, c.H, c.K, c.V, c.n, N, scale);
     });
   const int QR = 16 * (((64 + c.n - 1) / c.n + 15) / 16);
   const int KPT = c.K <= 64 ? 64 : c.K <= 128 ? 128 : 256;
@@ -286,7 +289,7 @@ void run_bf16(const Case& c) {
     std::vector<float> out(BTH * V + sl, 0.f);
     launch(N * H, (V + bv - 1) / bv, bv == 16 ? 128 : 256, [&] {
 #define ARGS qkb.data(), P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(), cg.data(), \
-             P.aux.data(), 0, out.data(), c.B, c.T, c.H, c.K, c.V, c.n, c.h0, QR, NS
+             P.aux.data(), 0, out.data(), nullptr, nullptr, c.B, c.T, c.H, c.K, c.V, c.n, c.h0, QR, NS
       if (bv == 16 && KPT == 64) gdp_fwd_scan_bf16_16_64(ARGS);
       if (bv == 16 && KPT == 128) gdp_fwd_scan_bf16_16_128(ARGS);
       if (bv == 16 && KPT == 256) gdp_fwd_scan_bf16_16_256(ARGS);
@@ -303,6 +306,98 @@ void run_bf16(const Case& c) {
     snprintf(what, sizeof what, "bf16 2k%d/%d ht", bv, NS);
     report(c.name, what, rel(out.data() + BTH * V, R.fin.data(), sl), 1e-2);
   }
+}
+
+
+// The split bf16 backward (gdp_bwd_chunked.cuh): WY with Ainv, the forward scan writing h and
+// Delta, the state-gradient scan, the gradient kernel; every gradient against the f64 reference
+// on the bf16-rounded inputs (dO rounded too: the kernels read it in bf16).
+void run_bf16_bwd(const Case& c, int bv, int NS) {
+  Prob P = make(c, 777 + c.K + c.T);
+  const auto qkb = to_bf16(P.qk);
+  const auto vb = to_bf16(P.v);
+  const auto dob = to_bf16(P.dout);
+  const long K = c.K, V = c.V, n = c.n, H = c.H, N = P.N, BTH = P.BTH, sl = N * H * K * V;
+  const long qk_len = BTH * (n + 1) * K, v_len = BTH * n * V;
+  std::vector<double> h0d, dhtd(P.dht.begin(), P.dht.end());
+  if (c.h0) h0d.assign(P.aux.begin() + BTH * (1 + n), P.aux.end());
+  Ref R;
+  naive(P, c.h0 ? h0d.data() : nullptr, dhtd.data(), R, true);
+  const float scale = 1.f / sqrtf((float)K);
+  std::vector<int> tab, chunks;
+  for (int si = 0; si < N; ++si) {
+    const int nch = (P.seqs[si].len * n + 63) / 64;
+    tab.insert(tab.end(), {P.seqs[si].b, P.seqs[si].start, P.seqs[si].len, (int)chunks.size() / 2});
+    for (int ci = 0; ci < nch; ++ci) chunks.insert(chunks.end(), {si, ci});
+  }
+  const long total = chunks.size() / 2, slots = std::max(total, 1L) * H;
+  tab.insert(tab.end(), chunks.begin(), chunks.end());
+  const __nv_bfloat16 poison{0x7f7f};
+  std::vector<__nv_bfloat16> wg(slots * 64 * K, poison), ug(slots * 64 * V, poison),
+      pg(slots * 64 * 64, poison), ag(slots * 64 * 64, poison), hs(slots * K * V, poison),
+      dn(slots * 64 * V, poison), dhs(slots * K * V, poison), ddn(slots * 64 * V, poison);
+  std::vector<float> cg(slots * 3 * 64, 3e38f);
+  const int QR = 16 * (((64 + c.n - 1) / c.n + 15) / 16);
+  const int KPT = c.K <= 64 ? 64 : 128;
+  const int VPT = c.V <= 64 ? 64 : 128;
+  if (total > 0)
+    launch(total, H, 128, [&] {
+      gdp_fwd_wy_bf16(qkb.data(), vb.data(), P.aux.data(), tab.data(), wg.data(), ug.data(),
+                      pg.data(), cg.data(), ag.data(), c.B, c.T, c.H, c.K, c.V, c.n, N, scale);
+    });
+  const int nthr = bv == 16 ? 128 : 256;
+  launch(N * H, (V + bv - 1) / bv, nthr, [&] {
+#define ARGS qkb.data(), P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(), cg.data(), \
+             P.aux.data(), 0, nullptr, hs.data(), dn.data(), c.B, c.T, c.H, c.K, c.V, c.n, c.h0, QR, NS
+    if (bv == 16 && KPT == 64) gdp_fwd_scan_bf16_16_64(ARGS);
+    if (bv == 16 && KPT == 128) gdp_fwd_scan_bf16_16_128(ARGS);
+    if (bv == 32 && KPT == 64) gdp_fwd_scan_bf16_32_64(ARGS);
+    if (bv == 32 && KPT == 128) gdp_fwd_scan_bf16_32_128(ARGS);
+    if (bv == 64 && KPT == 64) gdp_fwd_scan_bf16_64_64(ARGS);
+    if (bv == 64 && KPT == 128) gdp_fwd_scan_bf16_64_128(ARGS);
+#undef ARGS
+  });
+  std::vector<float> out(qk_len + v_len + BTH * (1 + n) + (c.h0 ? sl : 0), 0.f);
+  float* dh0 = out.data() + qk_len + v_len + BTH * (1 + n);
+  launch(N * H, (V + bv - 1) / bv, nthr, [&] {
+#define ARGS qkb.data(), tab.data(), wg.data(), pg.data(), cg.data(), dob.data(), P.dht.data(), 1, \
+             dhs.data(), ddn.data(), dh0, c.h0, c.B, c.T, c.H, c.K, c.V, c.n, QR, NS
+    if (bv == 16 && KPT == 64) gdp_bwd_dh_bf16_16_64(ARGS);
+    if (bv == 16 && KPT == 128) gdp_bwd_dh_bf16_16_128(ARGS);
+    if (bv == 32 && KPT == 64) gdp_bwd_dh_bf16_32_64(ARGS);
+    if (bv == 32 && KPT == 128) gdp_bwd_dh_bf16_32_128(ARGS);
+    if (bv == 64 && KPT == 64) gdp_bwd_dh_bf16_64_64(ARGS);
+    if (bv == 64 && KPT == 128) gdp_bwd_dh_bf16_64_128(ARGS);
+#undef ARGS
+  });
+  if (total > 0)
+    launch(total, H, GDPG_THREADS, [&] {
+#define ARGS qkb.data(), vb.data(), P.aux.data(), tab.data(), ag.data(), hs.data(), dhs.data(), \
+             dn.data(), ddn.data(), dob.data(), out.data(), c.B, c.T, c.H, c.K, c.V, c.n, N, scale, QR
+      if (KPT == 64 && VPT == 64) gdp_bwd_grads_bf16_64_64(ARGS);
+      if (KPT == 64 && VPT == 128) gdp_bwd_grads_bf16_64_128(ARGS);
+      if (KPT == 128 && VPT == 64) gdp_bwd_grads_bf16_128_64(ARGS);
+      if (KPT == 128 && VPT == 128) gdp_bwd_grads_bf16_128_128(ARGS);
+#undef ARGS
+    });
+  std::vector<float> gq, gk;
+  std::vector<double> rq, rk;
+  for (long tk = 0; tk < BTH / H; ++tk)
+    for (long s = 0; s <= n; ++s)
+      for (long h = 0; h < H; ++h)
+        for (long kk = 0; kk < K; ++kk) {
+          long i = ((tk * (n + 1) + s) * H + h) * K + kk;
+          if (s == 0) gq.push_back(out[i]), rq.push_back(R.grads[i]);
+          else gk.push_back(out[i]), rk.push_back(R.grads[i]);
+        }
+  char name[64];
+  snprintf(name, sizeof name, "%s bwd%d/%d", c.name, bv, NS);
+  report(name, "bf16 dq", rel(gq.data(), rq.data(), gq.size()), 1e-2);
+  report(name, "bf16 dk", rel(gk.data(), rk.data(), gk.size()), 1e-2);
+  report(name, "bf16 dv", rel(out.data() + qk_len, R.grads.data() + qk_len, v_len), 1e-2);
+  report(name, "bf16 dg", rel(out.data() + qk_len + v_len, R.grads.data() + qk_len + v_len, BTH), 1e-2);
+  report(name, "bf16 db", rel(out.data() + qk_len + v_len + BTH, R.grads.data() + qk_len + v_len + BTH, BTH * n), 1e-2);
+  if (c.h0) report(name, "bf16 dh0", rel(dh0, R.grads.data() + qk_len + v_len + BTH * (1 + n), sl), 1e-2);
 }
 
 // The fused decode step gdp_step_f32 against a float64 loop.
@@ -352,9 +447,11 @@ void run_step(int B, int H, int K, int V, int n) {
 
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
-  // Arguments: `rev` (reversed thread ids), `bf16` (only the bf16 forwards).
-  bool only_bf16 = false;
+  // Arguments: `rev` (reversed thread ids), `bf16` (only the bf16 kernels), `bwd` (with `bf16`:
+  // only the split bf16 backward).
+  bool only_bf16 = false, only_bwd = false;
   for (int i = 1; i < argc; ++i) {
+    if (!strcmp(argv[i], "bwd")) only_bwd = true;
     if (!strcmp(argv[i], "rev")) g_reverse = true;
     if (!strcmp(argv[i], "bf16")) only_bf16 = true;
   }
@@ -379,6 +476,14 @@ int main(int argc, char** argv) {
   if (!only_bf16)
     for (auto& c : cases) run_case(c);
   cases.push_back({"n2 T90 K128 V128 h0", 1, 90, 2, 128, 128, 2, true, {}, 1.f, 64});
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const int cfg = (int)i % 3;
+    run_bf16_bwd(cases[i], 16 << cfg, 2 + (int)(i % 2));
+  }
+  if (only_bwd) {
+    printf("fails: %d\n", fails);
+    return fails != 0;
+  }
   cases.push_back({"n1 T70 K200 V40 h0", 1, 70, 1, 200, 40, 1, true, {}, 1.f, 8});
   for (auto& c : cases) run_bf16(c);
   printf("fails: %d\n", fails);

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Builds and runs the CPU emulation test of the CUDA kernels (no GPU, no CUDA toolkit needed):
-#   sh cuda/emu/run.sh [rev] [bf16|step]   (rev: reversed thread ids, to shake out ordering
-#   assumptions; bf16: the decode step and the bf16 forwards only; step: the decode step only)
+#   sh cuda/emu/run.sh [rev] [bf16|step] [bwd]   (rev: reversed thread ids, to shake out ordering
+#   assumptions; bf16: the decode step and the bf16 kernels only; step: the decode step only;
+#   bf16 bwd: the decode step and the split bf16 backward only)
 set -e
 cd "$(dirname "$0")"
 out="${TMPDIR:-/tmp}/gdp-emu-kernels"

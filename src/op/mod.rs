@@ -8,6 +8,7 @@ pub mod cpu;
 pub mod cuda;
 mod custom;
 pub mod naive;
+mod pack;
 pub mod recurrent;
 pub mod shape;
 
@@ -57,10 +58,15 @@ pub fn gated_delta_product(
     apply(&qk, v, g, beta, sh, opts, None)
 }
 
-/// The packed `qk [B, T, n+1, H, K]` of validated FLA-layout `q` and `k` (a copy).
+/// The packed `qk [B, T, n+1, H, K]` of validated FLA-layout `q` and `k` (a copy; see
+/// [`pack::PackQk`]).
 pub(crate) fn pack_qk(q: &Tensor, k: &Tensor, sh: &GdpShape) -> Result<Tensor> {
-    let k5 = k.reshape((sh.batch, sh.tokens, sh.n, sh.heads, sh.dk))?;
-    Tensor::cat(&[&q.unsqueeze(2)?, &k5], 2)
+    let op = pack::PackQk {
+        tokens: sh.batch * sh.tokens,
+        n: sh.n,
+        row: sh.heads * sh.dk,
+    };
+    q.contiguous()?.apply_op2(&k.contiguous()?, op)
 }
 
 /// Gated DeltaProduct on the packed query/key layout `qk [B, T, n+1, H, K]`: slot 0 holds

@@ -91,7 +91,6 @@ impl DeviceArg {
                         CliError::from_lib(&e)
                     ))
                 })?;
-                retain_pool_memory(&dev)?;
                 Ok(dev)
             }
         }
@@ -200,11 +199,8 @@ impl<'a> Prepared<'a> {
             g: var(&x.g, "g", DType::F32)?,
             beta: var(&x.beta, "beta", dtype)?,
             h0: x.h0.as_ref().map(|t| var(t, "h0", dtype)).transpose()?,
-            dout: x
-                .dout
-                .as_ref()
-                .map(|t| put(t, "do", DType::F32))
-                .transpose()?,
+            // In the dtypes of `o` and of the final state (f32).
+            dout: x.dout.as_ref().map(|t| put(t, "do", dtype)).transpose()?,
             dht: x
                 .dht
                 .as_ref()
@@ -238,8 +234,7 @@ impl<'a> Prepared<'a> {
         let mut terms = vec![];
         for (cot, out) in [(&self.dout, &o), (&self.dht, &ht)] {
             let Some(cot) = cot else { continue };
-            let term = out.to_dtype(DType::F32).and_then(|x| (x * cot)?.sum_all());
-            terms.push(term.map_err(lib)?);
+            terms.push(inner_product(out, cot).map_err(lib)?);
         }
         let mut loss = terms
             .pop()
@@ -268,6 +263,19 @@ impl<'a> Prepared<'a> {
         }
         Ok(out)
     }
+}
+
+/// `⟨x, cot⟩` as an f32 scalar, computed as a `[1, N] x [N, 1]` product in `x`'s dtype: its
+/// gradient with respect to `x` is `cot` (as in PyTorch's `x.backward(cot)`), without the
+/// element-wise product and full reduction of `(x * cot).sum_all()`, which on CUDA cost more
+/// than the op's backward kernels at the benchmark shapes (`docs/perf.md`).
+fn inner_product(x: &Tensor, cot: &Tensor) -> candle_core::Result<Tensor> {
+    let n = x.elem_count();
+    let cot = cot.to_dtype(x.dtype())?.reshape((n, 1))?;
+    x.reshape((1, n))?
+        .matmul(&cot)?
+        .to_dtype(DType::F32)?
+        .reshape(())
 }
 
 /// Checks the shapes of the cotangents `do` and `dht` against those of `o` and the final state.
@@ -681,18 +689,4 @@ pub fn write_output(path: &Path, out: &RunOutput) -> Result<(), CliError> {
             CliError::from_lib(&e)
         ))
     })
-}
-
-/// With `GDP_RETAIN_POOL=1`, keeps freed device memory in CUDA's pool
-/// (`candle_gdp::op::cuda::retain_freed_memory`), so that timings measure the kernels rather
-/// than page mapping. Opt-in until measured on a GPU (`docs/perf.md`).
-fn retain_pool_memory(dev: &Device) -> Result<(), CliError> {
-    if !std::env::var("GDP_RETAIN_POOL").is_ok_and(|v| v.trim() == "1") {
-        return Ok(());
-    }
-    #[cfg(feature = "cuda")]
-    candle_gdp::op::cuda::retain_freed_memory(dev).map_err(|e| CliError::from_lib(&e))?;
-    #[cfg(not(feature = "cuda"))]
-    let _ = dev;
-    Ok(())
 }

@@ -305,7 +305,9 @@ pub fn backward_len(sh: &GdpShape, has_h0: bool) -> usize {
 }
 
 /// Backward on CUDA: `grad` is the f32 `[do (B·T·H·V) | dht (N·H·K·V)]`; returns the packed f32
-/// `[dqk | dv | dg | dbeta | dh0?]` of [`crate::op::cpu::backward`]. `h0_override` replaces the
+/// `[dqk | dv | dg | dbeta | dh0?]` of [`crate::op::cpu::backward`]. bf16 inputs take the
+/// split backward of `chunked_bwd.rs` where it fits (`GDP_CUDA_BWD`), everything else the
+/// per-value-tile kernel `gdp_bwd_*`. `h0_override` replaces the
 /// initial states and `dht_override` the `dht` part of `grad` (context parallelism); the
 /// initial-state gradients of the sequences in `zero_dh0` are set to zero.
 #[allow(clippy::too_many_arguments)]
@@ -322,20 +324,44 @@ pub fn backward(
     zero_dh0: &[usize],
 ) -> Result<CudaStorage> {
     let dev = check_inputs(qk, v, aux, Some(grad))?;
+    super::memory::default_pool_policy(&dev)?;
     let total = backward_len(sh, has_h0);
-    let mut out = dev.alloc_zeros::<f32>(total)?;
-    let seqs: Vec<usize> = (0..sh.num_seqs()).collect();
-    Launch {
-        sh,
-        scale,
-        has_h0,
-        seqs: &seqs,
-        mode: MODE_FULL,
-        h0: h0_override,
-        grad: Some(grad),
-        dht: dht_override,
-    }
-    .run(qk, v, aux, &mut out)?;
+    let split = if qk.0.dtype() == DType::BF16 {
+        super::chunked_bwd::try_backward_bf16(
+            &dev,
+            qk,
+            v,
+            aux,
+            grad,
+            sh,
+            scale,
+            has_h0,
+            h0_override,
+            dht_override,
+            total,
+        )?
+    } else {
+        None
+    };
+    let mut out = match split {
+        Some(out) => out,
+        None => {
+            let mut out = dev.alloc_zeros::<f32>(total)?;
+            let seqs: Vec<usize> = (0..sh.num_seqs()).collect();
+            Launch {
+                sh,
+                scale,
+                has_h0,
+                seqs: &seqs,
+                mode: MODE_FULL,
+                h0: h0_override,
+                grad: Some(grad),
+                dht: dht_override,
+            }
+            .run(qk, v, aux, &mut out)?;
+            out
+        }
+    };
     if has_h0 {
         let kv = sh.dk * sh.dv;
         let dh0 = total - sh.state_len();

@@ -1,26 +1,29 @@
-//! Launcher of the two-kernel bf16 forward of `cuda/gdp_fwd_chunked.cuh`: the WY factors of
-//! every chunk in parallel (`gdp_fwd_wy_bf16`), then the state scan with the output fused in
+//! Launchers of the bf16 kernels of `cuda/gdp_fwd_chunked.cuh`: the WY factors of every chunk
+//! in parallel (`gdp_fwd_wy_bf16`), then the state scan with the output fused in
 //! (`gdp_fwd_scan_bf16_<BV>_<KPT>`: the state in registers, the next chunk's operands copied
 //! with cp.async while the current one computes). The one-kernel forward of `launch.rs`
 //! recomputes the V-independent WY factors in every value tile and keeps them on the sequential
 //! path; this split takes them off it. It is the bf16 default wherever its shared memory fits
 //! (K up to 128 for every n, K = 256 for n >= 2 on an H200); `GDP_CUDA_FWD=fused` forces the
-//! one-kernel forward, `GDP_CUDA_FWD=chunked` this one (an error where it does not fit).
-//! Timings in `docs/perf.md`.
+//! one-kernel forward, `GDP_CUDA_FWD=chunked` this one (an error where it does not fit). The
+//! bf16 backward (`chunked_bwd.rs`) reruns both kernels to get each chunk's start state and
+//! Delta. Timings in `docs/perf.md`.
 
 use super::launch::{allow_smem, check_states, device_attr, shape_i32, to_i32, view};
 use super::module::load_kernel;
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{CudaStorage, Layout, Result};
+use half::bf16;
 
 /// Threads per block of the WY kernel (`GDPC_THREADS`).
 const THREADS: u32 = 128;
 
-/// Which bf16 forward `GDP_CUDA_FWD` asks for: `fused` (the one-kernel forward of `launch.rs`),
-/// `chunked` (this one, an error where it does not fit), or unset: this one where it fits.
+/// Which implementation an environment variable (`GDP_CUDA_FWD`, `GDP_CUDA_BWD`) asks for:
+/// `fused` (the one-kernel path), `chunked` (the split kernels, an error where they do not
+/// fit), or unset / `auto`: the split kernels where they fit.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Choice {
     Auto,
@@ -28,16 +31,16 @@ pub enum Choice {
     Chunked,
 }
 
-/// The `GDP_CUDA_FWD` setting.
-pub fn choice() -> Result<Choice> {
-    match std::env::var("GDP_CUDA_FWD") {
+/// The setting of `var` (`GDP_CUDA_FWD` or `GDP_CUDA_BWD`).
+pub fn choice(var: &str) -> Result<Choice> {
+    match std::env::var(var) {
         Err(_) => Ok(Choice::Auto),
         Ok(v) => match v.trim() {
             "" | "auto" => Ok(Choice::Auto),
             "fused" => Ok(Choice::Fused),
             "chunked" => Ok(Choice::Chunked),
             other => candle_core::bail!(
-                "gdp cuda: GDP_CUDA_FWD must be `fused`, `chunked` or `auto`, got {other:?}"
+                "gdp cuda: {var} must be `fused`, `chunked` or `auto`, got {other:?}"
             ),
         },
     }
@@ -53,17 +56,17 @@ pub fn wy_smem_bytes(dk: usize, dv: usize) -> usize {
     4 * (2 * c * INV_LD + 6 * c) + 2 * c * ((kp + 8) + (kp + 8).max(vp + 8))
 }
 
-/// Query rows per chunk that the scan stages: 16-row tiles of `ceil(64 / n)`.
-fn query_rows(n: usize) -> usize {
+/// Query rows per chunk that the scans stage: 16-row tiles of `ceil(64 / n)`.
+pub(super) fn query_rows(n: usize) -> usize {
     CHUNK.div_ceil(n).next_multiple_of(16)
 }
 
-/// The scan's compile-time key tile (`KPT`): K padded to 64, 128 or 256.
-fn key_tile(dk: usize) -> Option<usize> {
+/// The scans' compile-time key tile (`KPT`): K padded to 64, 128 or 256.
+pub(super) fn key_tile(dk: usize) -> Option<usize> {
     [64, 128, 256].into_iter().find(|&t| dk <= t)
 }
 
-/// Threads per block of the scan (`NW` warps): 4 for 16 value columns, else 8.
+/// Threads per block of a scan (`NW` warps): 4 for 16 value columns, else 8.
 fn scan_threads(bv: usize) -> u32 {
     if bv == 16 {
         128
@@ -72,7 +75,7 @@ fn scan_threads(bv: usize) -> u32 {
     }
 }
 
-/// Shared memory of the scan kernel for `bv` value columns and `ns` stage buffers, bytes
+/// Shared memory of the forward scan for `bv` value columns and `ns` stage buffers, bytes
 /// (`gdp_fwd_scan_bf16_impl`: `ns` stages of `gdpc_stage_bytes`, the bf16 state twice, Delta
 /// twice, `ns` chunks' row tables).
 pub fn scan_smem_bytes(kpt: usize, n: usize, bv: usize, ns: usize) -> usize {
@@ -82,28 +85,52 @@ pub fn scan_smem_bytes(kpt: usize, n: usize, bv: usize, ns: usize) -> usize {
     ns * stage + 2 * 2 * kpt * (bv + 8) + 2 * 2 * c * (bv + 8) + 8 * ns * 2 * c
 }
 
-/// The scan's launch plan: value columns per block, stage buffers, threads, shared memory and
+/// A scan's launch plan: value columns per block, stage buffers, threads, shared memory and
 /// kernel name.
-struct ScanPlan {
-    bv: usize,
-    stages: usize,
-    threads: u32,
-    smem: usize,
-    kernel: String,
+pub(super) struct ScanPlan {
+    pub bv: usize,
+    pub stages: usize,
+    pub threads: u32,
+    pub smem: usize,
+    pub kernel: String,
 }
 
-/// Picks the scan's value tile: `GDP_CUDA_SCAN_BV` (16, 32 or 64) when set; else the widest
-/// tile that still gives about one block per multiprocessor (fewer, wider blocks stage each
-/// chunk's W, K and Q fewer times), or 16. Three stage buffers (copies two chunks ahead) where
-/// they fit, else two. `None` where nothing fits (K > 256, or shared memory).
-fn scan_plan(sh: &GdpShape, max_smem: usize, sms: usize) -> Result<Option<ScanPlan>> {
-    let Some(kpt) = key_tile(sh.dk) else {
+/// What a scan kernel family needs to be planned: its kernel-name prefix (`<prefix>_<BV>_<KPT>`),
+/// its shared memory `(kpt, n, bv, stages) -> bytes`, the largest key tile it exists for, and
+/// the environment variable that forces its value tile.
+pub(super) struct ScanKind {
+    pub prefix: &'static str,
+    pub smem: fn(usize, usize, usize, usize) -> usize,
+    pub max_kpt: usize,
+    pub env: &'static str,
+}
+
+/// The forward scan (`gdp_fwd_scan_bf16_<BV>_<KPT>`).
+pub(super) const FWD_SCAN: ScanKind = ScanKind {
+    prefix: "gdp_fwd_scan_bf16",
+    smem: scan_smem_bytes,
+    max_kpt: 256,
+    env: "GDP_CUDA_SCAN_BV",
+};
+
+/// Picks a scan's value tile: `kind.env` (16, 32 or 64) when set; else the widest tile that
+/// still gives about one block per multiprocessor (fewer, wider blocks stage each chunk's W, K
+/// and Q fewer times), or 16. Three stage buffers (copies two chunks ahead) where they fit,
+/// else two. `None` where nothing fits (K too large, or shared memory).
+pub(super) fn scan_plan(
+    kind: &ScanKind,
+    sh: &GdpShape,
+    max_smem: usize,
+    sms: usize,
+) -> Result<Option<ScanPlan>> {
+    let Some(kpt) = key_tile(sh.dk).filter(|&t| t <= kind.max_kpt) else {
         return Ok(None);
     };
+    let smem = kind.smem;
     // The state lives in registers: at most 32 f32 per thread (kernels exist for these).
-    let ok = |bv: usize| !(kpt == 256 && bv == 64) && scan_smem_bytes(kpt, sh.n, bv, 2) <= max_smem;
+    let ok = |bv: usize| !(kpt == 256 && bv == 64) && smem(kpt, sh.n, bv, 2) <= max_smem;
     let plan = |bv: usize| {
-        let stages = if scan_smem_bytes(kpt, sh.n, bv, 3) <= max_smem {
+        let stages = if smem(kpt, sh.n, bv, 3) <= max_smem {
             3
         } else {
             2
@@ -112,16 +139,17 @@ fn scan_plan(sh: &GdpShape, max_smem: usize, sms: usize) -> Result<Option<ScanPl
             bv,
             stages,
             threads: scan_threads(bv),
-            smem: scan_smem_bytes(kpt, sh.n, bv, stages),
-            kernel: format!("gdp_fwd_scan_bf16_{bv}_{kpt}"),
+            smem: smem(kpt, sh.n, bv, stages),
+            kernel: format!("{}_{bv}_{kpt}", kind.prefix),
         }
     };
-    if let Ok(s) = std::env::var("GDP_CUDA_SCAN_BV") {
+    if let Ok(s) = std::env::var(kind.env) {
         let bv: usize = s.trim().parse().unwrap_or(0);
         if !matches!(bv, 16 | 32 | 64) || !ok(bv) {
             candle_core::bail!(
-                "gdp cuda: GDP_CUDA_SCAN_BV must be 16, 32 or 64 and fit (K = {}, n = {}, \
-                 {max_smem} bytes of shared memory), got {s:?}",
+                "gdp cuda: {} must be 16, 32 or 64 and fit (K = {}, n = {}, {max_smem} bytes \
+                 of shared memory), got {s:?}",
+                kind.env,
                 sh.dk,
                 sh.n
             );
@@ -139,6 +167,20 @@ fn scan_plan(sh: &GdpShape, max_smem: usize, sms: usize) -> Result<Option<ScanPl
         .map(plan))
 }
 
+/// The device's opt-in shared memory per block and its multiprocessor count.
+pub(super) fn smem_and_sms(dev: &CudaDevice) -> Result<(usize, usize)> {
+    Ok((
+        device_attr(
+            dev,
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        )?,
+        device_attr(
+            dev,
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )?,
+    ))
+}
+
 /// Runs the two-kernel bf16 forward if `GDP_CUDA_FWD` allows it and it fits this shape;
 /// `Ok(None)` means: use the one-kernel forward.
 #[allow(clippy::too_many_arguments)]
@@ -152,34 +194,24 @@ pub fn try_forward_bf16(
     has_h0: bool,
     h0_override: Option<&CudaSlice<f32>>,
 ) -> Result<Option<CudaStorage>> {
-    let choice = choice()?;
+    let choice = choice("GDP_CUDA_FWD")?;
     if choice == Choice::Fused {
         return Ok(None);
     }
-    let max_smem = device_attr(
-        dev,
-        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-    )?;
-    let sms = device_attr(
-        dev,
-        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-    )?;
+    let (max_smem, sms) = smem_and_sms(dev)?;
     let wy_smem = wy_smem_bytes(sh.dk, sh.dv);
-    let plan = scan_plan(sh, max_smem, sms)?.filter(|_| wy_smem <= max_smem);
+    let plan = scan_plan(&FWD_SCAN, sh, max_smem, sms)?.filter(|_| wy_smem <= max_smem);
     match (plan, choice) {
-        (Some(plan), _) => forward_bf16(
-            dev,
-            qk,
-            v,
-            aux,
-            sh,
-            scale,
-            has_h0,
-            h0_override,
-            &plan,
-            wy_smem,
-        )
-        .map(Some),
+        (Some(plan), _) => {
+            let inp = Bf16Inputs::new(qk, v, aux, sh, has_h0)?;
+            check_states(h0_override, sh, "initial-state override")?;
+            let table = ChunkTable::new(dev, sh)?;
+            let wy = WyFactors::compute(dev, &inp, &table, sh, scale, false)?;
+            let mut out = dev.alloc_zeros::<f32>(sh.o_len() + sh.state_len())?;
+            let dest = ScanDest::Output(&mut out);
+            run_scan(dev, &inp, &table, &wy, sh, has_h0, h0_override, &plan, dest)?;
+            Ok(Some(CudaStorage::wrap_cuda_slice(out, dev.clone())))
+        }
         (None, Choice::Chunked) => candle_core::bail!(
             "gdp cuda: GDP_CUDA_FWD=chunked does not fit K = {}, V = {}, n = {} in {max_smem} \
              bytes of shared memory",
@@ -191,112 +223,205 @@ pub fn try_forward_bf16(
     }
 }
 
-/// The bf16 forward: same contract as [`super::forward`] (packed f32 `[o | final state]`).
-#[allow(clippy::too_many_arguments)]
-fn forward_bf16(
-    dev: &CudaDevice,
-    qk: (&CudaStorage, &Layout),
-    v: (&CudaStorage, &Layout),
-    aux: (&CudaStorage, &Layout),
-    sh: &GdpShape,
-    scale: f32,
-    has_h0: bool,
-    h0_override: Option<&CudaSlice<f32>>,
-    plan: &ScanPlan,
-    wy_smem: usize,
-) -> Result<CudaStorage> {
-    let qk_v = view::<half::bf16>(qk.0, qk.1, sh.qk_len(), "qk")?;
-    let v_v = view::<half::bf16>(v.0, v.1, sh.v_len(), "v")?;
-    let aux_v = view::<f32>(aux.0, aux.1, sh.aux_len(has_h0), "gates")?;
-    check_states(h0_override, sh, "initial-state override")?;
-    let [b, t, h, k, vd, n] = shape_i32(sh)?;
-    let nseq = to_i32(sh.num_seqs(), "N")?;
+/// The bf16 inputs as device views: `qk [B, T, n+1, H, K]`, `v [B, T·n, H, V]`, the f32 gate
+/// buffer `[g | beta | h0?]`.
+pub(super) struct Bf16Inputs<'a> {
+    pub qk: CudaView<'a, bf16>,
+    pub v: CudaView<'a, bf16>,
+    pub aux: CudaView<'a, f32>,
+}
 
-    // Table: per sequence (batch, start, len, first chunk), then per chunk (sequence, index).
-    let mut table = Vec::with_capacity(4 * sh.num_seqs());
-    let mut chunks = vec![];
-    for (si, s) in sh.seqs.iter().enumerate() {
-        let nch = (s.len * sh.n).div_ceil(CHUNK);
-        table.extend([
-            to_i32(s.batch, "batch")?,
-            to_i32(s.start, "start")?,
-            to_i32(s.len, "len")?,
-            to_i32(chunks.len() / 2, "chunks")?,
-        ]);
-        for ci in 0..nch {
-            chunks.extend([si as i32, ci as i32]);
+impl<'a> Bf16Inputs<'a> {
+    pub fn new(
+        qk: (&'a CudaStorage, &Layout),
+        v: (&'a CudaStorage, &Layout),
+        aux: (&'a CudaStorage, &Layout),
+        sh: &GdpShape,
+        has_h0: bool,
+    ) -> Result<Self> {
+        Ok(Self {
+            qk: view::<bf16>(qk.0, qk.1, sh.qk_len(), "qk")?,
+            v: view::<bf16>(v.0, v.1, sh.v_len(), "v")?,
+            aux: view::<f32>(aux.0, aux.1, sh.aux_len(has_h0), "gates")?,
+        })
+    }
+}
+
+/// The chunk table of the split kernels, on the device: per sequence (batch, start, len, first
+/// chunk), then per chunk (sequence, index within it).
+pub(super) struct ChunkTable {
+    pub table: CudaSlice<i32>,
+    /// Chunks of all sequences.
+    pub chunks: usize,
+}
+
+impl ChunkTable {
+    pub fn new(dev: &CudaDevice, sh: &GdpShape) -> Result<Self> {
+        let mut table = Vec::with_capacity(4 * sh.num_seqs());
+        let mut chunks = vec![];
+        for (si, s) in sh.seqs.iter().enumerate() {
+            let nch = (s.len * sh.n).div_ceil(CHUNK);
+            table.extend([
+                to_i32(s.batch, "batch")?,
+                to_i32(s.start, "start")?,
+                to_i32(s.len, "len")?,
+                to_i32(chunks.len() / 2, "chunks")?,
+            ]);
+            for ci in 0..nch {
+                chunks.extend([si as i32, ci as i32]);
+            }
         }
-    }
-    let total_chunks = chunks.len() / 2;
-    table.extend(chunks);
-    let table = dev.clone_htod(&table)?;
-
-    let mut out = dev.alloc_zeros::<f32>(sh.o_len() + sh.state_len())?;
-    // With only empty sequences there is no chunk: the WY launch is skipped and the scan copies
-    // the initial states (the scratch buffers keep one slot so that their pointers are valid).
-    let slots = total_chunks.max(1) * sh.heads;
-    // SAFETY (both allocations): every element is written by the WY kernel before the scan
-    // reads it (rows past a chunk's end as zeros).
-    let mut wg = unsafe { dev.alloc::<half::bf16>(slots * CHUNK * sh.dk)? };
-    let mut ug = unsafe { dev.alloc::<half::bf16>(slots * CHUNK * sh.dv)? };
-    let mut pg = unsafe { dev.alloc::<half::bf16>(slots * CHUNK * CHUNK)? };
-    let mut cg = unsafe { dev.alloc::<f32>(slots * 3 * CHUNK)? };
-
-    if total_chunks > i32::MAX as usize || sh.heads > 65_535 {
-        candle_core::bail!(
-            "gdp cuda: {total_chunks} chunks x {} heads is too large",
-            sh.heads
-        );
+        let total = chunks.len() / 2;
+        if total > i32::MAX as usize || sh.heads > 65_535 {
+            candle_core::bail!("gdp cuda: {total} chunks x {} heads is too large", sh.heads);
+        }
+        table.extend(chunks);
+        Ok(Self {
+            table: dev.clone_htod(&table)?,
+            chunks: total,
+        })
     }
 
-    if total_chunks > 0 {
+    /// Scratch slots `(chunk, head)`, at least one head's worth (valid pointers when there is
+    /// no chunk).
+    pub fn slots(&self, sh: &GdpShape) -> usize {
+        self.chunks.max(1) * sh.heads
+    }
+}
+
+/// The WY kernel's per-chunk outputs, slot `(chunk · H + head)`: W `[64, K]`, U `[64, V]`,
+/// P `[64, 64]` (bf16), coef `[3, 64]` (f32), and for the backward bf16(Ainv) `[64, 64]`.
+pub(super) struct WyFactors {
+    pub w: CudaSlice<bf16>,
+    pub u: CudaSlice<bf16>,
+    pub p: CudaSlice<bf16>,
+    pub coef: CudaSlice<f32>,
+    pub ainv: Option<CudaSlice<bf16>>,
+}
+
+impl WyFactors {
+    /// Runs `gdp_fwd_wy_bf16` over every chunk (skipped when there is none).
+    pub fn compute(
+        dev: &CudaDevice,
+        inp: &Bf16Inputs,
+        table: &ChunkTable,
+        sh: &GdpShape,
+        scale: f32,
+        with_ainv: bool,
+    ) -> Result<Self> {
+        let [b, t, h, k, vd, n] = shape_i32(sh)?;
+        let nseq = to_i32(sh.num_seqs(), "N")?;
+        let slots = table.slots(sh);
+        // SAFETY (all allocations): every element is written by the WY kernel before the
+        // scans read it (rows past a chunk's end as zeros).
+        let mut f = unsafe {
+            Self {
+                w: dev.alloc::<bf16>(slots * CHUNK * sh.dk)?,
+                u: dev.alloc::<bf16>(slots * CHUNK * sh.dv)?,
+                p: dev.alloc::<bf16>(slots * CHUNK * CHUNK)?,
+                coef: dev.alloc::<f32>(slots * 3 * CHUNK)?,
+                ainv: if with_ainv {
+                    Some(dev.alloc::<bf16>(slots * CHUNK * CHUNK)?)
+                } else {
+                    None
+                },
+            }
+        };
+        if table.chunks == 0 {
+            return Ok(f);
+        }
+        let smem = wy_smem_bytes(sh.dk, sh.dv);
         let wy = load_kernel(dev, "gdp_fwd_wy_bf16")?;
-        allow_smem(&wy, wy_smem)?;
+        allow_smem(&wy, smem)?;
+        let null = 0u64;
         let mut args = wy.builder();
-        args.arg(&qk_v);
-        args.arg(&v_v);
-        args.arg(&aux_v);
-        args.arg(&table);
-        args.arg(&mut wg);
-        args.arg(&mut ug);
-        args.arg(&mut pg);
-        args.arg(&mut cg);
+        args.arg(&inp.qk);
+        args.arg(&inp.v);
+        args.arg(&inp.aux);
+        args.arg(&table.table);
+        args.arg(&mut f.w);
+        args.arg(&mut f.u);
+        args.arg(&mut f.p);
+        args.arg(&mut f.coef);
+        match f.ainv.as_mut() {
+            Some(a) => args.arg(a),
+            None => args.arg(&null),
+        };
         for x in [&b, &t, &h, &k, &vd, &n, &nseq] {
             args.arg(x);
         }
         args.arg(&scale);
         let cfg = LaunchConfig {
-            grid_dim: (total_chunks as u32, sh.heads as u32, 1),
+            grid_dim: (table.chunks as u32, sh.heads as u32, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: wy_smem as u32,
+            shared_mem_bytes: smem as u32,
         };
-        // SAFETY: the arguments match `gdp_fwd_wy_bf16` (buffers sized above from the same shape
-        // and chunk table the kernel indexes with); the dynamic shared memory is `wy_smem_bytes`.
+        // SAFETY: the arguments match `gdp_fwd_wy_bf16` (buffers sized above from the same
+        // shape and chunk table the kernel indexes with; a null `ag` when Ainv is not wanted);
+        // the dynamic shared memory is `wy_smem_bytes`.
         unsafe { args.launch(cfg) }.w()?;
         drop(args);
+        Ok(f)
     }
+}
 
+/// Where the forward scan writes: the packed `[o | final state]` (the forward), or each
+/// chunk's start state `[slots, K, V]` and Delta `[slots, 64, V]` in bf16 (the backward).
+pub(super) enum ScanDest<'a> {
+    Output(&'a mut CudaSlice<f32>),
+    States {
+        hs: &'a mut CudaSlice<bf16>,
+        dn: &'a mut CudaSlice<bf16>,
+    },
+}
+
+/// Runs the forward scan `plan.kernel` on the WY factors of `table`'s chunks.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run_scan(
+    dev: &CudaDevice,
+    inp: &Bf16Inputs,
+    table: &ChunkTable,
+    wy: &WyFactors,
+    sh: &GdpShape,
+    has_h0: bool,
+    h0_override: Option<&CudaSlice<f32>>,
+    plan: &ScanPlan,
+    dest: ScanDest,
+) -> Result<()> {
+    let [b, t, h, k, vd, n] = shape_i32(sh)?;
     let scan = load_kernel(dev, &plan.kernel)?;
     allow_smem(&scan, plan.smem)?;
     let use_override = i32::from(h0_override.is_some());
     let has_h0 = i32::from(has_h0);
     let qr = query_rows(sh.n) as i32;
     let stages = plan.stages as i32;
+    let null = 0u64;
     let mut args = scan.builder();
-    args.arg(&qk_v);
-    args.arg(&aux_v);
-    args.arg(&table);
-    args.arg(&wg);
-    args.arg(&ug);
-    args.arg(&pg);
-    args.arg(&cg);
+    args.arg(&inp.qk);
+    args.arg(&inp.aux);
+    args.arg(&table.table);
+    args.arg(&wy.w);
+    args.arg(&wy.u);
+    args.arg(&wy.p);
+    args.arg(&wy.coef);
     match h0_override {
         Some(h0) => args.arg(h0),
         // Never read (the flag is 0), but the kernel wants a valid pointer.
-        None => args.arg(&aux_v),
+        None => args.arg(&inp.aux),
     };
     args.arg(&use_override);
-    args.arg(&mut out);
+    match dest {
+        ScanDest::Output(out) => {
+            args.arg(out);
+            args.arg(&null);
+            args.arg(&null);
+        }
+        ScanDest::States { hs, dn } => {
+            args.arg(&null);
+            args.arg(hs);
+            args.arg(dn);
+        }
+    }
     for x in [&b, &t, &h, &k, &vd, &n, &has_h0, &qr, &stages] {
         args.arg(x);
     }
@@ -306,9 +431,10 @@ fn forward_bf16(
         block_dim: (plan.threads, 1, 1),
         shared_mem_bytes: plan.smem as u32,
     };
-    // SAFETY: the arguments match `gdp_fwd_scan_bf16_impl`; the scratch buffers were filled by the
-    // WY launch on the same stream; the dynamic shared memory is `scan_smem_bytes`.
+    // SAFETY: the arguments match `gdp_fwd_scan_bf16_impl` (null output or null state buffers,
+    // as the kernel expects: it writes one or the other); the scratch buffers were filled by
+    // the WY launch on the same stream; the dynamic shared memory is the plan's.
     unsafe { args.launch(cfg) }.w()?;
     drop(args);
-    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    Ok(())
 }

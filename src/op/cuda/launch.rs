@@ -206,6 +206,7 @@ pub fn forward(
             aux.0.dtype()
         );
     }
+    super::memory::default_pool_policy(&dev)?;
     match qk.0.dtype() {
         DType::F32 => launch::<f32>(
             "gdp_fwd_f32",

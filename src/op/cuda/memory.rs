@@ -1,24 +1,51 @@
 //! Device-memory setting for throughput: keep freed memory in CUDA's pool.
 
+use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::cudarc::driver::sys;
-use candle_core::{Device, Result};
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::Device;
+use candle_core::{DeviceLocation, Result};
+use std::sync::Mutex;
 
 /// Keeps the memory that Candle frees on `device` mapped in the GPU's default stream-ordered
 /// memory pool (release threshold: unlimited), instead of handing it back to the driver at each
 /// synchronisation. Candle allocates with `cuMemAllocAsync` from that pool, whose default
 /// threshold is 0: after every synchronisation a large allocation may map fresh pages. The
-/// bf16 forward's scratch (W, U and P of every chunk: about 40 MB per 1024 tokens at H16
-/// K=V=128, n=2) is allocated per call, and on an H200 the op took 0.6-1.9 ms longer than its
-/// kernels at the benchmark shapes, growing with that scratch (`docs/perf.md`); whether this
-/// setting removes that gap is not yet measured. PyTorch's caching allocator keeps freed
-/// memory the same way.
+/// op's per-call scratch is large (the bf16 backward's: about 140 KB per 64-row chunk and
+/// head), and on an H200 this setting made the op 0.1-0.9 ms faster forward and 3-6 ms faster
+/// forward+backward at the benchmark shapes (`docs/perf.md`, 2026-11-30). PyTorch's caching
+/// allocator keeps freed memory the same way.
 ///
-/// Process-wide for that GPU (every context that allocates from its default pool); the memory
-/// stays reserved for the process until it exits. A no-op on the CPU.
+/// The CUDA op applies it to each device it runs on (once per device) unless the environment
+/// sets `GDP_RETAIN_POOL=0`. Process-wide for that GPU (every context that allocates from its
+/// default pool); the memory stays reserved for the process until it exits. A no-op on the
+/// CPU.
 pub fn retain_freed_memory(device: &Device) -> Result<()> {
-    let Device::Cuda(dev) = device else {
+    match device {
+        Device::Cuda(dev) => retain(dev),
+        _ => Ok(()),
+    }
+}
+
+/// The op's default: [`retain_freed_memory`] on `dev`, once per device, unless
+/// `GDP_RETAIN_POOL=0`.
+pub(super) fn default_pool_policy(dev: &CudaDevice) -> Result<()> {
+    static DONE: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+    let DeviceLocation::Cuda { gpu_id } = dev.location() else {
         return Ok(());
     };
+    let mut done = DONE.lock().unwrap_or_else(|e| e.into_inner());
+    if done.contains(&gpu_id) {
+        return Ok(());
+    }
+    done.push(gpu_id);
+    if std::env::var("GDP_RETAIN_POOL").is_ok_and(|v| v.trim() == "0") {
+        return Ok(());
+    }
+    retain(dev)
+}
+
+fn retain(dev: &CudaDevice) -> Result<()> {
     let cu_device = dev.cuda_stream().context().cu_device();
     let mut pool = std::ptr::null_mut();
     let mut threshold = u64::MAX;

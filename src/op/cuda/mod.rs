@@ -1,10 +1,11 @@
 //! CUDA kernels of the operator (feature `cuda`): the chunked forward and backward of
-//! `cuda/gdp.cu` (`cuda/gdp_bwd.cuh`, `cuda/gdp_fwd_chunked.cuh`), compiled to a fat binary by
+//! `cuda/gdp.cu` (`cuda/gdp_bwd.cuh`, `cuda/gdp_fwd_chunked.cuh`, `cuda/gdp_bwd_chunked.cuh`), compiled to a fat binary by
 //! `build.rs` and loaded lazily per device (`module.rs`), the context-parallel summaries built
 //! on the backward kernel, and the fused decode step.
 
 mod backward;
 mod chunked;
+mod chunked_bwd;
 mod launch;
 mod memory;
 mod module;

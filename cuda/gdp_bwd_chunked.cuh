@@ -1,0 +1,743 @@
+// Gated DeltaProduct backward for bf16 inputs in FLA's split: one sequential reverse scan of the
+// state gradient, everything else parallel over (chunk, head). Included by gdp.cu after
+// gdp_fwd_chunked.cuh (uses its row tables, staging helpers and the WY / forward-scan kernels).
+//
+// Launches (src/op/cuda/chunked_bwd.rs), per interleaved chunk of c <= 64 rows with start state
+// h, state gradient dS at its end, W, U, P, coef as in gdp_fwd_chunked.cuh:
+//  1. gdp_fwd_wy_bf16 (with `ag`): W, U, P, coef and bf16(Ainv) of every chunk.
+//  2. gdp_fwd_scan_bf16_<BV>_<KPT> (with `hs`, `dn`, no output): h and Delta = U - W h (bf16).
+//  3. gdp_bwd_dh_bf16_<BV>_<KPT>, grid (N*H, ceil(V / BV)), sequential over the chunks from the
+//     last, the f32 state gradient slice dS [K, BV] in registers, a bf16 copy in shared memory:
+//       dDelta = diag(Dl) K dS + P^T dO                      (written, bf16)
+//       dS     = e^{G_last} dS + Q^T diag(coef_q) dO - W^T dDelta
+//     and dS at each chunk's end (written, bf16); the initial-state gradient at the end (f32).
+//  4. gdp_bwd_grads_bf16_<KP>_<VP>, grid (chunks, H), every gradient of the chunk's rows (the
+//     formulas of gdp_bwd.cuh, with dA = -dvb Delta^T for the strictly lower part):
+//       dvb = Ainv^T dDelta,  dv = diag(β) dvb
+//       ds  = scale (dO Delta^T) ⊙ dec[query rows]
+//       dq  = diag(coef_q) dO h^T + ds K
+//       dk  = diag(Dl) Delta dS^T + ds^T Q - diag(β e^G) dvb h^T + Z K,
+//             Z_ij = β_i dM_ij + β_j dM_ji,  dM = strict_lower(-(dvb Delta^T) ⊙ dec)
+//       dβ, dg per row as in gdp_bwd.cuh (P13, P14), the gate gradient's reverse cumsum
+//       chunk-local; every output element has one writer (plain stores).
+// dO enters as bf16 (gdp_f32_to_bf16), like FLA's; products on tensor cores with f32
+// accumulators, operands rounded to bf16 where FLA rounds them.
+
+// acc[2 p + j] += op(A)[m0 .. m0 + 16, 0 .. kd) op(B)[0 .. kd, n0 + 16 p + 8 j ..) for p < NP,
+// j < 2, kd a multiple of 16. AT: A stored transposed ([k][m]); BT: B stored transposed ([n][k]).
+template <int NP, bool AT, bool BT>
+__device__ __forceinline__ void gdpg_mma(float (&acc)[2 * NP][4], const __nv_bfloat16* A,
+                                         int lda, int m0, const __nv_bfloat16* B, int ldb, int n0,
+                                         int kd, int lane) {
+  for (int k0 = 0; k0 < kd; k0 += 16) {
+    uint32_t a[4];
+    if (AT)
+      ldsm_a_t(a, A, lda, m0, k0, lane);
+    else
+      ldsm_a(a, A, lda, m0, k0, lane);
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {
+      uint32_t b[2][2];
+      if (BT)
+        ldsm_b_nk(b, B, ldb, k0, n0 + 16 * p, lane);
+      else
+        ldsm_b_kn(b, B, ldb, k0, n0 + 16 * p, lane);
+      MmaBf16::mma(acc[2 * p], a, b[0]);
+      MmaBf16::mma(acc[2 * p + 1], a, b[1]);
+    }
+  }
+}
+
+// Sum over the four lanes of a quad (the lanes that share an accumulator row).
+__device__ __forceinline__ float gdpg_quad_sum(float x) {
+#ifdef GDP_EMU
+  return gdp_emu_quad_sum(x);
+#else
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  return x;
+#endif
+}
+
+// Sum over the eight lanes that share an accumulator column (same t).
+__device__ __forceinline__ float gdpg_column_sum(float x) {
+#ifdef GDP_EMU
+  return gdp_emu_column_sum(x);
+#else
+  x += __shfl_xor_sync(0xffffffffu, x, 4);
+  x += __shfl_xor_sync(0xffffffffu, x, 8);
+  x += __shfl_xor_sync(0xffffffffu, x, 16);
+  return x;
+#endif
+}
+
+extern "C" __global__ void gdp_f32_to_bf16(const float* __restrict__ src,
+                                           __nv_bfloat16* __restrict__ dst, int64_t len) {
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < len; i += stride)
+    dst[i] = __float2bfloat16_rn(src[i]);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Kernel 3: the reverse scan of the state gradient. Template as the forward scan: BV value
+// columns, KPT padded keys, NW warps; warp w computes dDelta for the rows of tile w % 4 and its
+// column half, and owns the state-gradient rows of tiles w, w + NW, ...
+
+// Shared memory of one stage buffer (bytes): W, K rows, Q rows [*][KPT + 8], P [QR][72], dO
+// [QR][BV + 8] (bf16), coef [3][64] (f32).
+__host__ __device__ constexpr int gdpd_stage_bytes(int KP, int QR, int BV) {
+  return 2 * ((64 + 64 + QR) * (KP + 8) + QR * 72 + QR * (BV + 8)) + 4 * 3 * 64;
+}
+
+template <int BV, int KPT, int NW>
+__device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
+    const __nv_bfloat16* __restrict__ qk, const int* __restrict__ table,
+    const __nv_bfloat16* __restrict__ wg, const __nv_bfloat16* __restrict__ pg,
+    const float* __restrict__ cg, const __nv_bfloat16* __restrict__ dob,
+    const float* __restrict__ dht, int has_dht, __nv_bfloat16* __restrict__ dhs,
+    __nv_bfloat16* __restrict__ ddn, float* __restrict__ dh0, int write_dh0, int B, int TT,
+    int H, int K, int V, int n, int QR, int NS) {
+  constexpr int C = GDP_CHUNK, NT = BV / 8, LB = BV + 8, LC = C + 8, LK = KPT + 8;
+  constexpr int NTW = NT * 4 / NW, NPW = NTW / 2;
+  constexpr int MT = KPT / 16, STW = (MT + NW - 1) / NW;
+  static_assert(NPW >= 1, "a warp's column range must hold a pair of n8 tiles");
+  const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int mi = warp & 3, nc0 = (warp >> 2) * 8 * NTW;
+  const int sidx = blockIdx.x / H, head = blockIdx.x % H;
+  const int v0 = blockIdx.y * BV;
+  const int bv = min(BV, V - v0);
+  const int seq_b = table[4 * sidx], seq_start = table[4 * sidx + 1], seq_len = table[4 * sidx + 2];
+  const int cbase = table[4 * sidx + 3];
+  const int64_t tok0 = (int64_t)seq_b * TT + seq_start;
+  const int64_t L = (int64_t)seq_len * n;
+  const int nch = (int)((L + C - 1) / C);
+  const int64_t KV = (int64_t)K * V;
+  const int64_t state_off = ((int64_t)sidx * H + head) * KV;
+  const bool vk = (K % 8 == 0) && ((reinterpret_cast<uintptr_t>(qk) & 15) == 0);
+  const bool vu = (V % 8 == 0) && (bv % 8 == 0);
+
+  extern __shared__ __align__(16) unsigned char gdpcs_smem[];
+  const int stage_bytes = gdpd_stage_bytes(KPT, QR, BV);
+  __nv_bfloat16* Sb = reinterpret_cast<__nv_bfloat16*>(gdpcs_smem + NS * stage_bytes);  // [2][KPT][LB]
+  __nv_bfloat16* Dd = Sb + 2 * KPT * LB;  // [C][LB]  bf16(-dDelta)
+  __nv_bfloat16* Dq = Dd + C * LB;        // [QR][LB] bf16(coef_q ⊙ dO)
+  struct Stage {
+    __nv_bfloat16 *W, *Kr, *Q, *P, *DO;
+    float* cf;
+  };
+  auto stage = [&](int s) {
+    unsigned char* base = gdpcs_smem + s * stage_bytes;
+    Stage st;
+    st.W = reinterpret_cast<__nv_bfloat16*>(base);    // [C][LK]
+    st.Kr = st.W + C * LK;                             // [C][LK]
+    st.Q = st.Kr + C * LK;                             // [QR][LK]
+    st.P = st.Q + QR * LK;                             // [QR][LC]
+    st.DO = st.P + QR * LC;                            // [QR][LB]
+    st.cf = reinterpret_cast<float*>(st.DO + QR * LB);  // [3][C]
+    return st;
+  };
+  // Row tables of NS chunks, by step (step s handles chunk nch - 1 - s): element offsets of the
+  // key rows and the query rows in qk, and of the query tokens' rows in dO (-1 past the rows).
+  int64_t* tables = reinterpret_cast<int64_t*>(Dq + QR * LB);  // [NS][3][C]
+  auto fill_table = [&](int step) {
+    const int ci = nch - 1 - step;
+    int64_t* koff = tables + (step % NS) * 3 * C;
+    int64_t* qoff = koff + C;
+    int64_t* ooff = qoff + C;
+    const int64_t p0 = (int64_t)ci * C;
+    const int c = (int)min((int64_t)C, L - p0);
+    const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
+    const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
+    const GdpcRows rows(tok0, p0, first, n, H, K, head);
+    for (int i = tid; i < C; i += nthr) {
+      koff[i] = i < c ? rows.key(i) : -1;
+      qoff[i] = i < nq ? rows.query(i) : -1;
+      ooff[i] = i < nq ? (rows.query_token(i) * H + head) * (int64_t)V : -1;
+    }
+  };
+  const GdpcSplit sp_k(K, tid, nthr), sp_p(C, tid, nthr), sp_u(bv, tid, nthr);
+
+  auto prefetch = [&](int step, int s) {
+    const int ci = nch - 1 - step;
+    const Stage st = stage(s);
+    const int64_t p0 = (int64_t)ci * C;
+    const int c = (int)min((int64_t)C, L - p0);
+    const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
+    const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
+    const int64_t* koff = tables + (step % NS) * 3 * C;
+    const int64_t* qoff = koff + C;
+    const int64_t* ooff = qoff + C;
+    const int64_t slot = (int64_t)(cbase + ci) * H + head;
+    const __nv_bfloat16* w = wg + slot * C * K;
+    gdpc_stage_rows(st.W, LK, w, [&](int r) { return (int64_t)r * K; }, C, C, K, vk, sp_k, tid,
+                    nthr);
+    gdpc_stage_rows(st.Kr, LK, qk, [&](int i) { return koff[i]; }, c, C, K, vk, sp_k, tid, nthr);
+    gdpc_stage_rows(st.Q, LK, qk, [&](int r) { return qoff[r]; }, nq, QR, K, vk, sp_k, tid,
+                    nthr);
+    gdpc_stage_rows(st.P, LC, pg + slot * C * C, [&](int r) { return (int64_t)r * C; }, QR, QR,
+                    C, true, sp_p, tid, nthr);
+    if (vu) {
+      gdpc_stage_rows(st.DO, LB, dob + v0, [&](int r) { return ooff[r]; }, nq, QR, bv, true,
+                      sp_u, tid, nthr);
+    } else {
+      for (int idx = tid; idx < QR * BV; idx += nthr) {
+        const int r = idx / BV, col = idx - r * BV;
+        st.DO[r * LB + col] = (r < nq && col < bv) ? dob[ooff[r] + v0 + col]
+                                                   : __float2bfloat16_rn(0.f);
+      }
+    }
+    for (int i = tid; i < 3 * C / 4; i += nthr)
+      cp_async16(st.cf + 4 * i, cg + slot * 3 * C + 4 * i);
+    cp_async_commit();
+  };
+  (void)B;
+
+  // ---- dS at the sequence end: dht (or zero), in registers and Sb[0].
+  float S[STW][NT][4];
+#pragma unroll
+  for (int s = 0; s < STW; ++s)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 16 * (warp + NW * s) + g + (e >= 2 ? 8 : 0), col = 8 * j + 2 * t + (e & 1);
+        S[s][j][e] =
+            (has_dht && r < K && col < bv) ? dht[state_off + (int64_t)r * V + v0 + col] : 0.f;
+      }
+  for (int s = 0; s < NS; ++s) {
+    const Stage st = stage(s);
+    gdpc_zero_cols(st.W, LK, C, K, KPT, tid, nthr);
+    gdpc_zero_cols(st.Kr, LK, C, K, KPT, tid, nthr);
+    gdpc_zero_cols(st.Q, LK, QR, K, KPT, tid, nthr);
+    gdpc_zero_cols(st.DO, LB, QR, bv, BV, tid, nthr);
+  }
+  auto store_sb = [&](__nv_bfloat16* sb) {
+#pragma unroll
+    for (int s = 0; s < STW; ++s)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = 16 * (warp + NW * s) + g + 8 * h, col = 8 * j + 2 * t;
+          if (r < KPT)
+            *reinterpret_cast<__nv_bfloat162*>(sb + r * LB + col) =
+                __floats2bfloat162_rn(S[s][j][2 * h], S[s][j][2 * h + 1]);
+        }
+  };
+  store_sb(Sb);
+  for (int st = 0; st < min(NS, nch); ++st) fill_table(st);
+  __syncthreads();
+  for (int st = 0; st < min(NS - 1, nch); ++st) prefetch(st, st);
+
+  for (int step = 0; step < nch; ++step) {
+    const int ci = nch - 1 - step;
+    const int cur = step & 1;
+    const Stage st = stage(step % NS);
+    const __nv_bfloat16* sb = Sb + cur * KPT * LB;
+    const int64_t p0 = (int64_t)ci * C;
+    const int c = (int)min((int64_t)C, L - p0);
+    const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
+    const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
+    const int64_t slot = (int64_t)(cbase + ci) * H + head;
+    if (NS == 3 && step + 1 < nch)
+      cp_async_wait<1>();
+    else
+      cp_async_wait<0>();
+    __syncthreads();
+    if (step + NS - 1 < nch) prefetch(step + NS - 1, (step + NS - 1) % NS);
+    if (step + NS < nch) fill_table(step + NS);
+
+    // dS at this chunk's end (bf16) for the gradient kernel.
+    {
+      __nv_bfloat16* dst = dhs + slot * KV + v0;
+      if (vu) {
+        constexpr int VPR = BV / 8;
+        for (int idx = tid; idx < K * VPR; idx += nthr) {
+          const int r = idx / VPR, c8 = 8 * (idx - r * VPR);
+          if (c8 < bv)
+            *reinterpret_cast<uint4*>(dst + (int64_t)r * V + c8) =
+                *reinterpret_cast<const uint4*>(sb + r * LB + c8);
+        }
+      } else {
+        for (int idx = tid; idx < K * BV; idx += nthr) {
+          const int r = idx / BV, col = idx - r * BV;
+          if (col < bv) dst[(int64_t)r * V + col] = sb[r * LB + col];
+        }
+      }
+    }
+
+    // ---- Phase A: dDelta = diag(Dl) K dS + P^T dO for rows 16 mi.., this warp's columns.
+    {
+      const int m0 = 16 * mi;
+      float acc[NTW][4] = {};
+      gdpc_mma_kn<KPT, NPW>(acc, st.Kr, LK, m0, sb, LB, nc0, lane);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float dl = st.cf[C + m0 + g + 8 * h];
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) acc[j][2 * h] *= dl, acc[j][2 * h + 1] *= dl;
+      }
+      gdpg_mma<NPW, true, false>(acc, st.P, LC, m0, st.DO, LB, nc0, QR, lane);
+      __nv_bfloat16* dd = ddn + slot * C * (int64_t)V + v0;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = m0 + g + 8 * h;
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) {
+          const int col = nc0 + 8 * j + 2 * t;
+          const float d0 = acc[j][2 * h], d1 = acc[j][2 * h + 1];
+          *reinterpret_cast<__nv_bfloat162*>(Dd + r * LB + col) = __floats2bfloat162_rn(-d0, -d1);
+          gdpc_store_pair(dd + (int64_t)r * V, col, bv, d0, d1, vu);
+        }
+      }
+    }
+    // bf16(coef_q ⊙ dO) for the state update.
+    for (int idx = tid; idx < QR * BV; idx += nthr) {
+      const int r = idx / BV, col = idx - r * BV;
+      Dq[r * LB + col] = __float2bfloat16_rn(st.cf[r] * __bfloat162float(st.DO[r * LB + col]));
+    }
+    __syncthreads();
+
+    // ---- Phase B: dS = e^{G_last} dS + Q^T Dq + W^T Dd for this warp's state rows.
+    {
+      const float eglast = st.cf[2 * C];
+      const int mq16 = 16 * ((nq + 15) / 16);
+#pragma unroll
+      for (int s = 0; s < STW; ++s) {
+        const int m0 = 16 * (warp + NW * s);
+        if (m0 < KPT) {
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) S[s][j][e] *= eglast;
+          for (int k0 = 0; k0 < mq16; k0 += 16) {
+            uint32_t a[4];
+            ldsm_a_t(a, st.Q, LK, m0, k0, lane);
+#pragma unroll
+            for (int p = 0; p < NT / 2; ++p) {
+              uint32_t b[2][2];
+              ldsm_b_kn(b, Dq, LB, k0, 16 * p, lane);
+              MmaBf16::mma(S[s][2 * p], a, b[0]);
+              MmaBf16::mma(S[s][2 * p + 1], a, b[1]);
+            }
+          }
+#pragma unroll
+          for (int k0 = 0; k0 < C; k0 += 16) {
+            uint32_t a[4];
+            ldsm_a_t(a, st.W, LK, m0, k0, lane);
+#pragma unroll
+            for (int p = 0; p < NT / 2; ++p) {
+              uint32_t b[2][2];
+              ldsm_b_kn(b, Dd, LB, k0, 16 * p, lane);
+              MmaBf16::mma(S[s][2 * p], a, b[0]);
+              MmaBf16::mma(S[s][2 * p + 1], a, b[1]);
+            }
+          }
+        }
+      }
+      store_sb(Sb + (cur ^ 1) * KPT * LB);
+    }
+  }
+
+  if (write_dh0) {
+#pragma unroll
+    for (int s = 0; s < STW; ++s)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = 16 * (warp + NW * s) + g + (e >= 2 ? 8 : 0), col = 8 * j + 2 * t + (e & 1);
+          if (r < K && col < bv) dh0[state_off + (int64_t)r * V + v0 + col] = S[s][j][e];
+        }
+  }
+}
+
+#define GDPD_SCAN_ENTRY(BV, KPT, NW)                                                          \
+  extern "C" __global__ void __launch_bounds__(NW * 32) gdp_bwd_dh_bf16_##BV##_##KPT(        \
+      const __nv_bfloat16* qk, const int* table, const __nv_bfloat16* wg,                     \
+      const __nv_bfloat16* pg, const float* cg, const __nv_bfloat16* dob, const float* dht,   \
+      int has_dht, __nv_bfloat16* dhs, __nv_bfloat16* ddn, float* dh0, int write_dh0, int B,  \
+      int TT, int H, int K, int V, int n, int QR, int NS) {                                   \
+    gdp_bwd_dh_bf16_impl<BV, KPT, NW>(qk, table, wg, pg, cg, dob, dht, has_dht, dhs, ddn, dh0, \
+                                      write_dh0, B, TT, H, K, V, n, QR, NS);                  \
+  }
+GDPD_SCAN_ENTRY(16, 64, 4)
+GDPD_SCAN_ENTRY(16, 128, 4)
+GDPD_SCAN_ENTRY(32, 64, 8)
+GDPD_SCAN_ENTRY(32, 128, 8)
+GDPD_SCAN_ENTRY(64, 64, 8)
+GDPD_SCAN_ENTRY(64, 128, 8)
+
+// ----------------------------------------------------------------------------------------------
+// Kernel 4: every gradient of one (chunk, head), 16 warps: warp w takes the rows of 16-row tile
+// w % 4 and column quarter w / 4 of each product. KP, VP: K and V padded to 64 or 128.
+
+#define GDPG_THREADS 512
+#define GDPG_GROUPS 4  // column groups (GDPG_THREADS / 128)
+
+// Shared memory (bytes) of gdp_bwd_grads_bf16 (the carve-up at its top).
+__host__ __device__ constexpr int gdpg_smem_bytes(int KP, int VP, int QR) {
+  return 2 * ((64 + QR) * (KP + 8) + (KP + 4 * 64 + QR) * (VP + 8) + (64 + QR) * 72) +
+         4 * (64 * 68 + 5 * 64 + 6 * GDPG_GROUPS * 64 + 64 + 8);
+}
+
+// Stores an f32 pair (cols col, col + 1 of a row; the second only when col + 1 < ncols), as one
+// 8-byte store when both fit (the row and col even).
+__device__ __forceinline__ void gdpg_store_pair(float* row, int col, int ncols, float x0,
+                                                float x1) {
+  if (col + 1 < ncols && (reinterpret_cast<uintptr_t>(row + col) & 7) == 0) {
+    *reinterpret_cast<float2*>(row + col) = make_float2(x0, x1);
+  } else {
+    if (col < ncols) row[col] = x0;
+    if (col + 1 < ncols) row[col + 1] = x1;
+  }
+}
+
+template <int KP, int VP>
+__device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
+    const __nv_bfloat16* __restrict__ qk, const __nv_bfloat16* __restrict__ vv,
+    const float* __restrict__ aux, const int* __restrict__ table,
+    const __nv_bfloat16* __restrict__ ag, const __nv_bfloat16* __restrict__ hs,
+    const __nv_bfloat16* __restrict__ dhs, const __nv_bfloat16* __restrict__ dn,
+    const __nv_bfloat16* __restrict__ ddn, const __nv_bfloat16* __restrict__ dob,
+    float* __restrict__ out, int B, int TT, int H, int K, int V, int n, int N, float scale,
+    int QR) {
+  constexpr int C = GDP_CHUNK, LK = KP + 8, LV = VP + 8, LC = C + 8, LF = 68;
+  constexpr int NG = GDPG_GROUPS;
+  // 16-column pairs of a warp's column group in products with K, V and 64 columns.
+  constexpr int NPK = KP / (16 * NG), NPV = VP / (16 * NG), NPC = C / (16 * NG);
+  static_assert(NPK >= 1 && NPV >= 1 && NPC >= 1, "a column group holds a pair of n8 tiles");
+  const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int mi = warp & 3, hf = warp >> 2;  // row tile, column group
+  const int m0 = 16 * mi;
+  const int chunk = blockIdx.x, head = blockIdx.y;
+  const int sidx = table[4 * N + 2 * chunk], ci = table[4 * N + 2 * chunk + 1];
+  const int seq_b = table[4 * sidx], seq_start = table[4 * sidx + 1], seq_len = table[4 * sidx + 2];
+  const int64_t tok0 = (int64_t)seq_b * TT + seq_start;
+  const int64_t L = (int64_t)seq_len * n;
+  const int64_t p0 = (int64_t)ci * C;
+  const int c = (int)min((int64_t)C, L - p0);
+  const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
+  const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
+  const int mq = (nq + 15) / 16;
+  const int64_t BTH = (int64_t)B * TT * H;
+  const int64_t qk_len = BTH * (n + 1) * K, v_len = BTH * n * V;
+  const int64_t dg_off = qk_len + v_len, db_off = dg_off + BTH;
+  const int64_t slot = (int64_t)chunk * H + head;
+  const int64_t KV = (int64_t)K * V;
+  const bool vk = (K % 8 == 0) && ((reinterpret_cast<uintptr_t>(qk) & 15) == 0);
+  const bool vv8 = V % 8 == 0;
+  const GdpcRows rows(tok0, p0, first, n, H, K, head);
+
+  extern __shared__ __align__(16) unsigned char gdpg_smem[];
+  __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(gdpg_smem);  // [C][LK]   K rows
+  __nv_bfloat16* Qs = Ks + C * LK;                                    // [QR][LK]  Q rows
+  __nv_bfloat16* HB = Qs + QR * LK;    // [KP][LV]  h
+  __nv_bfloat16* Dn = HB + KP * LV;    // [C][LV]   Delta
+  __nv_bfloat16* DVB = Dn + C * LV;    // [C][LV]   dvb
+  __nv_bfloat16* Dd = DVB + C * LV;    // [C][LV]   dDelta            } after phase 1:
+  __nv_bfloat16* Vs = Dd + C * LV;     // [C][LV]   V rows            } DHB [KP][LV], dS
+  __nv_bfloat16* DHB = Dd;             //                               (chunk end)
+  __nv_bfloat16* DOs = Vs + C * LV;    // [QR][LV]  dO (query rows)
+  __nv_bfloat16* Ab = DOs + QR * LV;   // [C][LC]   Ainv, then Z
+  __nv_bfloat16* DSb = Ab + C * LC;    // [QR][LC]  ds
+  float* DM = reinterpret_cast<float*>(DSb + QR * LC);  // [C][LF] dM
+  float* G = DM + C * LF;  // [C] gate cumsum (hi)
+  float* Gl = G + C;       // [C] its rounding error
+  float* Bt = Gl + C;      // [C] beta (0 past c)
+  float* Eg = Bt + C;      // [C] e^G
+  float* Dl = Eg + C;      // [C] e^{G_last - G}
+  float* RED = Dl + C;     // [6][NG][C] per-row partial sums of the column groups
+  float* CS = RED + 6 * NG * C;  // [C] column sums of dM ⊙ β KKᵀ
+  float* MISC = CS + C;          // [8] MISC[0]: h·dS
+  enum { R_A1 = 0, R_A2, R_A3, R_KB, R_VB, R_MK };
+  auto red = [&](int q, int grp, int i) -> float& { return RED[(q * NG + grp) * C + i]; };
+
+  // ---- Stage everything but dS (one cp.async group; dS goes where dDelta and V were, after
+  // phase 1); gates meanwhile.
+  const GdpcSplit spk(K, tid, nthr), spv(V, tid, nthr), spc(C, tid, nthr);
+  gdpc_stage_rows(Ks, LK, qk, [&](int i) { return rows.key(i); }, c, C, K, vk, spk, tid, nthr);
+  gdpc_stage_rows(Qs, LK, qk, [&](int r) { return rows.query(r); }, nq, 16 * mq, K, vk, spk, tid,
+                  nthr);
+  gdpc_stage_rows(HB, LV, hs + slot * KV, [&](int r) { return (int64_t)r * V; }, K, KP, V, vv8,
+                  spv, tid, nthr);
+  gdpc_stage_rows(Dn, LV, dn + slot * C * V, [&](int r) { return (int64_t)r * V; }, C, C, V, vv8,
+                  spv, tid, nthr);
+  gdpc_stage_rows(Dd, LV, ddn + slot * C * V, [&](int r) { return (int64_t)r * V; }, C, C, V,
+                  vv8, spv, tid, nthr);
+  gdpc_stage_rows(
+      Vs, LV, vv, [&](int i) { return ((tok0 * n + p0 + i) * H + head) * (int64_t)V; }, c, C, V,
+      vv8 && ((reinterpret_cast<uintptr_t>(vv) & 15) == 0), spv, tid, nthr);
+  gdpc_stage_rows(DOs, LV, dob, [&](int r) { return (rows.query_token(r) * H + head) * (int64_t)V; },
+                  nq, 16 * mq, V, vv8, spv, tid, nthr);
+  gdpc_stage_rows(Ab, LC, ag + slot * C * C, [&](int r) { return (int64_t)r * C; }, C, C, C, true,
+                  spc, tid, nthr);
+  cp_async_commit();
+  gdpc_zero_cols(Ks, LK, C, K, KP, tid, nthr);
+  gdpc_zero_cols(Qs, LK, 16 * mq, K, KP, tid, nthr);
+  gdpc_zero_cols(HB, LV, KP, V, VP, tid, nthr);
+  gdpc_zero_cols(Dn, LV, C, V, VP, tid, nthr);
+  gdpc_zero_cols(Dd, LV, C, V, VP, tid, nthr);
+  gdpc_zero_cols(Vs, LV, C, V, VP, tid, nthr);
+  gdpc_zero_cols(DOs, LV, 16 * mq, V, VP, tid, nthr);
+  for (int i = tid; i < C; i += nthr) {
+    const int64_t p = p0 + i;
+    G[i] = (i < c && p % n == 0) ? aux[(tok0 + p / n) * H + head] : 0.f;
+    Bt[i] = i < c ? aux[BTH + ((tok0 * n + p) * H + head)] : 0.f;
+    CS[i] = 0.f;
+  }
+  if (tid < 8) MISC[tid] = 0.f;
+  __syncthreads();
+  if (tid == 0) gdpb_cumsum(G, Gl, c);
+  __syncthreads();
+  for (int i = tid; i < C; i += nthr) {
+    Eg[i] = i < c ? expf(G[i] + Gl[i]) : 0.f;
+    Dl[i] = i < c ? expf(gdpb_gdiff(G, Gl, c - 1, i)) : 0.f;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // ---- Phase 1: dvb = Ainvᵀ dDelta (dv, dvb, k·dkbg and v·dvb per row); ds.
+  {
+    const int n0 = hf * (VP / NG);
+    float kh[2 * NPV][4] = {}, dvb[2 * NPV][4] = {};
+    gdpg_mma<NPV, false, false>(kh, Ks, LK, m0, HB, LV, n0, KP, lane);
+    gdpg_mma<NPV, true, false>(dvb, Ab, LC, m0, Dd, LV, n0, C, lane);
+    float kb[2] = {0.f, 0.f}, vb[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 2 * NPV; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = m0 + g + 8 * h, col = n0 + 8 * j + 2 * t;
+        const float d0 = dvb[j][2 * h], d1 = dvb[j][2 * h + 1];
+        const float2 vx = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Vs + i * LV + col));
+        kb[h] -= d0 * kh[j][2 * h] + d1 * kh[j][2 * h + 1];
+        vb[h] += d0 * vx.x + d1 * vx.y;
+        *reinterpret_cast<__nv_bfloat162*>(DVB + i * LV + col) = __floats2bfloat162_rn(d0, d1);
+        if (i < c)
+          gdpg_store_pair(out + qk_len + ((tok0 * n + p0 + i) * H + head) * (int64_t)V, col, V,
+                          Bt[i] * d0, Bt[i] * d1);
+      }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float k2 = gdpg_quad_sum(kb[h]), v2 = gdpg_quad_sum(vb[h]);
+      if (t == 0) red(R_KB, hf, m0 + g + 8 * h) = k2, red(R_VB, hf, m0 + g + 8 * h) = v2;
+    }
+  }
+  if (mi < mq) {
+    const int n0 = hf * (C / NG);
+    float acc[2 * NPC][4] = {};
+    gdpg_mma<NPC, false, true>(acc, DOs, LV, m0, Dn, LV, n0, VP, lane);
+#pragma unroll
+    for (int j = 0; j < 2 * NPC; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = m0 + g + 8 * h, col = n0 + 8 * j + 2 * t;
+        float x[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          x[e] = (r < nq && col + e < c)
+                     ? acc[j][2 * h + e] * (scale * gdpb_dec(G, Gl, first + r * n, col + e))
+                     : 0.f;
+        *reinterpret_cast<__nv_bfloat162*>(DSb + r * LC + col) = __floats2bfloat162_rn(x[0], x[1]);
+      }
+  }
+  __syncthreads();
+  // dS (chunk end) into the space of dDelta and V (rows past K zero; columns past V are).
+  gdpc_stage_rows(DHB, LV, dhs + slot * KV, [&](int r) { return (int64_t)r * V; }, K, KP, V, vv8,
+                  spv, tid, nthr);
+  cp_async_commit();
+
+  // ---- Phase 2: dq; dM (and its row / column sums against β k·k); dk from dvb hᵀ and dsᵀ Q.
+  const int nk0 = hf * (KP / NG);
+  if (mi < mq) {
+    float acc[2 * NPK][4] = {};
+    gdpg_mma<NPK, false, true>(acc, DOs, LV, m0, HB, LV, nk0, VP, lane);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = m0 + g + 8 * h;
+      const float cq = r < nq ? scale * Eg[first + r * n] : 0.f;
+#pragma unroll
+      for (int j = 0; j < 2 * NPK; ++j) acc[j][2 * h] *= cq, acc[j][2 * h + 1] *= cq;
+    }
+    gdpg_mma<NPK, false, false>(acc, DSb, LC, m0, Ks, LK, nk0, C, lane);
+    float a3[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 2 * NPK; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = m0 + g + 8 * h, col = nk0 + 8 * j + 2 * t;
+        const float2 qx = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Qs + r * LK + col));
+        a3[h] += acc[j][2 * h] * qx.x + acc[j][2 * h + 1] * qx.y;
+        if (r < nq) gdpg_store_pair(out + rows.query(r), col, K, acc[j][2 * h], acc[j][2 * h + 1]);
+      }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float s = gdpg_quad_sum(a3[h]);
+      if (t == 0) red(R_A3, hf, m0 + g + 8 * h) = s;
+    }
+  }
+  {
+    const int n0 = hf * (C / NG);
+    float da[2 * NPC][4] = {}, kk[2 * NPC][4] = {};
+    gdpg_mma<NPC, false, true>(da, DVB, LV, m0, Dn, LV, n0, VP, lane);
+    gdpg_mma<NPC, false, true>(kk, Ks, LK, m0, Ks, LK, n0, KP, lane);
+    float mk[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 2 * NPC; ++j) {
+      float cs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = m0 + g + 8 * h;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int jj = n0 + 8 * j + 2 * t + e;
+          const float dm = (jj < i && i < c) ? -da[j][2 * h + e] * gdpb_dec(G, Gl, i, jj) : 0.f;
+          DM[i * LF + jj] = dm;
+          mk[h] += dm * kk[j][2 * h + e];
+          cs[e] += dm * Bt[i] * kk[j][2 * h + e];
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float s = gdpg_column_sum(cs[e]);
+        if (g == 0) atomicAdd(&CS[n0 + 8 * j + 2 * t + e], s);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float s = gdpg_quad_sum(mk[h]);
+      if (t == 0) red(R_MK, hf, m0 + g + 8 * h) = s;
+    }
+  }
+  float dk[2 * NPK][4] = {};
+  {
+    gdpg_mma<NPK, false, true>(dk, DVB, LV, m0, HB, LV, nk0, VP, lane);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = m0 + g + 8 * h;
+      const float s = -(Bt[i] * Eg[i]);
+#pragma unroll
+      for (int j = 0; j < 2 * NPK; ++j) dk[j][2 * h] *= s, dk[j][2 * h + 1] *= s;
+    }
+    float acc[2 * NPK][4] = {};
+    if (mq > 0) gdpg_mma<NPK, true, false>(acc, DSb, LC, m0, Qs, LK, nk0, 16 * mq, lane);
+    float a2[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 2 * NPK; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = m0 + g + 8 * h, col = nk0 + 8 * j + 2 * t;
+        const float2 kx = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Ks + i * LK + col));
+        a2[h] += acc[j][2 * h] * kx.x + acc[j][2 * h + 1] * kx.y;
+        dk[j][2 * h] += acc[j][2 * h];
+        dk[j][2 * h + 1] += acc[j][2 * h + 1];
+      }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float s = gdpg_quad_sum(a2[h]);
+      if (t == 0) red(R_A2, hf, m0 + g + 8 * h) = s;
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // ---- Phase 3: Z = β_i dM_ij + β_j dM_ji into Ab (Ainv is no longer read); h·dS.
+  for (int idx = tid; idx < C * C; idx += nthr) {
+    const int i = idx >> 6, j = idx & 63;
+    Ab[i * LC + j] = __float2bfloat16_rn(Bt[i] * DM[i * LF + j] + Bt[j] * DM[j * LF + i]);
+  }
+  {
+    // Padded rows and columns of both tiles are zero.
+    constexpr int PPR = VP / 2;  // bf16 pairs per row
+    float s = 0.f;
+    for (int idx = tid; idx < KP * PPR; idx += nthr) {
+      const int r = idx / PPR, col = 2 * (idx % PPR);
+      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(HB + r * LV + col));
+      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(DHB + r * LV + col));
+      s += a.x * b.x + a.y * b.y;
+    }
+    atomicAdd(&MISC[0], s);
+  }
+  __syncthreads();
+
+  // ---- Phase 4: dk += Z K + diag(Dl) Delta dSᵀ; store dk.
+  {
+    float acc[2 * NPK][4] = {};
+    gdpg_mma<NPK, false, false>(dk, Ab, LC, m0, Ks, LK, nk0, C, lane);
+    gdpg_mma<NPK, false, true>(acc, Dn, LV, m0, DHB, LV, nk0, VP, lane);
+    float a1[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 2 * NPK; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = m0 + g + 8 * h, col = nk0 + 8 * j + 2 * t;
+        const float dl = Dl[i];
+        const float x0 = dl * acc[j][2 * h], x1 = dl * acc[j][2 * h + 1];
+        const float2 kx = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Ks + i * LK + col));
+        a1[h] += x0 * kx.x + x1 * kx.y;
+        if (i < c)
+          gdpg_store_pair(out + rows.key(i), col, K, dk[j][2 * h] + x0, dk[j][2 * h + 1] + x1);
+      }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float s = gdpg_quad_sum(a1[h]);
+      if (t == 0) red(R_A1, hf, m0 + g + 8 * h) = s;
+    }
+  }
+  __syncthreads();
+
+  // ---- Phase 5: dβ and the gate gradient per row (gdp_bwd.cuh P13, P14). DM's space holds
+  // the row values (DG) and the A1 prefix sums.
+  float* DG = DM;
+  float* A1 = DM + C;
+  for (int i = tid; i < c; i += nthr) {
+    auto sum2 = [&](int q) {
+      float x = 0.f;
+      for (int grp = 0; grp < NG; ++grp) x += red(q, grp, i);
+      return x;
+    };
+    const float kb = sum2(R_KB), vb = sum2(R_VB), mk = sum2(R_MK);
+    const int64_t p = p0 + i;
+    out[db_off + (tok0 * n + p) * H + head] = Eg[i] * kb + vb + mk;
+    float dg = -sum2(R_A2) + Bt[i] * Eg[i] * kb + Bt[i] * mk - CS[i];
+    if (p % n == n - 1) {
+      const int r = (i - first) / n;  // the query row of this token
+      for (int grp = 0; grp < NG; ++grp) dg += red(R_A3, grp, r);
+    }
+    if (i == c - 1) dg += Eg[c - 1] * MISC[0];
+    DG[i] = dg;
+    A1[i] = sum2(R_A1);
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float pre = 0.f;
+    for (int i = 0; i < c; ++i) {
+      const float a = A1[i];
+      A1[i] = pre;
+      pre += a;
+    }
+    float acc = 0.f;
+    for (int i = c - 1; i >= 0; --i) {
+      acc += DG[i];
+      const int64_t p = p0 + i;
+      if (p % n == 0) out[dg_off + (tok0 + p / n) * H + head] = acc + A1[i];
+    }
+  }
+}
+
+#define GDPG_ENTRY(KP, VP)                                                                     \
+  extern "C" __global__ void __launch_bounds__(GDPG_THREADS) gdp_bwd_grads_bf16_##KP##_##VP(  \
+      const __nv_bfloat16* qk, const __nv_bfloat16* v, const float* aux, const int* table,     \
+      const __nv_bfloat16* ag, const __nv_bfloat16* hs, const __nv_bfloat16* dhs,              \
+      const __nv_bfloat16* dn, const __nv_bfloat16* ddn, const __nv_bfloat16* dob, float* out, \
+      int B, int TT, int H, int K, int V, int n, int N, float scale, int QR) {                 \
+    gdp_bwd_grads_bf16_impl<KP, VP>(qk, v, aux, table, ag, hs, dhs, dn, ddn, dob, out, B, TT,  \
+                                    H, K, V, n, N, scale, QR);                                 \
+  }
+GDPG_ENTRY(64, 64)
+GDPG_ENTRY(64, 128)
+GDPG_ENTRY(128, 64)
+GDPG_ENTRY(128, 128)
