@@ -353,29 +353,42 @@ GDP_FWD_ENTRY(gdp_fwd_f16, __half)
 #include "gdp_bwd_chunked.cuh"
 
 // One decode step, fused (`src/op/recurrent.rs`, `gated_delta_product_step_fused`): per
-// (batch row, head) and 32 value columns, the state slice is read once, decayed, updated by the n
-// Householder sub-steps and read by the query, and written once. Lane = value column (coalesced
-// rows of S), warp w holds rows w, w + 8, ... in registers; the column dots k·S and q·S are
-// reduced over the 8 warps in shared memory. All f32:
+// (batch row, head) and 64 value columns (8 warps of 8 columns), the state slice is read once,
+// decayed, updated by the n Householder sub-steps and read by the query, and written once. In a
+// warp, lane = 8 rg + c: column c of the warp's 8 and row group rg of 4 (rows rg, rg + 4, ...)
+// in registers, so that a load instruction reads four 32-byte row segments and a column dot k·S
+// is a partial over the thread's rows reduced over the 4 row groups with two shuffles: after
+// the one barrier that stages q and k, no warp waits for another. All f32:
 //   state [B, H, K, V];  small = [q (B H K) | k (B n H K) | v (B n H V) | g (B H) | beta (B n H)]
 //   out   = [o (B H V) | new state (B H K V)]
+// ROWS = K / 4 at most: gdp_step_f32 (K <= 128), gdp_step_f32_k256 (K <= 256).
 #define GDP_STEP_THREADS 256
-#define GDP_STEP_ROWS 32  // K / 8 rows per thread at most (K <= 256)
+#define GDP_STEP_COLS 64
 
-extern "C" __global__ void __launch_bounds__(GDP_STEP_THREADS)
-    gdp_step_f32(const float* __restrict__ state, const float* __restrict__ small,
-                 float* __restrict__ out, int B, int H, int K, int V, int n, float scale) {
-  // Dynamic shared memory: [2][8][32] partial column dots (two buffers: one barrier per dot),
-  // then this block's small inputs: q [K], k [n][K], v [n][32], beta [n].
+// Sum of x over the lanes that hold the same column (lanes l ^ 8, l ^ 16, l ^ 24).
+__device__ __forceinline__ float gdp_step_rowgroup_sum(float x) {
+#ifdef GDP_EMU
+  return gdp_emu_xor_sum(x, 24);
+#else
+  x += __shfl_xor_sync(0xffffffffu, x, 8);
+  x += __shfl_xor_sync(0xffffffffu, x, 16);
+  return x;
+#endif
+}
+
+template <int ROWS>
+__device__ __forceinline__ void gdp_step_impl(const float* __restrict__ state,
+                                              const float* __restrict__ small,
+                                              float* __restrict__ out, int B, int H, int K,
+                                              int V, int n, float scale) {
+  // Dynamic shared memory: q [K], k [n][K] of the block's (batch row, head).
   extern __shared__ __align__(16) unsigned char gdps_smem[];
-  float (*red)[8][32] = reinterpret_cast<float (*)[8][32]>(gdps_smem);
-  float* qs = reinterpret_cast<float*>(gdps_smem) + 2 * 8 * 32;
+  float* qs = reinterpret_cast<float*>(gdps_smem);
   float* ks = qs + K;
-  float* vs = ks + n * K;
-  float* bs = vs + n * 32;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rg = lane >> 3;
   const int bh = blockIdx.x, b = bh / H, h = bh % H;
-  const int col = blockIdx.y * 32 + lane;
+  const int col = blockIdx.y * GDP_STEP_COLS + warp * 8 + (lane & 7);
   const bool valid = col < V;
   const int64_t BH = (int64_t)B * H;
   const float* q = small + (int64_t)bh * K;
@@ -384,65 +397,62 @@ extern "C" __global__ void __launch_bounds__(GDP_STEP_THREADS)
   const float* gg = vv + BH * n * V;
   const float* bb = gg + BH;
   const float* s_in = state + (int64_t)bh * K * V;
-  float* o = out;
   float* s_out = out + BH * V + (int64_t)bh * K * V;
 
-  // One round trip to global memory: the state slice into registers and the small inputs into
-  // shared memory, all loads issued before any is used.
-  float s[GDP_STEP_ROWS];
+  // One round trip to global memory: the state slice into registers, q and k into shared
+  // memory, all loads issued before any is used.
+  float s[ROWS];
 #pragma unroll
-  for (int i = 0; i < GDP_STEP_ROWS; ++i) {
-    const int r = warp + 8 * i;
+  for (int i = 0; i < ROWS; ++i) {
+    const int r = rg + 4 * i;
     s[i] = (valid && r < K) ? s_in[(int64_t)r * V + col] : 0.f;
   }
-  const float g = gg[bh];
+  const float decay = expf(gg[bh]);
   for (int i = tid; i < (1 + n) * K; i += GDP_STEP_THREADS) {
     const int j = i / K - 1, r = i - (j + 1) * K;  // j = -1: the query
     qs[i] = j < 0 ? q[r] : kk[(((int64_t)b * n + j) * H + h) * K + r];
   }
-  for (int i = tid; i < n * 32; i += GDP_STEP_THREADS) {
-    const int j = i >> 5, c = blockIdx.y * 32 + (i & 31);
-    const int64_t row = ((int64_t)b * n + j) * H + h;
-    vs[i] = c < V ? vv[row * V + c] : 0.f;
-    if ((i & 31) == 0) bs[j] = bb[row];
-  }
-  const float decay = expf(g);
 #pragma unroll
-  for (int i = 0; i < GDP_STEP_ROWS; ++i) s[i] *= decay;
+  for (int i = 0; i < ROWS; ++i) s[i] *= decay;
   __syncthreads();
 
   // Column dot x·S over all K rows (x in shared memory), for this thread's column.
-  int buf = 0;
   auto column_dot = [&](const float* x) {
     float part = 0.f;
 #pragma unroll
-    for (int i = 0; i < GDP_STEP_ROWS; ++i) {
-      const int r = warp + 8 * i;
+    for (int i = 0; i < ROWS; ++i) {
+      const int r = rg + 4 * i;
       if (r < K) part = fmaf(x[r], s[i], part);
     }
-    red[buf][warp][lane] = part;
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < GDP_STEP_THREADS / 32; ++w) total += red[buf][w][lane];
-    buf ^= 1;  // the next dot writes the other buffer; the one after waits on its barrier
-    return total;
+    return gdp_step_rowgroup_sum(part);
   };
   for (int j = 0; j < n; ++j) {
+    const int64_t row = ((int64_t)b * n + j) * H + h;
+    const float vj = valid ? vv[row * V + col] : 0.f;
+    const float bj = bb[row];
     const float* kj = ks + j * K;
     const float pred = column_dot(kj);
-    const float delta = valid ? bs[j] * (vs[j * 32 + lane] - pred) : 0.f;
+    const float delta = valid ? bj * (vj - pred) : 0.f;
 #pragma unroll
-    for (int i = 0; i < GDP_STEP_ROWS; ++i) {
-      const int r = warp + 8 * i;
+    for (int i = 0; i < ROWS; ++i) {
+      const int r = rg + 4 * i;
       if (r < K) s[i] = fmaf(kj[r], delta, s[i]);
     }
   }
   const float ov = column_dot(qs);
-  if (warp == 0 && valid) o[(int64_t)bh * V + col] = scale * ov;
+  if (rg == 0 && valid) out[(int64_t)bh * V + col] = scale * ov;
 #pragma unroll
-  for (int i = 0; i < GDP_STEP_ROWS; ++i) {
-    const int r = warp + 8 * i;
+  for (int i = 0; i < ROWS; ++i) {
+    const int r = rg + 4 * i;
     if (valid && r < K) s_out[(int64_t)r * V + col] = s[i];
   }
 }
+
+#define GDP_STEP_ENTRY(NAME, ROWS)                                                              \
+  extern "C" __global__ void __launch_bounds__(GDP_STEP_THREADS)                                \
+      NAME(const float* state, const float* small, float* out, int B, int H, int K, int V, int n, \
+           float scale) {                                                                       \
+    gdp_step_impl<ROWS>(state, small, out, B, H, K, V, n, scale);                               \
+  }
+GDP_STEP_ENTRY(gdp_step_f32, 32)
+GDP_STEP_ENTRY(gdp_step_f32_k256, 64)

@@ -192,7 +192,7 @@ static void step() {
   float* out;
   CK(cudaMalloc(&out, (BH * V + BH * K * V) * 4));
   const float t = median_ms([&] {
-    gdp_step_f32<<<dim3(BH, (V + 31) / 32), 256, 4 * (512 + (1 + n) * K + 33 * n)>>>(
+    gdp_step_f32<<<dim3(BH, (V + 63) / 64), 256, 4 * (1 + n) * K>>>(
         ds, dsm, out, B, H, K, V, n, 0.1f);
   }, 50);
   const double bytes = 2.0 * BH * K * V * 4;

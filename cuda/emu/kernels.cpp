@@ -415,7 +415,12 @@ void run_step(int B, int H, int K, int V, int n) {
   for (long i = 0; i < BH * n; ++i) beta[i] = 2.f * ud(rng);
   const float scale = 1.f / sqrtf((float)K);
   std::vector<float> out(BH * V + BH * K * V, -7.f);
-  launch(BH, (V + 31) / 32, 256, [&] { gdp_step_f32(state.data(), small.data(), out.data(), B, H, K, V, n, scale); });
+  launch(BH, (V + 63) / 64, 256, [&] {
+    if (K <= 128)
+      gdp_step_f32(state.data(), small.data(), out.data(), B, H, K, V, n, scale);
+    else
+      gdp_step_f32_k256(state.data(), small.data(), out.data(), B, H, K, V, n, scale);
+  });
   std::vector<double> o(BH * V), S(BH * K * V);
   const float* q = small.data();
   const float* k = q + BH * K;

@@ -104,7 +104,11 @@ pub fn try_backward_bf16(
     let table = ChunkTable::new(dev, sh)?;
     let slots = table.slots(sh);
     let kv = sh.dk * sh.dv;
-    let mut out = dev.alloc_zeros::<f32>(total)?;
+    // SAFETY: the kernels below write every element of `out`: `cu_seqlens` covers every token
+    // (`validate_cu_seqlens`), and the gradient kernel writes dq, dk, dv, dβ and dg of every
+    // row of every chunk (each once), the state-gradient scan dh0 of every (sequence, head)
+    // when the layout has it. With no (sequence, head) pair `total` is zero.
+    let mut out = unsafe { dev.alloc::<f32>(total)? };
     if sh.num_seqs() * sh.heads == 0 {
         return Ok(Some(out));
     }

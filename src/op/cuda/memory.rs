@@ -12,7 +12,7 @@ use std::sync::Mutex;
 /// synchronisation. Candle allocates with `cuMemAllocAsync` from that pool, whose default
 /// threshold is 0: after every synchronisation a large allocation may map fresh pages. The
 /// op's per-call scratch is large (the bf16 backward's: about 140 KB per 64-row chunk and
-/// head), and on an H200 this setting made the op 0.1-0.9 ms faster forward and 3-6 ms faster
+/// head), and on an H200 this setting made the op 0.2-1.4 ms faster forward and 2-8 ms faster
 /// forward+backward at the benchmark shapes (`docs/perf.md`, 2026-11-30). PyTorch's caching
 /// allocator keeps freed memory the same way.
 ///

@@ -1,4 +1,4 @@
-//! Launcher of the fused decode step `gdp_step_f32` (`cuda/gdp.cu`).
+//! Launcher of the fused decode step `gdp_step_f32` / `gdp_step_f32_k256` (`cuda/gdp.cu`).
 
 use super::launch::{to_i32, view};
 use super::module::load_kernel;
@@ -7,19 +7,19 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, Layout, Result};
 
-/// Threads per block (`GDP_STEP_THREADS`): 8 warps, a value column per lane.
+/// Threads per block (`GDP_STEP_THREADS`): 8 warps of 8 value columns x 4 row groups.
 const THREADS: u32 = 256;
-/// Value columns per block (one warp wide).
-const COLS: usize = 32;
-/// Largest K: rows per thread (`GDP_STEP_ROWS`) times the 8 warps.
+/// Value columns per block (`GDP_STEP_COLS`).
+const COLS: usize = 64;
+/// Largest K: rows per thread (64 in `gdp_step_f32_k256`) times the 4 row groups.
 const MAX_K: usize = 256;
 /// Dynamic shared memory a launch may take without opting in.
 const MAX_SMEM: usize = 48 * 1024;
 
-/// Dynamic shared memory of `gdp_step_f32`, bytes: two [8][32] reduction buffers, then q [K],
-/// k [n][K], v [n][32] and beta [n] of the block's (batch row, head).
+/// Dynamic shared memory of the step kernel, bytes: q [K] and k [n][K] of the block's
+/// (batch row, head).
 fn smem_bytes(k: usize, n: usize) -> usize {
-    4 * (2 * 8 * COLS + (1 + n) * k + n * COLS + n)
+    4 * (1 + n) * k
 }
 
 /// One fused step on CUDA: `state [B, H, K, V]` (f32) and the f32 buffer `[q | k | v | g | beta]`
@@ -66,7 +66,13 @@ pub fn step(
         to_i32(v, "V")?,
         to_i32(n, "n")?,
     ];
-    let func = load_kernel(&dev, "gdp_step_f32")?;
+    // 32 rows per thread up to K = 128, else 64.
+    let name = if k <= 128 {
+        "gdp_step_f32"
+    } else {
+        "gdp_step_f32_k256"
+    };
+    let func = load_kernel(&dev, name)?;
     let mut args = func.builder();
     args.arg(&st);
     args.arg(&sm);
@@ -80,7 +86,7 @@ pub fn step(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: smem as u32,
     };
-    // SAFETY: the arguments match `gdp_step_f32` (state and buffer lengths checked above against
+    // SAFETY: the arguments match `gdp_step_impl` (state and buffer lengths checked above against
     // the sizes passed; the output holds o and the new state); the dynamic shared memory is
     // `smem_bytes`, within the default limit.
     unsafe { args.launch(cfg) }.w()?;
