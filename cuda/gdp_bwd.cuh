@@ -52,6 +52,28 @@ __device__ __forceinline__ float gdpb_dec(const float* G, const float* Gl, int i
   return j <= i ? expf(gdpb_gdiff(G, Gl, i, j)) : 0.f;
 }
 
+// The chunk-local reverse cumsum of the gate gradient (one thread): DG[0..c) holds each row's
+// gradient of the gate cumsum except the k·dk_inter terms, A1[0..c) those terms a1_i. These
+// enter as -a1_i on every row plus Σ_m a1_m on the last row, whose reverse cumsum is the
+// exclusive prefix Σ_{m<i} a1_m: added as such, so that these large (dS-driven) terms do not
+// cancel in f32. `put(i, x)` receives the gate gradient of the token whose slot 0 is row i
+// (p0 + i ≡ 0 mod n). A1 is overwritten.
+template <typename Put>
+__device__ __forceinline__ void gdpb_gate_grad(float* A1, const float* DG, int c, int64_t p0,
+                                               int n, Put put) {
+  float pre = 0.f;
+  for (int i = 0; i < c; ++i) {
+    const float a = A1[i];
+    A1[i] = pre;
+    pre += a;
+  }
+  float acc = 0.f;
+  for (int i = c - 1; i >= 0; --i) {
+    acc += DG[i];
+    if ((p0 + i) % n == 0) put(i, acc + A1[i]);
+  }
+}
+
 // In-place compensated cumsum of G[0..c) (one thread, in the CPU's order): G gets the running
 // f32 sums, Gl their accumulated rounding errors.
 __device__ __forceinline__ void gdpb_cumsum(float* G, float* Gl, int c) {
@@ -468,23 +490,10 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
       }
       __syncthreads();
       // ---- P14: reverse chunk-local cumsum; slot 0 of every token gets its gate gradient.
-      // The k·dk_inter terms enter as -a1_i on every row plus Σ_m a1_m on the last row, whose
-      // reverse cumsum is the exclusive prefix Σ_{m<i} a1_m: added as such, so that these large
-      // (dS-driven) terms do not cancel in f32.
-      if (tid == 0) {
-        float pre = 0.f;
-        for (int i = 0; i < c; ++i) {
-          const float a = A1[i];
-          A1[i] = pre;
-          pre += a;
-        }
-        float acc = 0.f;
-        for (int i = c - 1; i >= 0; --i) {
-          acc += DG[i];
-          const int64_t p = p0 + i;
-          if (p % n == 0) atomicAdd(out + dg_off + (tok0 + p / n) * H + head, acc + A1[i]);
-        }
-      }
+      if (tid == 0)
+        gdpb_gate_grad(A1, DG, c, p0, n, [&](int i, float x) {
+          atomicAdd(out + dg_off + (tok0 + (p0 + i) / n) * H + head, x);
+        });
       __syncthreads();
     }
   }

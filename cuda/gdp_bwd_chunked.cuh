@@ -311,29 +311,8 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
           for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) S[s][j][e] *= eglast;
-          for (int k0 = 0; k0 < mq16; k0 += 16) {
-            uint32_t a[4];
-            ldsm_a_t(a, st.Q, LK, m0, k0, lane);
-#pragma unroll
-            for (int p = 0; p < NT / 2; ++p) {
-              uint32_t b[2][2];
-              ldsm_b_kn(b, Dq, LB, k0, 16 * p, lane);
-              MmaBf16::mma(S[s][2 * p], a, b[0]);
-              MmaBf16::mma(S[s][2 * p + 1], a, b[1]);
-            }
-          }
-#pragma unroll
-          for (int k0 = 0; k0 < C; k0 += 16) {
-            uint32_t a[4];
-            ldsm_a_t(a, st.W, LK, m0, k0, lane);
-#pragma unroll
-            for (int p = 0; p < NT / 2; ++p) {
-              uint32_t b[2][2];
-              ldsm_b_kn(b, Dd, LB, k0, 16 * p, lane);
-              MmaBf16::mma(S[s][2 * p], a, b[0]);
-              MmaBf16::mma(S[s][2 * p + 1], a, b[1]);
-            }
-          }
+          gdpg_mma<NT / 2, true, false>(S[s], st.Q, LK, m0, Dq, LB, 0, mq16, lane);
+          gdpg_mma<NT / 2, true, false>(S[s], st.W, LK, m0, Dd, LB, 0, C, lane);
         }
       }
       store_sb(Sb + (cur ^ 1) * KPT * LB);
@@ -712,20 +691,10 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
     A1[i] = sum2(R_A1);
   }
   __syncthreads();
-  if (tid == 0) {
-    float pre = 0.f;
-    for (int i = 0; i < c; ++i) {
-      const float a = A1[i];
-      A1[i] = pre;
-      pre += a;
-    }
-    float acc = 0.f;
-    for (int i = c - 1; i >= 0; --i) {
-      acc += DG[i];
-      const int64_t p = p0 + i;
-      if (p % n == 0) out[dg_off + (tok0 + p / n) * H + head] = acc + A1[i];
-    }
-  }
+  if (tid == 0)
+    gdpb_gate_grad(A1, DG, c, p0, n, [&](int i, float x) {
+      out[dg_off + (tok0 + (p0 + i) / n) * H + head] = x;
+    });
 }
 
 #define GDPG_ENTRY(KP, VP)                                                                     \

@@ -232,6 +232,20 @@ void run_case(const Case& c) {
   }
 }
 
+// The table of the split bf16 kernels: per sequence (batch, start, len, first chunk), then per
+// chunk (sequence, index); `total` gets the number of chunks.
+static std::vector<int> chunk_table(const Prob& P, long& total) {
+  std::vector<int> tab, chunks;
+  for (int si = 0; si < P.N; ++si) {
+    const int nch = (P.seqs[si].len * P.c.n + 63) / 64;
+    tab.insert(tab.end(), {P.seqs[si].b, P.seqs[si].start, P.seqs[si].len, (int)chunks.size() / 2});
+    for (int ci = 0; ci < nch; ++ci) chunks.insert(chunks.end(), {si, ci});
+  }
+  total = chunks.size() / 2;
+  tab.insert(tab.end(), chunks.begin(), chunks.end());
+  return tab;
+}
+
 // Rounds `x` to bf16 in place (so that the f64 reference sees the kernel's inputs) and returns
 // the bf16 copy.
 static std::vector<__nv_bfloat16> to_bf16(std::vector<float>& x) {
@@ -265,14 +279,9 @@ void run_bf16(const Case& c) {
   report(c.name, "bf16 1k o", rel(fused.data(), R.o.data(), BTH * V), 1e-2);
   report(c.name, "bf16 1k ht", rel(fused.data() + BTH * V, R.fin.data(), sl), 1e-2);
 
-  std::vector<int> tab, chunks;
-  for (int si = 0; si < N; ++si) {
-    const int nch = (P.seqs[si].len * n + 63) / 64;
-    tab.insert(tab.end(), {P.seqs[si].b, P.seqs[si].start, P.seqs[si].len, (int)chunks.size() / 2});
-    for (int ci = 0; ci < nch; ++ci) chunks.insert(chunks.end(), {si, ci});
-  }
-  const long total = chunks.size() / 2, slots = std::max(total, 1L) * H;
-  tab.insert(tab.end(), chunks.begin(), chunks.end());
+  long total = 0;
+  const std::vector<int> tab = chunk_table(P, total);
+  const long slots = std::max(total, 1L) * H;
   std::vector<__nv_bfloat16> wg(slots * 64 * K, {0x7f7f}), ug(slots * 64 * V, {0x7f7f}),
       pg(slots * 64 * 64, {0x7f7f});
   std::vector<float> cg(slots * 3 * 64, 3e38f);
@@ -324,14 +333,9 @@ void run_bf16_bwd(const Case& c, int bv, int NS) {
   Ref R;
   naive(P, c.h0 ? h0d.data() : nullptr, dhtd.data(), R, true);
   const float scale = 1.f / sqrtf((float)K);
-  std::vector<int> tab, chunks;
-  for (int si = 0; si < N; ++si) {
-    const int nch = (P.seqs[si].len * n + 63) / 64;
-    tab.insert(tab.end(), {P.seqs[si].b, P.seqs[si].start, P.seqs[si].len, (int)chunks.size() / 2});
-    for (int ci = 0; ci < nch; ++ci) chunks.insert(chunks.end(), {si, ci});
-  }
-  const long total = chunks.size() / 2, slots = std::max(total, 1L) * H;
-  tab.insert(tab.end(), chunks.begin(), chunks.end());
+  long total = 0;
+  const std::vector<int> tab = chunk_table(P, total);
+  const long slots = std::max(total, 1L) * H;
   const __nv_bfloat16 poison{0x7f7f};
   std::vector<__nv_bfloat16> wg(slots * 64 * K, poison), ug(slots * 64 * V, poison),
       pg(slots * 64 * 64, poison), ag(slots * 64 * 64, poison), hs(slots * K * V, poison),
