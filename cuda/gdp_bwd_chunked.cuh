@@ -433,6 +433,15 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   float* MISC = CS + C;          // [8] MISC[0]: h·dS
   enum { R_A1 = 0, R_A2, R_A3, R_KB, R_VB, R_MK };
   auto red = [&](int q, int grp, int i) -> float& { return RED[(q * NG + grp) * C + i]; };
+  // Sums this warp's per-thread partials x[h] (rows m0 + g + 8 h) over the quad and stores them
+  // as the partials of quantity q of its column group.
+  auto put_rows = [&](int q, const float (&x)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float sum = gdpg_quad_sum(x[h]);
+      if (t == 0) red(q, hf, m0 + g + 8 * h) = sum;
+    }
+  };
 
   // ---- Stage everything but dS (one cp.async group; dS goes where dDelta and V were, after
   // phase 1); gates meanwhile.
@@ -499,11 +508,8 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
           gdpg_store_pair(out + qk_len + ((tok0 * n + p0 + i) * H + head) * (int64_t)V, col, V,
                           Bt[i] * d0, Bt[i] * d1);
       }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float k2 = gdpg_quad_sum(kb[h]), v2 = gdpg_quad_sum(vb[h]);
-      if (t == 0) red(R_KB, hf, m0 + g + 8 * h) = k2, red(R_VB, hf, m0 + g + 8 * h) = v2;
-    }
+    put_rows(R_KB, kb);
+    put_rows(R_VB, vb);
   }
   if (mi < mq) {
     const int n0 = hf * (C / NG);
@@ -552,11 +558,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
         a3[h] += acc[j][2 * h] * qx.x + acc[j][2 * h + 1] * qx.y;
         if (r < nq) gdpg_store_pair(out + rows.query(r), col, K, acc[j][2 * h], acc[j][2 * h + 1]);
       }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float s = gdpg_quad_sum(a3[h]);
-      if (t == 0) red(R_A3, hf, m0 + g + 8 * h) = s;
-    }
+    put_rows(R_A3, a3);
   }
   {
     const int n0 = hf * (C / NG);
@@ -585,11 +587,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
         if (g == 0) atomicAdd(&CS[n0 + 8 * j + 2 * t + e], s);
       }
     }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float s = gdpg_quad_sum(mk[h]);
-      if (t == 0) red(R_MK, hf, m0 + g + 8 * h) = s;
-    }
+    put_rows(R_MK, mk);
   }
   float dk[2 * NPK][4] = {};
   {
@@ -614,11 +612,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
         dk[j][2 * h] += acc[j][2 * h];
         dk[j][2 * h + 1] += acc[j][2 * h + 1];
       }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float s = gdpg_quad_sum(a2[h]);
-      if (t == 0) red(R_A2, hf, m0 + g + 8 * h) = s;
-    }
+    put_rows(R_A2, a2);
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -660,11 +654,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
         if (i < c)
           gdpg_store_pair(out + rows.key(i), col, K, dk[j][2 * h] + x0, dk[j][2 * h + 1] + x1);
       }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float s = gdpg_quad_sum(a1[h]);
-      if (t == 0) red(R_A1, hf, m0 + g + 8 * h) = s;
-    }
+    put_rows(R_A1, a1);
   }
   __syncthreads();
 

@@ -92,17 +92,25 @@ static void forward(int B, int T, int H, int n) {
   });
   const int QR = 16 * (((C + n - 1) / n + 15) / 16);
   printf("B%d T%d H%d n%d: wy %.3f ms", B, T, H, n, t_wy);
-  auto scan = [&](auto kern, int bv) {
+  // The forward scan with BV value columns: writing the output (o_out), or each chunk's start
+  // state and Delta (the backward's rerun, into hs_out and dn_out); returns ms and the stages.
+  auto time_scan = [&](auto kern, int bv, float* o_out, __nv_bfloat16* hs_out,
+                       __nv_bfloat16* dn_out, int& NS) {
     const int stage = gdpc_stage_bytes(KP, QR, bv);
     auto smem_of = [&](int ns) {
       return ns * stage + 2 * 2 * KP * (bv + 8) + 2 * 2 * C * (bv + 8) + 8 * ns * 2 * C;
     };
-    const int NS = smem_of(3) <= 232448 ? 3 : 2, smem = smem_of(NS);
+    NS = smem_of(3) <= 232448 ? 3 : 2;
+    const int smem = smem_of(NS);
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    const float t = median_ms([&] {
+    return median_ms([&] {
       kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
-          dqk, daux, dtab, w, u, p, cf, daux, 0, out, nullptr, nullptr, B, T, H, K, V, n, 0, QR, NS);
+          dqk, daux, dtab, w, u, p, cf, daux, 0, o_out, hs_out, dn_out, B, T, H, K, V, n, 0, QR, NS);
     });
+  };
+  auto scan = [&](auto kern, int bv) {
+    int NS;
+    const float t = time_scan(kern, bv, out, nullptr, nullptr, NS);
     printf(" | scan BV%d/%d stages %.3f ms (%d blocks)", bv, NS, t, B * H * V / bv);
   };
   scan(gdp_fwd_scan_bf16_16_128, 16);
@@ -132,16 +140,8 @@ static void forward(int B, int T, int H, int n) {
   printf("  bwd: wy+Ainv %.3f ms", t_wya);
   float best_states = 1e9, best_dh = 1e9;
   auto states = [&](auto kern, int bv) {
-    const int stage = gdpc_stage_bytes(KP, QR, bv);
-    auto smem_of = [&](int ns) {
-      return ns * stage + 2 * 2 * KP * (bv + 8) + 2 * 2 * C * (bv + 8) + 8 * ns * 2 * C;
-    };
-    const int NS = smem_of(3) <= 232448 ? 3 : 2, smem = smem_of(NS);
-    CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    const float t = median_ms([&] {
-      kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
-          dqk, daux, dtab, w, u, p, cf, daux, 0, nullptr, hs, dn, B, T, H, K, V, n, 0, QR, NS);
-    });
+    int NS;
+    const float t = time_scan(kern, bv, nullptr, hs, dn, NS);
     best_states = std::min(best_states, t);
     printf(" | states BV%d %.3f", bv, t);
   };
