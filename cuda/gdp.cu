@@ -351,6 +351,7 @@ GDP_FWD_ENTRY(gdp_fwd_f16, __half)
 #include "gdp_bwd.cuh"
 #include "gdp_fwd_chunked.cuh"
 #include "gdp_bwd_chunked.cuh"
+#include "copy.cuh"
 
 // One decode step, fused (`src/op/recurrent.rs`, `gated_delta_product_step_fused`): per
 // (batch row, head) and 64 value columns (8 warps of 8 columns), the state slice is read once,

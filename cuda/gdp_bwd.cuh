@@ -56,8 +56,9 @@ __device__ __forceinline__ float gdpb_dec(const float* G, const float* Gl, int i
 // gradient of the gate cumsum except the k·dk_inter terms, A1[0..c) those terms a1_i. These
 // enter as -a1_i on every row plus Σ_m a1_m on the last row, whose reverse cumsum is the
 // exclusive prefix Σ_{m<i} a1_m: added as such, so that these large (dS-driven) terms do not
-// cancel in f32. `put(i, x)` receives the gate gradient of the token whose slot 0 is row i
-// (p0 + i ≡ 0 mod n). A1 is overwritten.
+// cancel in f32. `put(i, tk, x)` receives the gate gradient x of the token whose slot 0 is row
+// i (p0 + i ≡ 0 mod n), token p0 / n + tk of the sequence. A1 is overwritten. The sub-step and
+// token of each row are counted down, not divided out: this loop runs on one thread.
 template <typename Put>
 __device__ __forceinline__ void gdpb_gate_grad(float* A1, const float* DG, int c, int64_t p0,
                                                int n, Put put) {
@@ -67,10 +68,19 @@ __device__ __forceinline__ void gdpb_gate_grad(float* A1, const float* DG, int c
     A1[i] = pre;
     pre += a;
   }
+  if (c <= 0) return;
+  const int last = (int)(p0 % n) + c - 1;  // row c - 1, counted from the token of row 0
+  int sub = last % n, tk = last / n;
   float acc = 0.f;
   for (int i = c - 1; i >= 0; --i) {
     acc += DG[i];
-    if ((p0 + i) % n == 0) put(i, acc + A1[i]);
+    if (sub == 0) {
+      put(i, tk, acc + A1[i]);
+      sub = n - 1;
+      --tk;
+    } else {
+      --sub;
+    }
   }
 }
 
@@ -491,8 +501,8 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
       __syncthreads();
       // ---- P14: reverse chunk-local cumsum; slot 0 of every token gets its gate gradient.
       if (tid == 0)
-        gdpb_gate_grad(A1, DG, c, p0, n, [&](int i, float x) {
-          atomicAdd(out + dg_off + (tok0 + (p0 + i) / n) * H + head, x);
+        gdpb_gate_grad(A1, DG, c, p0, n, [&](int, int tk, float x) {
+          atomicAdd(out + dg_off + (tok0 + p0 / n + tk) * H + head, x);
         });
       __syncthreads();
     }

@@ -380,7 +380,8 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
     const __nv_bfloat16* __restrict__ ag, const __nv_bfloat16* __restrict__ hs,
     const __nv_bfloat16* __restrict__ dhs, const __nv_bfloat16* __restrict__ dn,
     const __nv_bfloat16* __restrict__ ddn, const __nv_bfloat16* __restrict__ dob,
-    float* __restrict__ out, int B, int TT, int H, int K, int V, int n, int N, float scale,
+    float* __restrict__ out, __nv_bfloat16* __restrict__ dqkb, __nv_bfloat16* __restrict__ dvb_out,
+    float* __restrict__ dgates, int B, int TT, int H, int K, int V, int n, int N, float scale,
     int QR) {
   constexpr int C = GDP_CHUNK, LK = KP + 8, LV = VP + 8, LC = C + 8, LF = 68;
   constexpr int NG = GDPG_GROUPS;
@@ -403,7 +404,17 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   const int mq = (nq + 15) / 16;
   const int64_t BTH = (int64_t)B * TT * H;
   const int64_t qk_len = BTH * (n + 1) * K, v_len = BTH * n * V;
-  const int64_t dg_off = qk_len + v_len, db_off = dg_off + BTH;
+  // The packed f32 [dqk | dv | dg | dβ] (out), or bf16 dqk and dv and f32 [dg | dβ] (dgates).
+  float* const dg_out = out != nullptr ? out + qk_len + v_len : dgates;
+  float* const db_out = dg_out + BTH;
+  // Stores a pair of columns of row `at` of dqk (`is_v` false) or dv.
+  auto put_pair = [&](bool is_v, int64_t at, int col, int ncols, float x0, float x1) {
+    if (out != nullptr) {
+      gdpg_store_pair(out + (is_v ? qk_len : 0) + at, col, ncols, x0, x1);
+    } else {
+      gdpc_store_pair((is_v ? dvb_out : dqkb) + at, col, ncols, x0, x1, ncols % 2 == 0);
+    }
+  };
   const int64_t slot = (int64_t)chunk * H + head;
   const int64_t KV = (int64_t)K * V;
   const bool vk = (K % 8 == 0) && ((reinterpret_cast<uintptr_t>(qk) & 15) == 0);
@@ -472,7 +483,8 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   gdpc_zero_cols(DOs, LV, 16 * mq, V, VP, tid, nthr);
   for (int i = tid; i < C; i += nthr) {
     const int64_t p = p0 + i;
-    G[i] = (i < c && p % n == 0) ? aux[(tok0 + p / n) * H + head] : 0.f;
+    const int x = rows.r0 + i;  // row i counted from the token of row 0 (32-bit: no int64 div)
+    G[i] = (i < c && x % n == 0) ? aux[(tok0 + rows.t0 + x / n) * H + head] : 0.f;
     Bt[i] = i < c ? aux[BTH + ((tok0 * n + p) * H + head)] : 0.f;
     CS[i] = 0.f;
   }
@@ -505,8 +517,8 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
         vb[h] += d0 * vx.x + d1 * vx.y;
         *reinterpret_cast<__nv_bfloat162*>(DVB + i * LV + col) = __floats2bfloat162_rn(d0, d1);
         if (i < c)
-          gdpg_store_pair(out + qk_len + ((tok0 * n + p0 + i) * H + head) * (int64_t)V, col, V,
-                          Bt[i] * d0, Bt[i] * d1);
+          put_pair(true, ((tok0 * n + p0 + i) * H + head) * (int64_t)V, col, V, Bt[i] * d0,
+                   Bt[i] * d1);
       }
     put_rows(R_KB, kb);
     put_rows(R_VB, vb);
@@ -556,7 +568,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
         const int r = m0 + g + 8 * h, col = nk0 + 8 * j + 2 * t;
         const float2 qx = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Qs + r * LK + col));
         a3[h] += acc[j][2 * h] * qx.x + acc[j][2 * h + 1] * qx.y;
-        if (r < nq) gdpg_store_pair(out + rows.query(r), col, K, acc[j][2 * h], acc[j][2 * h + 1]);
+        if (r < nq) put_pair(false, rows.query(r), col, K, acc[j][2 * h], acc[j][2 * h + 1]);
       }
     put_rows(R_A3, a3);
   }
@@ -652,7 +664,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
         const float2 kx = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Ks + i * LK + col));
         a1[h] += x0 * kx.x + x1 * kx.y;
         if (i < c)
-          gdpg_store_pair(out + rows.key(i), col, K, dk[j][2 * h] + x0, dk[j][2 * h + 1] + x1);
+          put_pair(false, rows.key(i), col, K, dk[j][2 * h] + x0, dk[j][2 * h + 1] + x1);
       }
     put_rows(R_A1, a1);
   }
@@ -670,9 +682,9 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
     };
     const float kb = sum2(R_KB), vb = sum2(R_VB), mk = sum2(R_MK);
     const int64_t p = p0 + i;
-    out[db_off + (tok0 * n + p) * H + head] = Eg[i] * kb + vb + mk;
+    db_out[(tok0 * n + p) * H + head] = Eg[i] * kb + vb + mk;
     float dg = -sum2(R_A2) + Bt[i] * Eg[i] * kb + Bt[i] * mk - CS[i];
-    if (p % n == n - 1) {
+    if ((rows.r0 + i) % n == n - 1) {
       const int r = (i - first) / n;  // the query row of this token
       for (int grp = 0; grp < NG; ++grp) dg += red(R_A3, grp, r);
     }
@@ -682,8 +694,8 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   }
   __syncthreads();
   if (tid == 0)
-    gdpb_gate_grad(A1, DG, c, p0, n, [&](int i, float x) {
-      out[dg_off + (tok0 + (p0 + i) / n) * H + head] = x;
+    gdpb_gate_grad(A1, DG, c, p0, n, [&](int, int tk, float x) {
+      dg_out[(tok0 + rows.t0 + tk) * H + head] = x;
     });
 }
 
@@ -692,9 +704,10 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
       const __nv_bfloat16* qk, const __nv_bfloat16* v, const float* aux, const int* table,     \
       const __nv_bfloat16* ag, const __nv_bfloat16* hs, const __nv_bfloat16* dhs,              \
       const __nv_bfloat16* dn, const __nv_bfloat16* ddn, const __nv_bfloat16* dob, float* out, \
-      int B, int TT, int H, int K, int V, int n, int N, float scale, int QR) {                 \
-    gdp_bwd_grads_bf16_impl<KP, VP>(qk, v, aux, table, ag, hs, dhs, dn, ddn, dob, out, B, TT,  \
-                                    H, K, V, n, N, scale, QR);                                 \
+      __nv_bfloat16* dqkb, __nv_bfloat16* dvb_out, float* dgates, int B, int TT, int H, int K, \
+      int V, int n, int N, float scale, int QR) {                                              \
+    gdp_bwd_grads_bf16_impl<KP, VP>(qk, v, aux, table, ag, hs, dhs, dn, ddn, dob, out, dqkb,   \
+                                    dvb_out, dgates, B, TT, H, K, V, n, N, scale, QR);         \
   }
 GDPG_ENTRY(64, 64)
 GDPG_ENTRY(64, 128)

@@ -345,8 +345,9 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const int* __restrict__ table, const __nv_bfloat16* __restrict__ wg,
     const __nv_bfloat16* __restrict__ ug, const __nv_bfloat16* __restrict__ pg,
     const float* __restrict__ cg, const float* __restrict__ h0_override, int use_h0_override,
-    float* __restrict__ out, __nv_bfloat16* __restrict__ hs, __nv_bfloat16* __restrict__ dn,
-    int B, int TT, int H, int K, int V, int n, int has_h0, int QR, int NS) {
+    float* __restrict__ out, __nv_bfloat16* __restrict__ outb, float* __restrict__ fin,
+    __nv_bfloat16* __restrict__ hs, __nv_bfloat16* __restrict__ dn, int B, int TT, int H, int K,
+    int V, int n, int has_h0, int QR, int NS) {
   constexpr int C = GDP_CHUNK, NT = BV / 8, LB = BV + 8, LC = C + 8, LK = KPT + 8;
   constexpr int NTW = NT * 4 / NW, NPW = NTW / 2;  // n8 tiles / pairs of a warp's column half
   constexpr int MT = KPT / 16, STW = (MT + NW - 1) / NW;  // state tiles, per warp
@@ -545,7 +546,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     __syncthreads();
 
     // ---- Phase B: output rows 16 mi.. (if query rows), this warp's columns; then its state.
-    if (out != nullptr && 16 * mi < nq) {
+    if ((out != nullptr || outb != nullptr) && 16 * mi < nq) {
       const int m0 = 16 * mi;
       float acc[NTW][4] = {};
       gdpc_mma_kn<KPT, NPW>(acc, st.Q, LK, m0, sb, LB, nc0, lane);
@@ -561,14 +562,17 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
       for (int h = 0; h < 2; ++h) {
         const int r = m0 + g + 8 * h;
         if (r < nq) {
-          float* orow = out + (rows.query_token(r) * H + head) * (int64_t)V + v0;
+          const int64_t at = (rows.query_token(r) * H + head) * (int64_t)V + v0;
 #pragma unroll
           for (int j = 0; j < NTW; ++j) {
             const int col = nc0 + 8 * j + 2 * t;
-            if (col + 1 < bv) {
-              *reinterpret_cast<float2*>(orow + col) = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+            const float x0 = acc[j][2 * h], x1 = acc[j][2 * h + 1];
+            if (outb != nullptr) {
+              gdpc_store_pair(outb + at, col, bv, x0, x1, vu);
+            } else if (col + 1 < bv) {
+              *reinterpret_cast<float2*>(out + at + col) = make_float2(x0, x1);
             } else if (col < bv) {
-              orow[col] = acc[j][2 * h];
+              out[at + col] = x0;
             }
           }
         }
@@ -602,8 +606,8 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     }
   }
 
-  if (out == nullptr) return;
-  float* fin = out + BTH * V + state_off;
+  if (fin == nullptr) return;
+  fin += state_off;
 #pragma unroll
   for (int s = 0; s < STW; ++s)
 #pragma unroll
@@ -619,11 +623,12 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
   extern "C" __global__ void __launch_bounds__(NW * 32) gdp_fwd_scan_bf16_##BV##_##KPT(         \
       const __nv_bfloat16* qk, const float* aux, const int* table, const __nv_bfloat16* wg,      \
       const __nv_bfloat16* ug, const __nv_bfloat16* pg, const float* cg,                        \
-      const float* h0_override, int use_h0_override, float* out, __nv_bfloat16* hs,              \
-      __nv_bfloat16* dn, int B, int TT, int H, int K, int V, int n, int has_h0, int QR, int NS) { \
+      const float* h0_override, int use_h0_override, float* out, __nv_bfloat16* outb,            \
+      float* fin, __nv_bfloat16* hs, __nv_bfloat16* dn, int B, int TT, int H, int K, int V, int n, \
+      int has_h0, int QR, int NS) {                                                              \
     gdp_fwd_scan_bf16_impl<BV, KPT, NW>(qk, aux, table, wg, ug, pg, cg, h0_override,           \
-                                        use_h0_override, out, hs, dn, B, TT, H, K, V, n, has_h0,  \
-                                        QR, NS);                                                 \
+                                        use_h0_override, out, outb, fin, hs, dn, B, TT, H, K, V, \
+                                        n, has_h0, QR, NS);                                      \
   }
 GDPC_SCAN_ENTRY(16, 64, 4)
 GDPC_SCAN_ENTRY(16, 128, 4)

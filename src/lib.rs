@@ -14,11 +14,13 @@
 //!     o_t = scale · Sᵀ q_t                          # read once, after the last sub-step
 //! ```
 
+pub mod autograd;
 pub mod cp;
 pub mod error;
 pub mod nn;
 pub mod op;
 
+pub use autograd::backward_with;
 pub use cp::{ContextParallel, Cotangents};
 pub use error::GdpError;
 pub use op::{gated_delta_product, gated_delta_product_packed, GdpOptions};

@@ -15,7 +15,7 @@ use candle_gdp::op::recurrent::gated_delta_product_step;
 use candle_gdp::{
     gated_delta_product, gated_delta_product_packed, ContextParallel, Cotangents, GdpOptions,
 };
-use common::{inputs, median_ms, rel_rms, run_op_on, run_reference, Case, Inputs};
+use common::{inputs, median_ms, rel_rms, run_op_on, run_op_plain_on, run_reference, Case, Inputs};
 
 fn cuda() -> Result<Device> {
     Ok(Device::new_cuda(0)?)
@@ -233,6 +233,26 @@ fn backward_f32_matches_cpu_op() -> Result<()> {
                 );
             }
             check(&c, &format!("{name} vs f64"), a, r, 1e-4)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn without_final_state_matches_f64_reference() -> Result<()> {
+    // `output_final_state = false`: `o` alone in the inputs' dtype (bf16: written by the scan
+    // directly), and the backward from a plain `do` (bf16: straight to bf16 dqk, dv).
+    let dev = cuda()?;
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let tol = if dtype == DType::F32 { 1e-4 } else { 1e-2 };
+        for c in cases() {
+            let x = inputs(&c, dtype)?;
+            let got = run_op_plain_on(&c, &x, dtype, &dev)?;
+            let want = run_reference(&c, &x.without_dht()?)?;
+            check(&c, &format!("o {dtype:?} plain"), &got.o, &want.o, tol)?;
+            for ((name, a), (_, b)) in got.grads.iter().zip(&want.grads) {
+                check(&c, &format!("{name} {dtype:?} plain"), a, b, tol)?;
+            }
         }
     }
     Ok(())

@@ -5,7 +5,8 @@ mod common;
 
 use anyhow::Result;
 use candle_core::DType;
-use common::{assert_close, inputs, run_op, run_reference, Case};
+use candle_core::Device;
+use common::{assert_close, inputs, run_op, run_op_plain_on, run_reference, Case};
 
 fn cases() -> Vec<Case> {
     vec![
@@ -58,6 +59,21 @@ fn half_precision_matches_f64_reference() -> Result<()> {
             let got = run_op(&c, &x, dtype)?;
             let want = run_reference(&c, &x)?;
             assert_close(&c, &got, &want, 1e-2)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn without_final_state_matches_f64_reference() -> Result<()> {
+    // `output_final_state = false`: `o` alone in the inputs' dtype, backpropagated from `do`
+    // alone (the reference with a zero final-state cotangent).
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
+        for c in cases().into_iter().step_by(3) {
+            let x = inputs(&c, dtype)?;
+            let got = run_op_plain_on(&c, &x, dtype, &Device::Cpu)?;
+            let want = run_reference(&c, &x.without_dht()?)?;
+            assert_close(&c, &got, &want, tol)?;
         }
     }
     Ok(())

@@ -76,12 +76,13 @@ static void forward(int B, int T, int H, int n) {
   auto* daux = upload(aux);
   auto* dtab = upload(tab);
   __nv_bfloat16 *w, *u, *p;
-  float *cf, *out;
+  float* cf;
   CK(cudaMalloc(&w, slots * C * K * 2));
   CK(cudaMalloc(&u, slots * C * V * 2));
   CK(cudaMalloc(&p, slots * C * C * 2));
   CK(cudaMalloc(&cf, slots * 3 * C * 4));
-  CK(cudaMalloc(&out, (BTH * V + (long)B * H * K * V) * 4));
+  __nv_bfloat16* ob;
+  CK(cudaMalloc(&ob, BTH * V * 2));
   const float scale = 1.f / sqrtf((float)K);
   const int KP = K, VP = V;
   const int wy_smem = 4 * (2 * C * GDP_INV_LD + 6 * C) + 2 * C * ((KP + 8) + std::max(KP, VP) + 8);
@@ -92,9 +93,10 @@ static void forward(int B, int T, int H, int n) {
   });
   const int QR = 16 * (((C + n - 1) / n + 15) / 16);
   printf("B%d T%d H%d n%d: wy %.3f ms", B, T, H, n, t_wy);
-  // The forward scan with BV value columns: writing the output (o_out), or each chunk's start
-  // state and Delta (the backward's rerun, into hs_out and dn_out); returns ms and the stages.
-  auto time_scan = [&](auto kern, int bv, float* o_out, __nv_bfloat16* hs_out,
+  // The forward scan with BV value columns: writing the output (o in bf16, o_out, as the op
+  // without a final state), or each chunk's start state and Delta (the backward's rerun, into
+  // hs_out and dn_out); returns ms and the stages.
+  auto time_scan = [&](auto kern, int bv, __nv_bfloat16* o_out, __nv_bfloat16* hs_out,
                        __nv_bfloat16* dn_out, int& NS) {
     const int stage = gdpc_stage_bytes(KP, QR, bv);
     auto smem_of = [&](int ns) {
@@ -105,12 +107,13 @@ static void forward(int B, int T, int H, int n) {
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return median_ms([&] {
       kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
-          dqk, daux, dtab, w, u, p, cf, daux, 0, o_out, hs_out, dn_out, B, T, H, K, V, n, 0, QR, NS);
+          dqk, daux, dtab, w, u, p, cf, daux, 0, nullptr, o_out, nullptr, hs_out, dn_out, B, T, H,
+          K, V, n, 0, QR, NS);
     });
   };
   auto scan = [&](auto kern, int bv) {
     int NS;
-    const float t = time_scan(kern, bv, out, nullptr, nullptr, NS);
+    const float t = time_scan(kern, bv, ob, nullptr, nullptr, NS);
     printf(" | scan BV%d/%d stages %.3f ms (%d blocks)", bv, NS, t, B * H * V / bv);
   };
   scan(gdp_fwd_scan_bf16_16_128, 16);
@@ -131,8 +134,11 @@ static void forward(int B, int T, int H, int n) {
   dob = upload(hdo);
   CK(cudaMalloc(&dht, (long)B * H * K * V * 4));
   CK(cudaMemset(dht, 0, (long)B * H * K * V * 4));
-  const long glen = BTH * (n + 1) * K + BTH * n * V + BTH * (1 + n);
-  CK(cudaMalloc(&gout, glen * 4));
+  // The op's gradient parts: bf16 dqk and dv, f32 [dg | dβ].
+  __nv_bfloat16 *gqk, *gv;
+  CK(cudaMalloc(&gqk, BTH * (n + 1) * K * 2));
+  CK(cudaMalloc(&gv, BTH * n * V * 2));
+  CK(cudaMalloc(&gout, BTH * (1 + n) * 4));
   const float t_wya = median_ms([&] {
     gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dqk, dv, daux, dtab, w, u, p, cf, ag, B, T,
                                                        H, K, V, n, B, scale);
@@ -169,13 +175,13 @@ static void forward(int B, int T, int H, int n) {
   CK(cudaFuncSetAttribute(gdp_bwd_grads_bf16_128_128, cudaFuncAttributeMaxDynamicSharedMemorySize, gsmem));
   const float t_gr = median_ms([&] {
     gdp_bwd_grads_bf16_128_128<<<dim3(total, H), GDPG_THREADS, gsmem>>>(dqk, dv, daux, dtab, ag, hs, dhs, dn, ddn,
-                                                              dob, gout, B, T, H, K, V, n, B, scale, QR);
+                                                              dob, nullptr, gqk, gv, gout, B, T, H, K, V, n, B, scale, QR);
   });
   printf(" | grads %.3f ms (smem %d) | bwd total %.3f ms\n", t_gr, gsmem,
          t_wya + best_states + best_dh + t_gr);
   for (void* x : {(void*)dqk, (void*)dv, (void*)daux, (void*)dtab, (void*)w, (void*)u, (void*)p,
-                  (void*)cf, (void*)out, (void*)ag, (void*)hs, (void*)dn, (void*)dhs, (void*)ddn,
-                  (void*)dob, (void*)dht, (void*)gout})
+                  (void*)cf, (void*)ag, (void*)hs, (void*)dn, (void*)dhs, (void*)ddn,
+                  (void*)dob, (void*)dht, (void*)gout, (void*)gqk, (void*)gv, (void*)ob})
     CK(cudaFree(x));
 }
 

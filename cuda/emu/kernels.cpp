@@ -295,10 +295,14 @@ void run_bf16(const Case& c) {
   for (int cfg = 0; cfg < 6; ++cfg) {
     const int bv = 16 << (cfg % 3), NS = 2 + cfg / 3;
     if (bv == 64 && KPT == 256) continue;
+    // Odd configurations write o in bf16 (the op's plain output), even ones the packed f32.
+    const bool plain = cfg % 2 == 1;
     std::vector<float> out(BTH * V + sl, 0.f);
+    std::vector<__nv_bfloat16> ob(plain ? BTH * V : 0, __nv_bfloat16{0x7f7f});
     launch(N * H, (V + bv - 1) / bv, bv == 16 ? 128 : 256, [&] {
 #define ARGS qkb.data(), P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(), cg.data(), \
-             P.aux.data(), 0, out.data(), nullptr, nullptr, c.B, c.T, c.H, c.K, c.V, c.n, c.h0, QR, NS
+             P.aux.data(), 0, plain ? nullptr : out.data(), plain ? ob.data() : nullptr,        \
+             out.data() + BTH * V, nullptr, nullptr, c.B, c.T, c.H, c.K, c.V, c.n, c.h0, QR, NS
       if (bv == 16 && KPT == 64) gdp_fwd_scan_bf16_16_64(ARGS);
       if (bv == 16 && KPT == 128) gdp_fwd_scan_bf16_16_128(ARGS);
       if (bv == 16 && KPT == 256) gdp_fwd_scan_bf16_16_256(ARGS);
@@ -309,8 +313,9 @@ void run_bf16(const Case& c) {
       if (bv == 64 && KPT == 128) gdp_fwd_scan_bf16_64_128(ARGS);
 #undef ARGS
     });
+    for (long i = 0; plain && i < BTH * V; ++i) out[i] = __bfloat162float(ob[i]);
     char what[32];
-    snprintf(what, sizeof what, "bf16 2k%d/%d o", bv, NS);
+    snprintf(what, sizeof what, "bf16 2k%d/%d o%s", bv, NS, plain ? " bf16" : "");
     report(c.name, what, rel(out.data(), R.o.data(), BTH * V), 1e-2);
     snprintf(what, sizeof what, "bf16 2k%d/%d ht", bv, NS);
     report(c.name, what, rel(out.data() + BTH * V, R.fin.data(), sl), 1e-2);
@@ -352,7 +357,8 @@ void run_bf16_bwd(const Case& c, int bv, int NS) {
   const int nthr = bv == 16 ? 128 : 256;
   launch(N * H, (V + bv - 1) / bv, nthr, [&] {
 #define ARGS qkb.data(), P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(), cg.data(), \
-             P.aux.data(), 0, nullptr, hs.data(), dn.data(), c.B, c.T, c.H, c.K, c.V, c.n, c.h0, QR, NS
+             P.aux.data(), 0, nullptr, nullptr, nullptr, hs.data(), dn.data(), c.B, c.T, c.H, c.K, \
+             c.V, c.n, c.h0, QR, NS
     if (bv == 16 && KPT == 64) gdp_fwd_scan_bf16_16_64(ARGS);
     if (bv == 16 && KPT == 128) gdp_fwd_scan_bf16_16_128(ARGS);
     if (bv == 32 && KPT == 64) gdp_fwd_scan_bf16_32_64(ARGS);
@@ -374,16 +380,23 @@ void run_bf16_bwd(const Case& c, int bv, int NS) {
     if (bv == 64 && KPT == 128) gdp_bwd_dh_bf16_64_128(ARGS);
 #undef ARGS
   });
+  // BV = 32 runs write dq, dk, dv in bf16 and dg, dβ apart (the op's parts), others the packed f32.
+  const bool parts = bv == 32;
+  std::vector<__nv_bfloat16> dqkb(parts ? qk_len : 0, poison), dvb(parts ? v_len : 0, poison);
   if (total > 0)
     launch(total, H, GDPG_THREADS, [&] {
 #define ARGS qkb.data(), vb.data(), P.aux.data(), tab.data(), ag.data(), hs.data(), dhs.data(), \
-             dn.data(), ddn.data(), dob.data(), out.data(), c.B, c.T, c.H, c.K, c.V, c.n, N, scale, QR
+             dn.data(), ddn.data(), dob.data(), parts ? nullptr : out.data(),                   \
+             parts ? dqkb.data() : nullptr, parts ? dvb.data() : nullptr,                       \
+             out.data() + qk_len + v_len, c.B, c.T, c.H, c.K, c.V, c.n, N, scale, QR
       if (KPT == 64 && VPT == 64) gdp_bwd_grads_bf16_64_64(ARGS);
       if (KPT == 64 && VPT == 128) gdp_bwd_grads_bf16_64_128(ARGS);
       if (KPT == 128 && VPT == 64) gdp_bwd_grads_bf16_128_64(ARGS);
       if (KPT == 128 && VPT == 128) gdp_bwd_grads_bf16_128_128(ARGS);
 #undef ARGS
     });
+  for (long i = 0; parts && i < qk_len; ++i) out[i] = __bfloat162float(dqkb[i]);
+  for (long i = 0; parts && i < v_len; ++i) out[qk_len + i] = __bfloat162float(dvb[i]);
   std::vector<float> gq, gk;
   std::vector<double> rq, rk;
   for (long tk = 0; tk < BTH / H; ++tk)
@@ -395,7 +408,7 @@ void run_bf16_bwd(const Case& c, int bv, int NS) {
           else gk.push_back(out[i]), rk.push_back(R.grads[i]);
         }
   char name[64];
-  snprintf(name, sizeof name, "%s bwd%d/%d", c.name, bv, NS);
+  snprintf(name, sizeof name, "%s bwd%d/%d%s", c.name, bv, NS, parts ? " parts" : "");
   report(name, "bf16 dq", rel(gq.data(), rq.data(), gq.size()), 1e-2);
   report(name, "bf16 dk", rel(gk.data(), rk.data(), gk.size()), 1e-2);
   report(name, "bf16 dv", rel(out.data() + qk_len, R.grads.data() + qk_len, v_len), 1e-2);

@@ -386,19 +386,26 @@ impl<'a> Problem<'a> {
         let (grads, dh0) = match cotangents {
             None => (None, None),
             Some(ct) => {
-                let dout = shard(ct.dout, 1)?.to_dtype(DType::F32)?;
-                let mut loss = (o.to_dtype(DType::F32)? * dout)?.sum_all()?;
-                if let Some(dht) = ct.dht {
-                    // Only sequences that end on this rank see the final-state cotangent.
-                    let mut local = rows(dht, &ids)?.to_dtype(DType::F32)?;
-                    let last = ids.len() - 1;
-                    if continues_out {
-                        let keep: Vec<usize> = if packed { (0..last).collect() } else { vec![] };
-                        local = zero_except(&local, &keep)?;
+                let dout = shard(ct.dout, 1)?;
+                let dht = match ct.dht {
+                    None => None,
+                    Some(dht) => {
+                        // Only sequences that end on this rank see the final-state cotangent.
+                        let mut local = rows(dht, &ids)?.to_dtype(DType::F32)?;
+                        let last = ids.len() - 1;
+                        if continues_out {
+                            let keep: Vec<usize> =
+                                if packed { (0..last).collect() } else { vec![] };
+                            local = zero_except(&local, &keep)?;
+                        }
+                        Some(local.to_device(dev)?)
                     }
-                    loss = (loss + (ht.clone() * local.to_device(dev)?)?.sum_all()?)?;
+                };
+                let mut pairs = vec![(&o, &dout)];
+                if let Some(dht) = &dht {
+                    pairs.push((&ht, dht));
                 }
-                let gs = loss.backward()?;
+                let gs = crate::autograd::backward_with(&pairs)?;
                 let get = |v: &Var| -> Result<Tensor> {
                     match gs.get(v.as_tensor()) {
                         Some(g) => g.to_device(&Device::Cpu),

@@ -289,7 +289,8 @@ fn poisoned() -> candle_core::Error {
 /// are added to the final-state gradient.
 #[cfg(feature = "cuda")]
 impl CpLink {
-    /// The forward on this rank, like [`CpLink::forward`], on CUDA storages.
+    /// The forward on this rank, like [`CpLink::forward`], on CUDA storages (with `plain`, `o`
+    /// alone in the inputs' dtype, as [`cuda::forward`](crate::op::cuda::forward)).
     pub fn forward_cuda(
         &self,
         qk: CudaIn,
@@ -298,6 +299,7 @@ impl CpLink {
         sh: &GdpShape,
         scale: f32,
         has_h0: bool,
+        plain: bool,
     ) -> Result<candle_core::CudaStorage> {
         use crate::op::cuda;
         use candle_core::backend::BackendStorage;
@@ -327,7 +329,7 @@ impl CpLink {
         let all = self.gather(local)?;
         self.fold_into_initial_states(&all, frags.len(), sh, &mut h0);
         let h0_dev = dev.clone_htod(&h0)?;
-        let out = cuda::forward(qk, v, aux, sh, scale, has_h0, Some(&h0_dev))?;
+        let out = cuda::forward(qk, v, aux, sh, scale, has_h0, Some(&h0_dev), plain)?;
         *self.saved_h0.lock().map_err(|_| poisoned())? = Some(h0);
         Ok(out)
     }

@@ -1,7 +1,11 @@
 //! The Candle custom ops: dispatch only. The forward is a `CustomOp3` over the packed inputs
-//! `qk [B, T, n+1, H, K]`, `v [B, T·n, H, V]` and the f32 gate buffer `[g | beta | h0?]`, with
-//! one packed f32 output `[o | final state]`; its backward applies [`GdpBackward`], whose packed
-//! f32 output `[dqk | dv | dg | dbeta | dh0?]` is split back onto the three inputs.
+//! `qk [B, T, n+1, H, K]`, `v [B, T·n, H, V]` and the f32 gate buffer `[g | beta | h0?]`. Its
+//! one output is `o [B, T, H, V]` in the inputs' dtype, or, when the final state is wanted,
+//! the packed f32 `[o | final state]` (a custom op has one output). Its backward applies
+//! [`GdpBackward`], whose packed f32 output `[dqk | dv | dg | dbeta | dh0?]` is split back onto
+//! the three inputs; on CUDA with bf16 the split backward writes the three gradients directly
+//! (bf16 `dqk`, `dv`), skipping the f32 round trip that costs as much memory traffic as the
+//! kernels (`docs/perf.md`).
 
 use super::cpu;
 use super::shape::GdpShape;
@@ -18,6 +22,9 @@ pub(crate) struct GdpForward {
     pub has_h0: bool,
     /// Context parallelism: this rank's link to its group (`None` for the plain op).
     pub cp: Option<Arc<CpLink>>,
+    /// The output is the packed f32 `[o | final state]`; otherwise `o` alone in the inputs'
+    /// dtype.
+    pub with_final_state: bool,
 }
 
 /// Backward op: `grad` is the packed `[do | dht]` f32 gradient of the forward's output.
@@ -54,9 +61,30 @@ impl GdpForward {
         })
     }
 
-    fn output_len(&self) -> usize {
-        self.shape.o_len() + self.shape.state_len()
+    fn output_shape(&self) -> Shape {
+        let sh = &self.shape;
+        if self.with_final_state {
+            Shape::from(sh.o_len() + sh.state_len())
+        } else {
+            Shape::from((sh.batch, sh.tokens, sh.heads, sh.dv))
+        }
     }
+
+    /// The packed f32 `[do | dht]` that the backward kernels take, from the gradient of the
+    /// output (`do` alone, in the inputs' dtype, when the output is `o` alone).
+    fn packed_cotangent(&self, grad: &Tensor) -> Result<Tensor> {
+        if self.with_final_state {
+            return grad.contiguous();
+        }
+        let zeros = Tensor::zeros(self.shape.state_len(), DType::F32, grad.device())?;
+        Tensor::cat(&[&grad.flatten_all()?.to_dtype(DType::F32)?, &zeros], 0)
+    }
+}
+
+/// `o` alone, as `T`, from the packed f32 `[o | final state]` of the CPU kernels.
+fn plain_cpu<T: candle_core::WithDType>(mut packed: Vec<f32>, o_len: usize) -> CpuStorage {
+    packed.truncate(o_len);
+    T::to_cpu_storage_owned(packed.into_iter().map(|x| T::from_f64(x as f64)).collect())
 }
 
 /// Runs `$body` with `$T` bound to the Rust type of `$dtype` (the float dtypes the op takes).
@@ -100,12 +128,17 @@ impl CustomOp3 for GdpForward {
     ) -> Result<(CpuStorage, Shape)> {
         let out = with_float_type!(s1.dtype(), T, {
             let x = self.packed::<T>((s1, l1), (s2, l2), (s3, l3))?;
-            match &self.cp {
+            let out = match &self.cp {
                 None => cpu::forward(&x, &self.shape, self.scale, None),
                 Some(link) => link.forward(&x, &self.shape, self.scale)?,
+            };
+            if self.with_final_state {
+                CpuStorage::F32(out)
+            } else {
+                plain_cpu::<T>(out, self.shape.o_len())
             }
         });
-        Ok((CpuStorage::F32(out), Shape::from(self.output_len())))
+        Ok((out, self.output_shape()))
     }
 
     // --- CUDA forward (feature `cuda`; owned by the CUDA kernel work, see src/op/cuda) ---
@@ -119,6 +152,7 @@ impl CustomOp3 for GdpForward {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let plain = !self.with_final_state;
         let out = match &self.cp {
             None => super::cuda::forward(
                 (s1, l1),
@@ -128,6 +162,7 @@ impl CustomOp3 for GdpForward {
                 self.scale,
                 self.has_h0,
                 None,
+                plain,
             )?,
             Some(link) => link.forward_cuda(
                 (s1, l1),
@@ -136,9 +171,10 @@ impl CustomOp3 for GdpForward {
                 &self.shape,
                 self.scale,
                 self.has_h0,
+                plain,
             )?,
         };
-        Ok((out, Shape::from(self.output_len())))
+        Ok((out, self.output_shape()))
     }
     // --- end CUDA forward ---
 
@@ -150,9 +186,27 @@ impl CustomOp3 for GdpForward {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if self.cp.is_none() {
+            let (sh, scale, plain) = (&self.shape, self.scale, !self.with_final_state);
+            let grad = grad_res.contiguous()?;
+            let direct = super::cuda::try_backward_tensors(
+                qk,
+                v,
+                aux,
+                &grad,
+                sh,
+                scale,
+                self.has_h0,
+                plain,
+            )?;
+            if let Some([dqk, dv, daux]) = direct {
+                return Ok((Some(dqk), Some(dv), Some(daux)));
+            }
+        }
         let op = GdpBackward {
             fwd: self.clone(),
-            grad: grad_res.contiguous()?,
+            grad: self.packed_cotangent(grad_res)?,
         };
         let packed = qk.apply_op3_no_bwd(v, aux, &op)?;
         let (qk_len, v_len) = (self.shape.qk_len(), self.shape.v_len());

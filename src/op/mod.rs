@@ -8,7 +8,7 @@ pub mod cpu;
 pub mod cuda;
 mod custom;
 pub mod naive;
-mod pack;
+pub(crate) mod pack;
 pub mod recurrent;
 pub mod shape;
 
@@ -132,18 +132,19 @@ pub(crate) fn apply(
         scale,
         has_h0: opts.initial_state.is_some(),
         cp,
+        with_final_state: opts.output_final_state,
     };
     let out = qk.contiguous()?.apply_op3(&v.contiguous()?, &aux, op)?;
+    if !opts.output_final_state {
+        // `o [B, T, H, V]` in the inputs' dtype.
+        return Ok((out, None));
+    }
     let o = out
         .narrow(0, 0, o_len)?
         .reshape(o_shape)?
         .to_dtype(qk.dtype())?;
-    let ht = if opts.output_final_state {
-        Some(out.narrow(0, o_len, s_len)?.reshape(s_shape)?)
-    } else {
-        None
-    };
-    Ok((o, ht))
+    let ht = out.narrow(0, o_len, s_len)?.reshape(s_shape)?;
+    Ok((o, Some(ht)))
 }
 
 /// Checks the FLA-layout inputs and returns the problem geometry.

@@ -72,6 +72,7 @@ impl Case {
 }
 
 /// Inputs of a case, in f64, with the cotangents of `o` and the final state.
+#[derive(Clone)]
 pub struct Inputs {
     pub q: Tensor,
     pub k: Tensor,
@@ -84,6 +85,14 @@ pub struct Inputs {
 }
 
 impl Inputs {
+    /// The same inputs with a zero final-state cotangent.
+    pub fn without_dht(&self) -> candle_core::Result<Inputs> {
+        Ok(Inputs {
+            dht: self.dht.zeros_like()?,
+            ..self.clone()
+        })
+    }
+
     /// The inputs as the op takes them in `dtype`: q, k, v, beta in `dtype`; the gates, the
     /// initial state and the cotangents in f32.
     pub fn cast(&self, dtype: DType) -> candle_core::Result<Inputs> {
@@ -187,53 +196,107 @@ pub fn run_op(c: &Case, x: &Inputs, dtype: DType) -> Result<Results> {
     run_op_on(c, x, dtype, &Device::Cpu)
 }
 
+/// The inputs as variables on `dev`: q, k, v, beta in `dtype`, g and h0 in f32.
+struct OpVars {
+    q: Var,
+    k: Var,
+    v: Var,
+    g: Var,
+    beta: Var,
+    h0: Option<Var>,
+}
+
+impl OpVars {
+    fn new(x: &Inputs, dtype: DType, dev: &Device) -> Result<Self> {
+        let var = |t: &Tensor, dt: DType| -> Result<Var> {
+            Ok(Var::from_tensor(&t.to_dtype(dt)?.to_device(dev)?)?)
+        };
+        Ok(Self {
+            q: var(&x.q, dtype)?,
+            k: var(&x.k, dtype)?,
+            v: var(&x.v, dtype)?,
+            g: var(&x.g, DType::F32)?,
+            beta: var(&x.beta, dtype)?,
+            h0: x.h0.as_ref().map(|h| var(h, DType::F32)).transpose()?,
+        })
+    }
+
+    fn forward(&self, c: &Case, final_state: bool) -> Result<(Tensor, Option<Tensor>)> {
+        let opts = GdpOptions {
+            initial_state: self.h0.as_ref().map(|v| v.as_tensor()),
+            output_final_state: final_state,
+            cu_seqlens: c.cu.as_deref(),
+            ..Default::default()
+        };
+        Ok(gated_delta_product(
+            &self.q, &self.k, &self.v, &self.g, &self.beta, &opts,
+        )?)
+    }
+
+    /// Every gradient (`dh0` when there is an initial state), checked for its input's shape,
+    /// dtype and device, moved to the CPU.
+    fn grads(
+        &self,
+        c: &Case,
+        gs: &candle_core::backprop::GradStore,
+        dev: &Device,
+    ) -> Result<Vec<(&'static str, Tensor)>> {
+        let mut vars = vec![
+            ("dq", &self.q),
+            ("dk", &self.k),
+            ("dv", &self.v),
+            ("dg", &self.g),
+            ("dbeta", &self.beta),
+        ];
+        if let Some(h) = &self.h0 {
+            vars.push(("dh0", h));
+        }
+        let mut grads = vec![];
+        for (name, var) in vars {
+            let gr = gs
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("{}: no gradient for {name}", c.name));
+            assert_eq!(gr.dims(), var.dims(), "{}: {name} shape", c.name);
+            assert_eq!(gr.dtype(), var.dtype(), "{}: {name} dtype", c.name);
+            assert!(gr.device().same_device(dev), "{}: {name} device", c.name);
+            grads.push((name, gr.to_device(&Device::Cpu)?));
+        }
+        Ok(grads)
+    }
+}
+
 /// Runs the op on `dev` with q, k, v, beta in `dtype` (g and h0 in f32) under autograd, with
 /// the loss `Σ do·o + Σ dht·S_T` in f64. Checks that every gradient has its input's shape,
 /// dtype and device, and returns outputs and gradients (`dh0` when the case has an initial
 /// state) moved to the CPU.
 pub fn run_op_on(c: &Case, x: &Inputs, dtype: DType, dev: &Device) -> Result<Results> {
-    let var = |t: &Tensor, dt: DType| -> Result<Var> {
-        Ok(Var::from_tensor(&t.to_dtype(dt)?.to_device(dev)?)?)
-    };
-    let (q, k, v) = (var(&x.q, dtype)?, var(&x.k, dtype)?, var(&x.v, dtype)?);
-    let g = var(&x.g, DType::F32)?;
-    let beta = var(&x.beta, dtype)?;
-    let h0 = match &x.h0 {
-        Some(h) => Some(var(h, DType::F32)?),
-        None => None,
-    };
-    let opts = GdpOptions {
-        initial_state: h0.as_ref().map(|v| v.as_tensor()),
-        output_final_state: true,
-        cu_seqlens: c.cu.as_deref(),
-        ..Default::default()
-    };
-    let (o, ht) = gated_delta_product(&q, &k, &v, &g, &beta, &opts)?;
+    let vars = OpVars::new(x, dtype, dev)?;
+    let (o, ht) = vars.forward(c, true)?;
     let ht = ht.expect("final state requested");
     let (dout, dht) = (x.dout.to_device(dev)?, x.dht.to_device(dev)?);
     let loss = ((o.to_dtype(DType::F64)? * dout)?.sum_all()?
         + (ht.to_dtype(DType::F64)? * dht)?.sum_all()?)?;
-    let gs = loss.backward()?;
-    let mut vars = vec![
-        ("dq", &q),
-        ("dk", &k),
-        ("dv", &v),
-        ("dg", &g),
-        ("dbeta", &beta),
-    ];
-    if let Some(h) = &h0 {
-        vars.push(("dh0", h));
-    }
-    let mut grads = vec![];
-    for (name, var) in vars {
-        let gr = gs
-            .get(var.as_tensor())
-            .unwrap_or_else(|| panic!("{}: no gradient for {name}", c.name));
-        assert_eq!(gr.dims(), var.dims(), "{}: {name} shape", c.name);
-        assert_eq!(gr.dtype(), var.dtype(), "{}: {name} dtype", c.name);
-        assert!(gr.device().same_device(dev), "{}: {name} device", c.name);
-        grads.push((name, gr.to_device(&Device::Cpu)?));
-    }
+    let grads = vars.grads(c, &loss.backward()?, dev)?;
+    let cpu = Device::Cpu;
+    Ok(Results {
+        o: o.to_device(&cpu)?,
+        ht: ht.to_device(&cpu)?,
+        grads,
+    })
+}
+
+/// As [`run_op_on`] without the final state (`output_final_state: false`: the op's output is
+/// `o` alone, in `dtype`), backpropagating `do` with [`candle_gdp::backward_with`]; `ht` comes
+/// from a second forward with the final state. Compare with the reference of
+/// [`Inputs::without_dht`].
+pub fn run_op_plain_on(c: &Case, x: &Inputs, dtype: DType, dev: &Device) -> Result<Results> {
+    let vars = OpVars::new(x, dtype, dev)?;
+    let (o, none) = vars.forward(c, false)?;
+    assert!(none.is_none(), "{}: a final state nobody asked for", c.name);
+    assert_eq!(o.dtype(), dtype, "{}: o dtype", c.name);
+    let dout = x.dout.to_device(dev)?;
+    let grads = vars.grads(c, &candle_gdp::backward_with(&[(&o, &dout)])?, dev)?;
+    let ht = vars.forward(c, true)?.1.expect("final state requested");
     let cpu = Device::Cpu;
     Ok(Results {
         o: o.to_device(&cpu)?,

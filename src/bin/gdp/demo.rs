@@ -4,7 +4,7 @@
 
 use crate::error::CliError;
 use crate::input::LoadedInput;
-use crate::run::{bench, DTypeArg, DeviceArg, Prepared};
+use crate::run::{bench, with_final_state, DTypeArg, DeviceArg, Prepared};
 use candle_core::{DType, Device, Tensor};
 use candle_gdp::op::naive::{gated_delta_product_naive, gated_delta_product_naive_backward};
 use candle_gdp::GdpOptions;
@@ -216,8 +216,9 @@ fn measure(
 ) -> Result<Row, CliError> {
     let x = random_case(t, cu, args.dtype.dtype(), 0x5EED ^ t as u64).map_err(lib)?;
     let p = Prepared::new(&x, args.dtype.dtype(), device, None)?;
-    let (_, fwd_ms) = bench(device, args.repeat, || p.forward())?;
+    let (_, fwd_ms) = bench(device, args.repeat, || p.forward(false))?;
     let (got, fwd_bwd_ms) = bench(device, args.repeat, || p.forward_backward())?;
+    let got = with_final_state(&p, got)?;
     let err = if check {
         let got = got
             .into_iter()

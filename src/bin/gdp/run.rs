@@ -211,39 +211,54 @@ impl<'a> Prepared<'a> {
         })
     }
 
-    /// `(o, final state)` in the compute dtype / f32.
-    pub fn forward(&self) -> Result<(Tensor, Tensor), CliError> {
+    /// `o` in the compute dtype and, with `final_state`, the final state (f32). Without it
+    /// this is the call FLA's benchmark times (`output_final_state=False`).
+    pub fn forward(&self, final_state: bool) -> Result<(Tensor, Option<Tensor>), CliError> {
         let opts = GdpOptions {
             scale: self.scale,
             initial_state: self.h0.as_ref().map(|v| v.as_tensor()),
-            output_final_state: true,
+            output_final_state: final_state,
             cu_seqlens: self.cu_seqlens,
             ..Default::default()
         };
         let (o, ht) = gated_delta_product(&self.q, &self.k, &self.v, &self.g, &self.beta, &opts)
             .map_err(|e| CliError::from_lib(&e))?;
-        let ht = ht.ok_or_else(|| CliError::new("the op returned no final state"))?;
+        if final_state && ht.is_none() {
+            return Err(CliError::new("the op returned no final state"));
+        }
         Ok((o, ht))
     }
 
-    /// Forward, then the gradients of `L = Σ do·o + Σ dht·ht` (a missing cotangent is zero).
+    /// `(o, final state)`, for the outputs.
+    pub fn outputs(&self) -> Result<Vec<(String, Tensor)>, CliError> {
+        let (o, ht) = self.forward(true)?;
+        let ht = ht.ok_or_else(|| CliError::new("the op returned no final state"))?;
+        Ok(vec![("o".to_string(), o), ("ht".to_string(), ht)])
+    }
+
+    /// Forward, then the gradients of `L = Σ do·o + Σ dht·ht` (a missing cotangent is zero;
+    /// the final state is only computed when `dht` is given). Returns `o`, the final state
+    /// when computed, then `dq dk dv dg dbeta` and `dh0` when there is an initial state.
     pub fn forward_backward(&self) -> Result<Vec<(String, Tensor)>, CliError> {
-        let (o, ht) = self.forward()?;
+        let (o, ht) = self.forward(self.dht.is_some())?;
         let lib = |e: candle_core::Error| CliError::from_lib(&e);
-        check_cotangents(&self.dout, &self.dht, o.dims(), ht.dims())?;
-        let mut terms = vec![];
-        for (cot, out) in [(&self.dout, &o), (&self.dht, &ht)] {
-            let Some(cot) = cot else { continue };
-            terms.push(inner_product(out, cot).map_err(lib)?);
+        let ht_dims = ht.as_ref().map_or(vec![], |t| t.dims().to_vec());
+        check_cotangents(&self.dout, &self.dht, o.dims(), &ht_dims)?;
+        let mut pairs = vec![];
+        if let Some(cot) = &self.dout {
+            pairs.push((&o, cot));
         }
-        let mut loss = terms
-            .pop()
-            .ok_or_else(|| CliError::new("gradients need a `do` or `dht` tensor"))?;
-        for t in terms {
-            loss = (loss + t).map_err(lib)?;
+        if let (Some(cot), Some(ht)) = (&self.dht, &ht) {
+            pairs.push((ht, cot));
         }
-        let grads = loss.backward().map_err(lib)?;
-        let mut out = vec![("o".to_string(), o), ("ht".to_string(), ht)];
+        if pairs.is_empty() {
+            return Err(CliError::new("gradients need a `do` or `dht` tensor"));
+        }
+        let grads = candle_gdp::backward_with(&pairs).map_err(lib)?;
+        let mut out = vec![("o".to_string(), o)];
+        if let Some(ht) = ht {
+            out.push(("ht".to_string(), ht));
+        }
         let mut vars = vec![
             ("dq", &self.q),
             ("dk", &self.k),
@@ -263,19 +278,6 @@ impl<'a> Prepared<'a> {
         }
         Ok(out)
     }
-}
-
-/// `⟨x, cot⟩` as an f32 scalar, computed as a `[1, N] x [N, 1]` product in `x`'s dtype: its
-/// gradient with respect to `x` is `cot` (as in PyTorch's `x.backward(cot)`), without the
-/// element-wise product and full reduction of `(x * cot).sum_all()`, which on CUDA cost more
-/// than the op's backward kernels at the benchmark shapes (`docs/perf.md`).
-fn inner_product(x: &Tensor, cot: &Tensor) -> candle_core::Result<Tensor> {
-    let n = x.elem_count();
-    let cot = cot.to_dtype(x.dtype())?.reshape((n, 1))?;
-    x.reshape((1, n))?
-        .matmul(&cot)?
-        .to_dtype(DType::F32)?
-        .reshape(())
 }
 
 /// Checks the shapes of the cotangents `do` and `dht` against those of `o` and the final state.
@@ -550,30 +552,41 @@ pub fn run(args: &RunArgs, input: &LoadedInput) -> Result<RunOutput, CliError> {
     let p = Prepared::new(input, args.dtype.dtype(), &device, args.scale)?;
     let with_grads = input.wants_grads();
     let (tensors, timings) = match args.repeat {
-        None if with_grads => (p.forward_backward()?, None),
-        None => {
-            let (o, ht) = p.forward()?;
-            (vec![("o".to_string(), o), ("ht".to_string(), ht)], None)
-        }
+        None if with_grads => (with_final_state(&p, p.forward_backward()?)?, None),
+        None => (p.outputs()?, None),
         Some(n) => {
-            let ((o, ht), fwd_ms) = bench(&device, n, || p.forward())?;
+            // Timed as FLA's benchmark calls it: no final state unless a gradient needs it.
+            let (_, fwd_ms) = bench(&device, n, || p.forward(false))?;
             if with_grads {
                 let (all, fb) = bench(&device, n, || p.forward_backward())?;
                 let t = Timings {
                     fwd_ms,
                     fwd_bwd_ms: Some(fb),
                 };
-                (all, Some(t))
+                (with_final_state(&p, all)?, Some(t))
             } else {
                 let t = Timings {
                     fwd_ms,
                     fwd_bwd_ms: None,
                 };
-                (vec![("o".to_string(), o), ("ht".to_string(), ht)], Some(t))
+                (p.outputs()?, Some(t))
             }
         }
     };
     finish(tensors, timings)
+}
+
+/// `forward_backward`'s outputs with the final state after `o` (computed apart when no `dht`
+/// asked for it).
+pub fn with_final_state(
+    p: &Prepared,
+    mut all: Vec<(String, Tensor)>,
+) -> Result<Vec<(String, Tensor)>, CliError> {
+    if !all.iter().any(|(name, _)| name == "ht") {
+        let mut outs = p.outputs()?;
+        all.insert(1, outs.remove(1));
+    }
+    Ok(all)
 }
 
 /// `gdp run --cp-size R`: the same outputs through [`ContextParallel`] on `R` ranks.

@@ -327,19 +327,26 @@ pub fn backward(
     super::memory::default_pool_policy(&dev)?;
     let total = backward_len(sh, has_h0);
     let split = if qk.0.dtype() == DType::BF16 {
-        super::chunked_bwd::try_backward_bf16(
+        use super::chunked_bwd::{try_backward_bf16, Cotangent, GradLayout, Grads};
+        let cot = Cotangent::Packed(grad);
+        let layout = GradLayout::Packed;
+        match try_backward_bf16(
             &dev,
             qk,
             v,
             aux,
-            grad,
+            cot,
             sh,
             scale,
             has_h0,
             h0_override,
             dht_override,
-            total,
-        )?
+            layout,
+        )? {
+            Some(Grads::Packed(out)) => Some(out),
+            Some(Grads::Parts { .. }) => candle_core::bail!("gdp cuda: packed gradients expected"),
+            None => None,
+        }
     } else {
         None
     };

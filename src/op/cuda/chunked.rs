@@ -181,8 +181,9 @@ pub(super) fn smem_and_sms(dev: &CudaDevice) -> Result<(usize, usize)> {
     ))
 }
 
-/// Runs the two-kernel bf16 forward if `GDP_CUDA_FWD` allows it and it fits this shape;
-/// `Ok(None)` means: use the one-kernel forward.
+/// Runs the two-kernel bf16 forward if `GDP_CUDA_FWD` allows it and it fits this shape: the
+/// packed f32 `[o | final state]`, or with `plain` only `o` in bf16; `Ok(None)` means: use the
+/// one-kernel forward.
 #[allow(clippy::too_many_arguments)]
 pub fn try_forward_bf16(
     dev: &CudaDevice,
@@ -193,6 +194,7 @@ pub fn try_forward_bf16(
     scale: f32,
     has_h0: bool,
     h0_override: Option<&CudaSlice<f32>>,
+    plain: bool,
 ) -> Result<Option<CudaStorage>> {
     let choice = choice("GDP_CUDA_FWD")?;
     if choice == Choice::Fused {
@@ -207,10 +209,29 @@ pub fn try_forward_bf16(
             check_states(h0_override, sh, "initial-state override")?;
             let table = ChunkTable::new(dev, sh)?;
             let wy = WyFactors::compute(dev, &inp, &table, sh, scale, false)?;
-            let mut out = dev.alloc_zeros::<f32>(sh.o_len() + sh.state_len())?;
-            let dest = ScanDest::Output(&mut out);
-            run_scan(dev, &inp, &table, &wy, sh, has_h0, h0_override, &plan, dest)?;
-            Ok(Some(CudaStorage::wrap_cuda_slice(out, dev.clone())))
+            let out = if plain {
+                // SAFETY: the scan writes o for every query row (`cu_seqlens` covers every
+                // token); with no (sequence, head) pair it is empty.
+                let mut o = unsafe { dev.alloc::<bf16>(sh.o_len())? };
+                run_scan(
+                    dev,
+                    &inp,
+                    &table,
+                    &wy,
+                    sh,
+                    has_h0,
+                    h0_override,
+                    &plan,
+                    ScanDest::Plain(&mut o),
+                )?;
+                CudaStorage::wrap_cuda_slice(o, dev.clone())
+            } else {
+                let mut out = dev.alloc_zeros::<f32>(sh.o_len() + sh.state_len())?;
+                let dest = ScanDest::Packed(&mut out);
+                run_scan(dev, &inp, &table, &wy, sh, has_h0, h0_override, &plan, dest)?;
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            };
+            Ok(Some(out))
         }
         (None, Choice::Chunked) => candle_core::bail!(
             "gdp cuda: GDP_CUDA_FWD=chunked does not fit K = {}, V = {}, n = {} in {max_smem} \
@@ -365,10 +386,12 @@ impl WyFactors {
     }
 }
 
-/// Where the forward scan writes: the packed `[o | final state]` (the forward), or each
-/// chunk's start state `[slots, K, V]` and Delta `[slots, 64, V]` in bf16 (the backward).
+/// Where the forward scan writes: the packed f32 `[o | final state]` or `o` alone in bf16 (the
+/// forward), or each chunk's start state `[slots, K, V]` and Delta `[slots, 64, V]` in bf16
+/// (the backward).
 pub(super) enum ScanDest<'a> {
-    Output(&'a mut CudaSlice<f32>),
+    Packed(&'a mut CudaSlice<f32>),
+    Plain(&'a mut CudaSlice<bf16>),
     States {
         hs: &'a mut CudaSlice<bf16>,
         dn: &'a mut CudaSlice<bf16>,
@@ -410,14 +433,28 @@ pub(super) fn run_scan(
         None => args.arg(&inp.aux),
     };
     args.arg(&use_override);
+    // The kernel's `out, outb, fin, hs, dn`: f32 o, bf16 o, final states, start states, Delta.
+    let mut parts;
     match dest {
-        ScanDest::Output(out) => {
-            args.arg(out);
+        ScanDest::Packed(out) => {
+            parts = out.split_at_mut(sh.o_len());
+            args.arg(&mut parts.0);
+            args.arg(&null);
+            args.arg(&mut parts.1);
             args.arg(&null);
             args.arg(&null);
         }
-        ScanDest::States { hs, dn } => {
+        ScanDest::Plain(o) => {
             args.arg(&null);
+            args.arg(o);
+            for _ in 0..3 {
+                args.arg(&null);
+            }
+        }
+        ScanDest::States { hs, dn } => {
+            for _ in 0..3 {
+                args.arg(&null);
+            }
             args.arg(hs);
             args.arg(dn);
         }

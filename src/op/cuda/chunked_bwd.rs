@@ -9,14 +9,16 @@
 
 use super::chunked::{
     choice, key_tile, query_rows, run_scan, scan_plan, smem_and_sms, wy_smem_bytes, Bf16Inputs,
-    Choice, ChunkTable, ScanDest, ScanKind, WyFactors, FWD_SCAN,
+    Choice, ChunkTable, ScanDest, ScanKind, ScanPlan, WyFactors, FWD_SCAN,
 };
 use super::launch::{allow_smem, check_states, shape_i32, to_i32, view};
 use super::module::load_kernel;
 use crate::op::shape::{GdpShape, CHUNK};
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
-use candle_core::{CudaStorage, Layout, Result};
+use candle_core::op::BackpropOp;
+use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 use half::bf16;
 
 /// Threads per block of the gradient kernel (`GDPG_THREADS`) and its column groups
@@ -55,23 +57,34 @@ fn grad_tile(d: usize) -> Option<usize> {
     [64, 128].into_iter().find(|&t| d <= t)
 }
 
-/// Runs the split bf16 backward if `GDP_CUDA_BWD` allows it and it fits this shape (same
-/// contract as [`super::backward`], without `zero_dh0`); `Ok(None)` means: use the
-/// per-value-tile backward.
-#[allow(clippy::too_many_arguments)]
-pub fn try_backward_bf16(
-    dev: &CudaDevice,
-    qk: (&CudaStorage, &Layout),
-    v: (&CudaStorage, &Layout),
-    aux: (&CudaStorage, &Layout),
-    grad: (&CudaStorage, &Layout),
-    sh: &GdpShape,
-    scale: f32,
-    has_h0: bool,
-    h0_override: Option<&CudaSlice<f32>>,
-    dht_override: Option<&CudaSlice<f32>>,
-    total: usize,
-) -> Result<Option<CudaSlice<f32>>> {
+/// The gradient of the forward's output: the packed f32 `[do | dht]`, or `do [B, T, H, V]` alone
+/// in bf16 (the op's plain output; `dht` is then zero unless overridden).
+pub enum Cotangent<'a> {
+    Packed((&'a CudaStorage, &'a Layout)),
+    Plain((&'a CudaStorage, &'a Layout)),
+}
+
+/// Where the gradients go: the packed f32 `[dqk | dv | dg | dbeta | dh0?]`, or bf16 `dqk` and
+/// `dv` with the f32 `[dg | dbeta | dh0?]` (the layout of the gate buffer).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum GradLayout {
+    Packed,
+    Parts,
+}
+
+/// The gradients, in the requested [`GradLayout`].
+pub enum Grads {
+    Packed(CudaSlice<f32>),
+    Parts {
+        dqk: CudaSlice<bf16>,
+        dv: CudaSlice<bf16>,
+        daux: CudaSlice<f32>,
+    },
+}
+
+/// Whether the split backward serves this shape under `GDP_CUDA_BWD`: `Ok(None)` means the
+/// per-value-tile backward; `GDP_CUDA_BWD=chunked` where it does not fit is an error.
+fn plan(dev: &CudaDevice, sh: &GdpShape) -> Result<Option<SplitPlan>> {
     let choice = choice("GDP_CUDA_BWD")?;
     if choice == Choice::Fused {
         return Ok(None);
@@ -84,31 +97,72 @@ pub fn try_backward_bf16(
     let fits = wy_smem_bytes(sh.dk, sh.dv) <= max_smem && key_tile(sh.dk).is_some();
     let fwd = scan_plan(&FWD_SCAN, sh, max_smem, sms)?;
     let dh = scan_plan(&DH_SCAN, sh, max_smem, sms)?;
-    let (Some((kp, vp)), Some(fwd), Some(dh), true) = (tiles, fwd, dh, fits) else {
-        if choice == Choice::Chunked {
-            candle_core::bail!(
-                "gdp cuda: GDP_CUDA_BWD=chunked does not fit K = {}, V = {}, n = {} (needs \
-                 K, V <= 128 and {max_smem} bytes of shared memory)",
-                sh.dk,
-                sh.dv,
-                sh.n
-            );
-        }
+    match (tiles, fwd, dh, fits) {
+        (Some((kp, vp)), Some(fwd), Some(dh), true) => Ok(Some(SplitPlan { kp, vp, fwd, dh })),
+        _ if choice == Choice::Chunked => candle_core::bail!(
+            "gdp cuda: GDP_CUDA_BWD=chunked does not fit K = {}, V = {}, n = {} (needs K, V <= \
+             128 and {max_smem} bytes of shared memory)",
+            sh.dk,
+            sh.dv,
+            sh.n
+        ),
+        _ => Ok(None),
+    }
+}
+
+/// The tiles and scan plans of one split backward.
+struct SplitPlan {
+    kp: usize,
+    vp: usize,
+    fwd: ScanPlan,
+    dh: ScanPlan,
+}
+
+/// Runs the split bf16 backward if `GDP_CUDA_BWD` allows it and it fits this shape (the
+/// contract of [`super::backward`] without `zero_dh0`, and with a plain `do` allowed);
+/// `Ok(None)` means: use the per-value-tile backward.
+#[allow(clippy::too_many_arguments)]
+pub fn try_backward_bf16(
+    dev: &CudaDevice,
+    qk: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    aux: (&CudaStorage, &Layout),
+    cot: Cotangent,
+    sh: &GdpShape,
+    scale: f32,
+    has_h0: bool,
+    h0_override: Option<&CudaSlice<f32>>,
+    dht_override: Option<&CudaSlice<f32>>,
+    layout: GradLayout,
+) -> Result<Option<Grads>> {
+    let Some(SplitPlan { kp, vp, fwd, dh }) = plan(dev, sh)? else {
         return Ok(None);
     };
+    let qr = query_rows(sh.n);
     let inp = Bf16Inputs::new(qk, v, aux, sh, has_h0)?;
     check_states(h0_override, sh, "initial-state override")?;
     check_states(dht_override, sh, "dht override")?;
     let (o_len, s_len) = (sh.o_len(), sh.state_len());
-    let grad_v = view::<f32>(grad.0, grad.1, o_len + s_len, "grad")?;
     let table = ChunkTable::new(dev, sh)?;
     let slots = table.slots(sh);
     let kv = sh.dk * sh.dv;
-    // SAFETY: the kernels below write every element of `out`: `cu_seqlens` covers every token
-    // (`validate_cu_seqlens`), and the gradient kernel writes dq, dk, dv, dβ and dg of every
-    // row of every chunk (each once), the state-gradient scan dh0 of every (sequence, head)
-    // when the layout has it. With no (sequence, head) pair `total` is zero.
-    let mut out = unsafe { dev.alloc::<f32>(total)? };
+    let aux_len = sh.aux_len(has_h0);
+    // SAFETY: the kernels below write every element of the gradients: `cu_seqlens` covers
+    // every token (`validate_cu_seqlens`), and the gradient kernel writes dq, dk, dv, dβ and dg
+    // of every row of every chunk (each once), the state-gradient scan dh0 of every (sequence,
+    // head) when the layout has it. With no (sequence, head) pair every length is zero.
+    let mut out = unsafe {
+        match layout {
+            GradLayout::Packed => {
+                Grads::Packed(dev.alloc::<f32>(sh.qk_len() + sh.v_len() + aux_len)?)
+            }
+            GradLayout::Parts => Grads::Parts {
+                dqk: dev.alloc::<bf16>(sh.qk_len())?,
+                dv: dev.alloc::<bf16>(sh.v_len())?,
+                daux: dev.alloc::<f32>(aux_len)?,
+            },
+        }
+    };
     if sh.num_seqs() * sh.heads == 0 {
         return Ok(Some(out));
     }
@@ -126,25 +180,16 @@ pub fn try_backward_bf16(
     };
     run_scan(dev, &inp, &table, &wy, sh, has_h0, h0_override, &fwd, dest)?;
 
-    // dO in bf16 (the tensor cores' operand type).
-    let mut dob = unsafe { dev.alloc::<bf16>(o_len.max(1))? };
-    if o_len > 0 {
-        let cvt = load_kernel(dev, "gdp_f32_to_bf16")?;
-        let len = o_len as i64;
-        let mut args = cvt.builder();
-        let src = grad_v.slice(0..o_len);
-        args.arg(&src);
-        args.arg(&mut dob);
-        args.arg(&len);
-        let blocks = o_len.div_ceil(256).min(65_535) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: `gdp_f32_to_bf16(src, dst, len)` with both buffers holding `len` elements.
-        unsafe { args.launch(cfg) }.w()?;
-    }
+    // dO in bf16 (the tensor cores' operand type), and dht (f32) when given.
+    let converted;
+    let (dob, dht) = match cot {
+        Cotangent::Plain(d) => (view::<bf16>(d.0, d.1, o_len, "do")?, None),
+        Cotangent::Packed(g) => {
+            let grad = view::<f32>(g.0, g.1, o_len + s_len, "grad")?;
+            converted = to_bf16(dev, &grad.slice(0..o_len))?;
+            (converted.slice(..), Some(grad.slice(o_len..o_len + s_len)))
+        }
+    };
 
     // 3. The state-gradient scan.
     let [b, t, h, k, vd, n] = shape_i32(sh)?;
@@ -153,11 +198,13 @@ pub fn try_backward_bf16(
     {
         let func = load_kernel(dev, &dh.kernel)?;
         allow_smem(&func, dh.smem)?;
-        let dht_grad = grad_v.slice(o_len..o_len + s_len);
-        let has_dht = 1i32;
+        let has_dht = i32::from(dht.is_some() || dht_override.is_some());
         let write_dh0 = i32::from(has_h0);
-        let dh0_at = total - if has_h0 { s_len } else { 0 };
-        let mut dh0 = out.slice_mut(dh0_at..);
+        let dh0_at = aux_len - if has_h0 { s_len } else { 0 };
+        let mut dh0 = match &mut out {
+            Grads::Packed(p) => p.slice_mut(sh.qk_len() + sh.v_len() + dh0_at..),
+            Grads::Parts { daux, .. } => daux.slice_mut(dh0_at..),
+        };
         let (qr_i, ns) = (qr as i32, dh.stages as i32);
         let mut args = func.builder();
         args.arg(&inp.qk);
@@ -166,9 +213,11 @@ pub fn try_backward_bf16(
         args.arg(&wy.p);
         args.arg(&wy.coef);
         args.arg(&dob);
-        match dht_override {
-            Some(d) => args.arg(d),
-            None => args.arg(&dht_grad),
+        match (dht_override, &dht) {
+            (Some(d), _) => args.arg(d),
+            (None, Some(d)) => args.arg(d),
+            // Never read (`has_dht` is 0), but the kernel wants a valid pointer.
+            (None, None) => args.arg(&inp.aux),
         };
         args.arg(&has_dht);
         args.arg(&mut dhs);
@@ -188,9 +237,9 @@ pub fn try_backward_bf16(
             shared_mem_bytes: dh.smem as u32,
         };
         // SAFETY: the arguments match `gdp_bwd_dh_bf16_impl`: the WY factors and the bf16 dO
-        // come from launches on this stream; dht and dh0 hold one state per (sequence, head)
-        // (dh0 is written only with `write_dh0`, then at the end of `out`); the dynamic shared
-        // memory is `dh_smem_bytes`.
+        // come from launches on this stream; dht (read only with `has_dht`) and dh0 hold one
+        // state per (sequence, head) (dh0 is written only with `write_dh0`, then at the end of
+        // the gate gradients); the dynamic shared memory is `dh_smem_bytes`.
         unsafe { args.launch(cfg) }.w()?;
     }
 
@@ -206,6 +255,7 @@ pub fn try_backward_bf16(
             .ok_or_else(|| candle_core::Error::Msg("gdp cuda: Ainv was not kept".into()))?;
         let nseq = to_i32(sh.num_seqs(), "N")?;
         let qr_i = qr as i32;
+        let null = 0u64;
         let mut args = func.builder();
         args.arg(&inp.qk);
         args.arg(&inp.v);
@@ -217,7 +267,20 @@ pub fn try_backward_bf16(
         args.arg(&dn);
         args.arg(&ddn);
         args.arg(&dob);
-        args.arg(&mut out);
+        match &mut out {
+            Grads::Packed(p) => {
+                args.arg(p);
+                args.arg(&null);
+                args.arg(&null);
+                args.arg(&null);
+            }
+            Grads::Parts { dqk, dv, daux } => {
+                args.arg(&null);
+                args.arg(dqk);
+                args.arg(dv);
+                args.arg(daux);
+            }
+        }
         for x in [&b, &t, &h, &k, &vd, &n, &nseq] {
             args.arg(x);
         }
@@ -229,9 +292,96 @@ pub fn try_backward_bf16(
             shared_mem_bytes: smem as u32,
         };
         // SAFETY: the arguments match `gdp_bwd_grads_bf16_impl`: every per-slot buffer was
-        // sized from the same table and filled above on this stream; `out` holds the packed
-        // gradient layout of `backward_len`; the dynamic shared memory is `grads_smem_bytes`.
+        // sized from the same table and filled above on this stream; the gradients are either
+        // the packed f32 layout (null part pointers) or the parts (a null packed pointer),
+        // sized above; the dynamic shared memory is `grads_smem_bytes`.
         unsafe { args.launch(cfg) }.w()?;
     }
     Ok(Some(out))
+}
+
+/// `src` rounded to bf16, in a new buffer.
+fn to_bf16(dev: &CudaDevice, src: &CudaView<f32>) -> Result<CudaSlice<bf16>> {
+    let len = src.len();
+    // SAFETY: the conversion below writes every element.
+    let mut dst = unsafe { dev.alloc::<bf16>(len.max(1))? };
+    if len == 0 {
+        return Ok(dst);
+    }
+    let cvt = load_kernel(dev, "gdp_f32_to_bf16")?;
+    let len_i = len as i64;
+    let mut args = cvt.builder();
+    args.arg(src);
+    args.arg(&mut dst);
+    args.arg(&len_i);
+    let cfg = LaunchConfig {
+        grid_dim: (len.div_ceil(256).min(65_535) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `gdp_f32_to_bf16(src, dst, len)` with both buffers holding `len` elements.
+    unsafe { args.launch(cfg) }.w()?;
+    drop(args);
+    Ok(dst)
+}
+
+/// The split bf16 backward on tensors, for the op's `bwd`: `qk`, `v` (bf16), the gate buffer
+/// and the output's gradient `grad` (the packed f32 `[do | dht]`, or with `plain` the bf16
+/// `do [B, T, H, V]`) on one CUDA device; returns the gradients of `qk` and `v` (bf16, in their
+/// shapes) and of the gate buffer (f32), without the packed f32 detour of
+/// [`super::backward`]. `Ok(None)` where this path does not apply (not CUDA, not bf16, or the
+/// split backward does not fit).
+pub fn try_backward_tensors(
+    qk: &Tensor,
+    v: &Tensor,
+    aux: &Tensor,
+    grad: &Tensor,
+    sh: &GdpShape,
+    scale: f32,
+    has_h0: bool,
+    plain: bool,
+) -> Result<Option<[Tensor; 3]>> {
+    if qk.dtype() != DType::BF16 || v.dtype() != DType::BF16 || !qk.device().is_cuda() {
+        return Ok(None);
+    }
+    let (qs, ql) = qk.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let (xs, xl) = aux.storage_and_layout();
+    let (gs, gl) = grad.storage_and_layout();
+    let (Storage::Cuda(qs), Storage::Cuda(vs), Storage::Cuda(xs), Storage::Cuda(gs)) =
+        (&*qs, &*vs, &*xs, &*gs)
+    else {
+        return Ok(None);
+    };
+    let dev = qs.device().clone();
+    super::memory::default_pool_policy(&dev)?;
+    let cot = if plain {
+        Cotangent::Plain((gs, gl))
+    } else {
+        Cotangent::Packed((gs, gl))
+    };
+    let grads = try_backward_bf16(
+        &dev,
+        (qs, ql),
+        (vs, vl),
+        (xs, xl),
+        cot,
+        sh,
+        scale,
+        has_h0,
+        None,
+        None,
+        GradLayout::Parts,
+    )?;
+    let Some(Grads::Parts { dqk, dv, daux }) = grads else {
+        return Ok(None);
+    };
+    let wrap = |s: CudaStorage, shape: &Shape| {
+        Tensor::from_storage(Storage::Cuda(s), shape.clone(), BackpropOp::none(), false)
+    };
+    Ok(Some([
+        wrap(CudaStorage::wrap_cuda_slice(dqk, dev.clone()), qk.shape()),
+        wrap(CudaStorage::wrap_cuda_slice(dv, dev.clone()), v.shape()),
+        wrap(CudaStorage::wrap_cuda_slice(daux, dev), aux.shape()),
+    ]))
 }

@@ -175,8 +175,9 @@ pub(super) fn device_attr(dev: &CudaDevice, attr: CUdevice_attribute) -> Result<
 
 /// Forward on CUDA: `qk [B, T, n+1, H, K]`, `v [B, T·n, H, V]` (both f32, bf16 or f16) and the
 /// f32 gate buffer `[g | beta | h0?]`; returns the packed f32 `[o (B·T·H·V) | final state
-/// (N·H·K·V)]`. `h0_override [N, H, K, V]` (f32, on the same device), when given, replaces the
-/// initial states of the gate buffer (context parallelism).
+/// (N·H·K·V)]`, or with `plain` only `o` in the dtype of `qk`. `h0_override [N, H, K, V]`
+/// (f32, on the same device), when given, replaces the initial states of the gate buffer
+/// (context parallelism).
 #[allow(clippy::too_many_arguments)]
 pub fn forward(
     qk: (&CudaStorage, &Layout),
@@ -186,6 +187,7 @@ pub fn forward(
     scale: f32,
     has_h0: bool,
     h0_override: Option<&CudaSlice<f32>>,
+    plain: bool,
 ) -> Result<CudaStorage> {
     let dev = qk.0.device().clone();
     for (s, name) in [(v.0, "v"), (aux.0, "gates")] {
@@ -207,7 +209,24 @@ pub fn forward(
         );
     }
     super::memory::default_pool_policy(&dev)?;
-    match qk.0.dtype() {
+    let dtype = qk.0.dtype();
+    if dtype == DType::BF16 {
+        let out = super::chunked::try_forward_bf16(
+            &dev,
+            qk,
+            v,
+            aux,
+            sh,
+            scale,
+            has_h0,
+            h0_override,
+            plain,
+        )?;
+        if let Some(out) = out {
+            return Ok(out);
+        }
+    }
+    let packed = match dtype {
         DType::F32 => launch::<f32>(
             "gdp_fwd_f32",
             &dev,
@@ -219,31 +238,17 @@ pub fn forward(
             has_h0,
             h0_override,
         ),
-        DType::BF16 => {
-            match super::chunked::try_forward_bf16(
-                &dev,
-                qk,
-                v,
-                aux,
-                sh,
-                scale,
-                has_h0,
-                h0_override,
-            )? {
-                Some(out) => Ok(out),
-                None => launch::<half::bf16>(
-                    "gdp_fwd_bf16",
-                    &dev,
-                    qk,
-                    v,
-                    aux,
-                    sh,
-                    scale,
-                    has_h0,
-                    h0_override,
-                ),
-            }
-        }
+        DType::BF16 => launch::<half::bf16>(
+            "gdp_fwd_bf16",
+            &dev,
+            qk,
+            v,
+            aux,
+            sh,
+            scale,
+            has_h0,
+            h0_override,
+        ),
         DType::F16 => launch::<half::f16>(
             "gdp_fwd_f16",
             &dev,
@@ -259,7 +264,17 @@ pub fn forward(
             "gdp cuda: f64 inputs are not supported on CUDA; use f32, bf16 or f16 (or the CPU op)"
         ),
         dt => candle_core::bail!("gdp cuda: unsupported dtype {dt:?} for q/k/v"),
+    }?;
+    if plain {
+        plain_output(&packed, sh, dtype)
+    } else {
+        Ok(packed)
     }
+}
+
+/// `o` alone in `dtype`, copied out of the packed f32 `[o | final state]`.
+pub fn plain_output(packed: &CudaStorage, sh: &GdpShape, dtype: DType) -> Result<CudaStorage> {
+    packed.to_dtype(&Layout::contiguous(sh.o_len()), dtype)
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -6,6 +6,7 @@
 mod backward;
 mod chunked;
 mod chunked_bwd;
+mod copy;
 mod launch;
 mod memory;
 mod module;
@@ -15,6 +16,8 @@ pub use backward::{
     backward, backward_len, backward_summaries, bwd_smem_bytes, dht_to_host, forward_summaries,
     initial_states_to_host, BwdPlan,
 };
-pub use launch::{forward, smem_bytes, LaunchPlan, THREADS};
+pub use chunked_bwd::try_backward_tensors;
+pub(crate) use copy::copy_rows;
+pub use launch::{forward, plain_output, smem_bytes, LaunchPlan, THREADS};
 pub use memory::retain_freed_memory;
 pub use step::step;

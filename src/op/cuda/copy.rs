@@ -1,0 +1,78 @@
+//! Strided row copies on CUDA (`gdp_copy_rows`, `cuda/copy.cuh`): Candle's `copy2d`, 16 bytes
+//! per thread where the rows allow it instead of one element per thread. The op's packing of
+//! `q` and `k` into `qk` and its backward's cutting of `dq` and `dk` out of `dqk` are such copies,
+//! over the whole of `q` and `k`.
+
+use super::module::load_kernel;
+use crate::op::pack::RowCopy;
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{CudaStorage, DType, Result};
+
+/// Copies `r` from `src` to `dst` (same dtype, same device): `gdp_copy_rows` for 2- and 4-byte
+/// dtypes, Candle's `copy2d` for the others.
+pub(crate) fn copy_rows(src: &CudaStorage, dst: &mut CudaStorage, r: RowCopy) -> Result<()> {
+    if src.dtype() != dst.dtype() {
+        candle_core::bail!(
+            "gdp cuda: row copy from {:?} to {:?}",
+            src.dtype(),
+            dst.dtype()
+        );
+    }
+    match src.dtype() {
+        DType::BF16 => launch::<half::bf16>(src, dst, r),
+        DType::F16 => launch::<half::f16>(src, dst, r),
+        DType::F32 => launch::<f32>(src, dst, r),
+        _ => r.copy2d(src, dst),
+    }
+}
+
+fn launch<T: CudaDType + DeviceRepr>(
+    src: &CudaStorage,
+    dst: &mut CudaStorage,
+    r: RowCopy,
+) -> Result<()> {
+    if r.rows == 0 || r.width == 0 {
+        return Ok(());
+    }
+    let last = |off: usize, stride: usize| off + (r.rows - 1) * stride + r.width;
+    let (s, d) = (src.as_cuda_slice::<T>()?, dst.as_cuda_slice::<T>()?);
+    if last(r.src_off, r.src_stride) > s.len() || last(r.dst_off, r.dst_stride) > d.len() {
+        candle_core::bail!(
+            "gdp cuda: row copy out of bounds ({r:?}, source {} and destination {} elements)",
+            s.len(),
+            d.len()
+        );
+    }
+    let dev = src.device().clone();
+    let func = load_kernel(&dev, "gdp_copy_rows")?;
+    let elem = std::mem::size_of::<T>();
+    let s = s.slice(r.src_off..);
+    let mut d = dst.as_cuda_slice_mut::<T>()?.slice_mut(r.dst_off..);
+    let bytes = |x: usize| (x * elem) as i64;
+    let (rows, width) = (r.rows as i64, bytes(r.width));
+    let (src_ld, dst_ld) = (bytes(r.src_stride), bytes(r.dst_stride));
+    // One thread per 16 bytes of a row (the kernel loops where it must copy narrower units).
+    let threads = 256u32;
+    let gx = (r.width * elem)
+        .div_ceil(16 * threads as usize)
+        .clamp(1, 1024) as u32;
+    let gy = r.rows.min(65_535) as u32;
+    let mut args = func.builder();
+    args.arg(&s);
+    args.arg(&mut d);
+    args.arg(&rows);
+    args.arg(&width);
+    args.arg(&src_ld);
+    args.arg(&dst_ld);
+    let cfg = LaunchConfig {
+        grid_dim: (gx, gy, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `gdp_copy_rows(src, dst, rows, width, src_ld, dst_ld)` in bytes; every row read or
+    // written lies inside the slices (checked above).
+    unsafe { args.launch(cfg) }.w()?;
+    Ok(())
+}
