@@ -59,6 +59,59 @@ __device__ __forceinline__ float gdpg_quad_sum(float x) {
 #endif
 }
 
+// __shfl_up_sync / __shfl_down_sync over the full warp (a lane with no source keeps x).
+__device__ __forceinline__ float gdpg_shfl_up(float x, int d, int lane) {
+#ifdef GDP_EMU
+  return gdp_emu_shfl(x, lane >= d ? lane - d : lane);
+#else
+  return __shfl_up_sync(0xffffffffu, x, d);
+#endif
+}
+__device__ __forceinline__ float gdpg_shfl_down(float x, int d, int lane) {
+#ifdef GDP_EMU
+  return gdp_emu_shfl(x, lane + d < 32 ? lane + d : lane);
+#else
+  return __shfl_down_sync(0xffffffffu, x, d);
+#endif
+}
+
+// The chunk-local gate gradient of gdpb_gate_grad (gdp_bwd.cuh) on one warp instead of one
+// thread: lane l holds rows 2l and 2l + 1 (c <= 64), the exclusive prefix of A1 and the
+// reverse cumsum of DG come from warp scans. r0: the sub-step of row 0 (p0 mod n). `put(i, tk,
+// x)` as there: x for the token whose slot 0 is row i, token p0 / n + tk.
+template <typename Put>
+__device__ __forceinline__ void gdpg_gate_grad_warp(const float* A1, const float* DG, int c,
+                                                    int r0, int n, int lane, Put put) {
+  const int i0 = 2 * lane, i1 = i0 + 1;
+  const float a0 = i0 < c ? A1[i0] : 0.f, a1 = i1 < c ? A1[i1] : 0.f;
+  const float d0 = i0 < c ? DG[i0] : 0.f, d1 = i1 < c ? DG[i1] : 0.f;
+  float pa = a0 + a1, sd = d0 + d1;  // -> inclusive prefix of the pairs / suffix from this pair
+  for (int d = 1; d < 32; d <<= 1) {
+    const float up = gdpg_shfl_up(pa, d, lane), down = gdpg_shfl_down(sd, d, lane);
+    if (lane >= d) pa += up;
+    if (lane + d < 32) sd += down;
+  }
+  const float before = gdpg_shfl_up(pa, 1, lane), after = gdpg_shfl_down(sd, 1, lane);
+  const float pre0 = lane > 0 ? before : 0.f, suf1 = d1 + (lane < 31 ? after : 0.f);
+  const float x[2] = {d0 + suf1 + pre0, suf1 + (pre0 + a0)};
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int i = i0 + e;
+    if (i < c && (r0 + i) % n == 0) put(i, (r0 + i) / n, x[e]);
+  }
+}
+
+// Sum over the warp.
+__device__ __forceinline__ float gdpg_warp_sum(float x) {
+#ifdef GDP_EMU
+  return gdp_emu_xor_sum(x, 31);
+#else
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+#endif
+}
+
 // Sum over the eight lanes that share an accumulator column (same t).
 __device__ __forceinline__ float gdpg_column_sum(float x) {
 #ifdef GDP_EMU
@@ -644,7 +697,8 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
       const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(DHB + r * LV + col));
       s += a.x * b.x + a.y * b.y;
     }
-    atomicAdd(&MISC[0], s);
+    s = gdpg_warp_sum(s);  // one shared-memory atomic per warp, not per thread
+    if (lane == 0) atomicAdd(&MISC[0], s);
   }
   __syncthreads();
 
@@ -670,8 +724,8 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   }
   __syncthreads();
 
-  // ---- Phase 5: dβ and the gate gradient per row (gdp_bwd.cuh P13, P14). DM's space holds
-  // the row values (DG) and the A1 prefix sums.
+  // ---- Phase 5: dβ and the gate gradient per row (gdp_bwd.cuh P13, P14; the reverse cumsum
+  // on warp 0). DM's space holds the row values (DG) and A1.
   float* DG = DM;
   float* A1 = DM + C;
   for (int i = tid; i < c; i += nthr) {
@@ -693,8 +747,8 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
     A1[i] = sum2(R_A1);
   }
   __syncthreads();
-  if (tid == 0)
-    gdpb_gate_grad(A1, DG, c, p0, n, [&](int, int tk, float x) {
+  if (warp == 0)
+    gdpg_gate_grad_warp(A1, DG, c, rows.r0, n, lane, [&](int, int tk, float x) {
       dg_out[(tok0 + rows.t0 + tk) * H + head] = x;
     });
 }

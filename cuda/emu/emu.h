@@ -207,9 +207,10 @@ inline void gdp_emu_ldsm(uint32_t (&r)[4], const void* p, bool trans) {
   }
 }
 
-// Sum of x over the lanes l ^ m for every m made of the bits of `mask` (a butterfly of
-// __shfl_xor_sync over those bits); same two-buffer scheme as the mma.
-inline float gdp_emu_xor_sum(float x, int mask) {
+// Every lane of the warp publishes x; returns the warp's 32 published values after a warp
+// barrier. Two buffers used alternately (one counter for every exchange), so that a lane's next
+// exchange never overwrites values another lane may still be reading (as in the mma).
+inline const float* gdp_emu_exchange(float x) {
   thread_local unsigned calls = 0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   EmuBlock& blk = *g_block;
@@ -218,11 +219,22 @@ inline float gdp_emu_xor_sum(float x, int mask) {
   float* v = &blk.shfl[buf * nthr + warp * 32];
   v[lane] = x;
   blk.warps[warp]->arrive_and_wait();
+  return v;
+}
+
+// Sum of x over the lanes l ^ m for every m made of the bits of `mask` (a butterfly of
+// __shfl_xor_sync over those bits).
+inline float gdp_emu_xor_sum(float x, int mask) {
+  const float* v = gdp_emu_exchange(x);
+  const int lane = threadIdx.x & 31;
   float s = 0.f;
   for (int m = 0; m < 32; ++m)
     if ((m & ~mask) == 0) s += v[lane ^ m];
   return s;
 }
+
+// __shfl_sync(full mask, x, src): lane src's x.
+inline float gdp_emu_shfl(float x, int src) { return gdp_emu_exchange(x)[src & 31]; }
 inline float gdp_emu_quad_sum(float x) { return gdp_emu_xor_sum(x, 3); }
 inline float gdp_emu_column_sum(float x) { return gdp_emu_xor_sum(x, 28); }
 
