@@ -291,6 +291,7 @@ fn poisoned() -> candle_core::Error {
 impl CpLink {
     /// The forward on this rank, like [`CpLink::forward`], on CUDA storages (with `plain`, `o`
     /// alone in the inputs' dtype, as [`cuda::forward`](crate::op::cuda::forward)).
+    #[allow(clippy::too_many_arguments)]
     pub fn forward_cuda(
         &self,
         qk: CudaIn,

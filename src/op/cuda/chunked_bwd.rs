@@ -331,6 +331,7 @@ fn to_bf16(dev: &CudaDevice, src: &CudaView<f32>) -> Result<CudaSlice<bf16>> {
 /// shapes) and of the gate buffer (f32), without the packed f32 detour of
 /// [`super::backward`]. `Ok(None)` where this path does not apply (not CUDA, not bf16, or the
 /// split backward does not fit).
+#[allow(clippy::too_many_arguments)]
 pub fn try_backward_tensors(
     qk: &Tensor,
     v: &Tensor,
