@@ -200,7 +200,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     int64_t* ooff = qoff + C;
     const int64_t p0 = (int64_t)ci * C;
     const int c = (int)min((int64_t)C, L - p0);
-    const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
+    const int first = gdpc_first(p0, n);
     const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
     const GdpcRows rows(tok0, p0, first, n, H, K, head);
     for (int i = tid; i < C; i += nthr) {
@@ -216,7 +216,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     const Stage st = stage(s);
     const int64_t p0 = (int64_t)ci * C;
     const int c = (int)min((int64_t)C, L - p0);
-    const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
+    const int first = gdpc_first(p0, n);
     const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
     const int64_t* koff = tables + (step % NS) * 3 * C;
     const int64_t* qoff = koff + C;
@@ -290,7 +290,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     const __nv_bfloat16* sb = Sb + cur * KPT * LB;
     const int64_t p0 = (int64_t)ci * C;
     const int c = (int)min((int64_t)C, L - p0);
-    const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
+    const int first = gdpc_first(p0, n);
     const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
     if (NS == 3 && step + 1 < nch)
@@ -452,7 +452,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   const int64_t L = (int64_t)seq_len * n;
   const int64_t p0 = (int64_t)ci * C;
   const int c = (int)min((int64_t)C, L - p0);
-  const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
+  const int first = gdpc_first(p0, n);
   const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
   const int mq = (nq + 15) / 16;
   const int64_t BTH = (int64_t)B * TT * H;

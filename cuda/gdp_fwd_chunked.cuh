@@ -31,15 +31,23 @@
 
 #define GDPC_THREADS 128
 
+// The first query row (rows t·n + n − 1 are query rows) of the chunk that starts at row p0 of a
+// sequence: n − 1 − p0 mod n, in 32 bits (p0 < T·n fits in i32).
+__device__ __forceinline__ int gdpc_first(int64_t p0, int n) { return n - 1 - (int)p0 % n; }
+
 // Row offsets (elements of qk) of the interleaved chunk that starts at row p0 of a sequence
 // whose first token is tok0: key row i (i < c), query row r (r < nq).
+// Row offsets are formed in 32 bits where they can be: p0 < T·n, which the launchers check
+// to fit in i32, and a 64-bit division is a long subroutine on the scans' sequential path.
 struct GdpcRows {
   int64_t tok0, t0, tq0;
   int r0, n, H, K, head;
   __device__ __forceinline__ GdpcRows(int64_t tok0_, int64_t p0, int first, int n_, int H_,
                                       int K_, int head_)
-      : tok0(tok0_), t0(p0 / n_), tq0((p0 + first) / n_), r0((int)(p0 % n_)), n(n_), H(H_),
-        K(K_), head(head_) {}
+      : tok0(tok0_), t0((int)p0 / n_), r0((int)p0 - (int)t0 * n_), n(n_), H(H_), K(K_),
+        head(head_) {
+    tq0 = t0 + (r0 + first) / n_;
+  }
   __device__ __forceinline__ int64_t key(int i) const {
     const int x = r0 + i;
     return ((tok0 + t0 + x / n) * (n + 1) + 1 + x % n) * H * K + (int64_t)head * K;
@@ -130,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
   const int64_t L = (int64_t)seq_len * n;
   const int64_t p0 = (int64_t)ci * C;
   const int c = (int)min((int64_t)C, L - p0);
-  const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
+  const int first = gdpc_first(p0, n);
   const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
   const int mq = (nq + 15) / 16;  // 16-row tiles of query rows
   const int64_t BTH = (int64_t)B * TT * H;
@@ -163,9 +171,9 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
   gdpc_zero_cols(Ks, LK, C, K, KP, tid, nthr);
   gdpc_zero_cols(QV, LK, 16 * mq, K, KP, tid, nthr);
   for (int i = tid; i < c; i += nthr) {
-    const int64_t p = p0 + i;
-    G[i] = (p % n == 0) ? aux[(tok0 + p / n) * H + head] : 0.f;
-    Bt[i] = aux[BTH + ((tok0 * n + p) * H + head)];
+    const int x = rows.r0 + i;  // row i counted from the token of row 0 (32-bit: no int64 div)
+    G[i] = (x % n == 0) ? aux[(tok0 + rows.t0 + x / n) * H + head] : 0.f;
+    Bt[i] = aux[BTH + ((tok0 * n + p0 + i) * H + head)];
   }
   __syncthreads();
   if (tid == 0) gdpb_cumsum(G, Gl, c);
@@ -398,7 +406,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     int64_t* qoff = koff + C;
     const int64_t p0 = (int64_t)ci * C;
     const int c = (int)min((int64_t)C, L - p0);
-    const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
+    const int first = gdpc_first(p0, n);
     const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
     const GdpcRows rows(tok0, p0, first, n, H, K, head);
     for (int i = tid; i < C; i += nthr) {
@@ -413,7 +421,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const Stage st = stage(s);
     const int64_t p0 = (int64_t)ci * C;
     const int c = (int)min((int64_t)C, L - p0);
-    const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
+    const int first = gdpc_first(p0, n);
     const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
     const int64_t* koff = tables + (ci % NS) * 2 * C;
     const int64_t* qoff = koff + C;
@@ -490,7 +498,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const __nv_bfloat16* sb = Sb + cur * KPT * LB;
     const int64_t p0 = (int64_t)ci * C;
     const int c = (int)min((int64_t)C, L - p0);
-    const int first = (int)(((int64_t)(n - 1) - p0 % n + n) % n);
+    const int first = gdpc_first(p0, n);
     const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
     // Chunks ci .. ci + NS - 2 are in flight (one cp.async group each): wait for chunk ci's.
     if (NS == 3 && ci + 1 < nch)
