@@ -226,55 +226,27 @@ pub fn forward(
             return Ok(out);
         }
     }
+    // The one-kernel forward of `qk`'s dtype: the same arguments for every kernel.
+    macro_rules! fused {
+        ($t:ty, $kernel:literal) => {
+            launch::<$t>($kernel, &dev, qk, v, aux, sh, scale, has_h0, h0_override)
+        };
+    }
     let packed = match dtype {
-        DType::F32 => launch::<f32>(
-            "gdp_fwd_f32",
-            &dev,
-            qk,
-            v,
-            aux,
-            sh,
-            scale,
-            has_h0,
-            h0_override,
-        ),
-        DType::BF16 => launch::<half::bf16>(
-            "gdp_fwd_bf16",
-            &dev,
-            qk,
-            v,
-            aux,
-            sh,
-            scale,
-            has_h0,
-            h0_override,
-        ),
-        DType::F16 => launch::<half::f16>(
-            "gdp_fwd_f16",
-            &dev,
-            qk,
-            v,
-            aux,
-            sh,
-            scale,
-            has_h0,
-            h0_override,
-        ),
+        DType::F32 => fused!(f32, "gdp_fwd_f32"),
+        DType::BF16 => fused!(half::bf16, "gdp_fwd_bf16"),
+        DType::F16 => fused!(half::f16, "gdp_fwd_f16"),
         DType::F64 => candle_core::bail!(
             "gdp cuda: f64 inputs are not supported on CUDA; use f32, bf16 or f16 (or the CPU op)"
         ),
         dt => candle_core::bail!("gdp cuda: unsupported dtype {dt:?} for q/k/v"),
     }?;
     if plain {
-        plain_output(&packed, sh, dtype)
+        // `o` alone in the inputs' dtype, copied out of the packed f32 `[o | final state]`.
+        packed.to_dtype(&Layout::contiguous(sh.o_len()), dtype)
     } else {
         Ok(packed)
     }
-}
-
-/// `o` alone in `dtype`, copied out of the packed f32 `[o | final state]`.
-pub fn plain_output(packed: &CudaStorage, sh: &GdpShape, dtype: DType) -> Result<CudaStorage> {
-    packed.to_dtype(&Layout::contiguous(sh.o_len()), dtype)
 }
 
 #[allow(clippy::too_many_arguments)]

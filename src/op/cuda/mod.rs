@@ -18,6 +18,6 @@ pub use backward::{
 };
 pub use chunked_bwd::try_backward_tensors;
 pub(crate) use copy::copy_rows;
-pub use launch::{forward, plain_output, smem_bytes, LaunchPlan, THREADS};
+pub use launch::{forward, smem_bytes, LaunchPlan, THREADS};
 pub use memory::retain_freed_memory;
 pub use step::step;
