@@ -99,6 +99,58 @@ __device__ __forceinline__ void gdpb_cumsum(float* G, float* Gl, int c) {
   }
 }
 
+// __shfl_up_sync / __shfl_down_sync over the full warp (a lane with no source keeps x).
+__device__ __forceinline__ float gdpg_shfl_up(float x, int d, int lane) {
+#ifdef GDP_EMU
+  return gdp_emu_shfl(x, lane >= d ? lane - d : lane);
+#else
+  return __shfl_up_sync(0xffffffffu, x, d);
+#endif
+}
+__device__ __forceinline__ float gdpg_shfl_down(float x, int d, int lane) {
+#ifdef GDP_EMU
+  return gdp_emu_shfl(x, lane + d < 32 ? lane + d : lane);
+#else
+  return __shfl_down_sync(0xffffffffu, x, d);
+#endif
+}
+
+// TwoSum: s = fl(a + b) and its rounding error e (a + b = s + e exactly).
+__device__ __forceinline__ void gdpb_two_sum(float a, float b, float& s, float& e) {
+  s = a + b;
+  const float bp = s - a;
+  e = (a - (s - bp)) + (b - bp);
+}
+
+// gdpb_cumsum on one warp (all 32 lanes; c <= 64): lane l takes rows 2l and 2l + 1, and a
+// shuffle scan combines (sum, error) pairs with TwoSum, so that G + Gl holds the prefix sums
+// to about the serial version's precision (in another order of additions, so not
+// bit-identical to it). For the bf16 kernels, where the serial loop kept the block waiting.
+__device__ __forceinline__ void gdpb_cumsum_warp(float* G, float* Gl, int c, int lane) {
+  const int i0 = 2 * lane;
+  const float a = i0 < c ? G[i0] : 0.f, b = i0 + 1 < c ? G[i0 + 1] : 0.f;
+  float hi, lo;
+  gdpb_two_sum(a, b, hi, lo);
+  for (int d = 1; d < 32; d <<= 1) {
+    const float uh = gdpg_shfl_up(hi, d, lane), ul = gdpg_shfl_up(lo, d, lane);
+    if (lane >= d) {
+      float s, e;
+      gdpb_two_sum(uh, hi, s, e);
+      hi = s;
+      lo += ul + e;
+    }
+  }
+  // This lane's exclusive prefix is the previous lane's inclusive one.
+  float ph = gdpg_shfl_up(hi, 1, lane), pl = gdpg_shfl_up(lo, 1, lane);
+  if (lane == 0) ph = 0.f, pl = 0.f;
+  float s0, e0, s1, e1;
+  gdpb_two_sum(ph, a, s0, e0);
+  const float l0 = pl + e0;
+  gdpb_two_sum(s0, b, s1, e1);
+  if (i0 < c) G[i0] = s0, Gl[i0] = l0;
+  if (i0 + 1 < c) G[i0 + 1] = s1, Gl[i0 + 1] = l0 + e1;
+}
+
 template <typename T>
 __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
                         const float* __restrict__ aux, const int* __restrict__ table,

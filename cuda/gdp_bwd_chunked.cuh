@@ -59,22 +59,6 @@ __device__ __forceinline__ float gdpg_quad_sum(float x) {
 #endif
 }
 
-// __shfl_up_sync / __shfl_down_sync over the full warp (a lane with no source keeps x).
-__device__ __forceinline__ float gdpg_shfl_up(float x, int d, int lane) {
-#ifdef GDP_EMU
-  return gdp_emu_shfl(x, lane >= d ? lane - d : lane);
-#else
-  return __shfl_up_sync(0xffffffffu, x, d);
-#endif
-}
-__device__ __forceinline__ float gdpg_shfl_down(float x, int d, int lane) {
-#ifdef GDP_EMU
-  return gdp_emu_shfl(x, lane + d < 32 ? lane + d : lane);
-#else
-  return __shfl_down_sync(0xffffffffu, x, d);
-#endif
-}
-
 // The chunk-local gate gradient of gdpb_gate_grad (gdp_bwd.cuh) on one warp instead of one
 // thread: lane l holds rows 2l and 2l + 1 (c <= 64), the exclusive prefix of A1 and the
 // reverse cumsum of DG come from warp scans. r0: the sub-step of row 0 (p0 mod n). `put(i, tk,
@@ -190,12 +174,14 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     st.cf = reinterpret_cast<float*>(st.DO + QR * LB);  // [3][C]
     return st;
   };
-  // Row tables of NS chunks, by step (step s handles chunk nch - 1 - s): element offsets of the
-  // key rows and the query rows in qk, and of the query tokens' rows in dO (-1 past the rows).
+  // Row tables of NS chunks, by step (step s handles chunk nch - 1 - s, in slot s mod NS, the
+  // stage its operands go to): element offsets of the key rows and the query rows in qk, and of
+  // the query tokens' rows in dO (-1 past the rows), and the chunk's geometry.
   int64_t* tables = reinterpret_cast<int64_t*>(Dq + QR * LB);  // [NS][3][C]
-  auto fill_table = [&](int step) {
+  GdpcMeta* meta = reinterpret_cast<GdpcMeta*>(tables + NS * 3 * C);  // [NS]
+  auto fill_table = [&](int step, int slot_of) {
     const int ci = nch - 1 - step;
-    int64_t* koff = tables + (step % NS) * 3 * C;
+    int64_t* koff = tables + slot_of * 3 * C;
     int64_t* qoff = koff + C;
     int64_t* ooff = qoff + C;
     const int64_t p0 = (int64_t)ci * C;
@@ -208,17 +194,17 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
       qoff[i] = i < nq ? rows.query(i) : -1;
       ooff[i] = i < nq ? (rows.query_token(i) * H + head) * (int64_t)V : -1;
     }
+    if (tid == 0) meta[slot_of] = GdpcMeta{c, first, nq, (int)rows.tq0};
   };
   const GdpcSplit sp_k(K, tid, nthr), sp_p(C, tid, nthr), sp_u(bv, tid, nthr);
-
+  // Issues the copies of step `step`'s chunk into stage s (one cp.async group; its slot's row
+  // table and geometry are ready).
   auto prefetch = [&](int step, int s) {
     const int ci = nch - 1 - step;
     const Stage st = stage(s);
-    const int64_t p0 = (int64_t)ci * C;
-    const int c = (int)min((int64_t)C, L - p0);
-    const int first = gdpc_first(p0, n);
-    const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
-    const int64_t* koff = tables + (step % NS) * 3 * C;
+    const GdpcMeta m = meta[s];
+    const int c = m.c, nq = m.nq;
+    const int64_t* koff = tables + s * 3 * C;
     const int64_t* qoff = koff + C;
     const int64_t* ooff = qoff + C;
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
@@ -279,27 +265,29 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
         }
   };
   store_sb(Sb);
-  for (int st = 0; st < min(NS, nch); ++st) fill_table(st);
+  for (int st = 0; st < min(NS, nch); ++st) fill_table(st, st);
   __syncthreads();
   for (int st = 0; st < min(NS - 1, nch); ++st) prefetch(st, st);
 
-  for (int step = 0; step < nch; ++step) {
+  // sc: the step's stage and table slot (step mod NS).
+  for (int step = 0, sc = 0; step < nch; ++step) {
     const int ci = nch - 1 - step;
     const int cur = step & 1;
-    const Stage st = stage(step % NS);
+    const Stage st = stage(sc);
     const __nv_bfloat16* sb = Sb + cur * KPT * LB;
-    const int64_t p0 = (int64_t)ci * C;
-    const int c = (int)min((int64_t)C, L - p0);
-    const int first = gdpc_first(p0, n);
-    const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
+    // Read before the barrier below, after which fill_table(step + NS) rewrites the slot.
+    const GdpcMeta m = meta[sc];
+    const int nq = m.nq;
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
     if (NS == 3 && step + 1 < nch)
       cp_async_wait<1>();
     else
       cp_async_wait<0>();
     __syncthreads();
-    if (step + NS - 1 < nch) prefetch(step + NS - 1, (step + NS - 1) % NS);
-    if (step + NS < nch) fill_table(step + NS);
+    const int s_prev = sc == 0 ? NS - 1 : sc - 1;
+    if (step + NS - 1 < nch) prefetch(step + NS - 1, s_prev);
+    if (step + NS < nch) fill_table(step + NS, sc);
+    if (++sc == NS) sc = 0;
 
     // dS at this chunk's end (bf16) for the gradient kernel.
     {
@@ -543,7 +531,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   }
   if (tid < 8) MISC[tid] = 0.f;
   __syncthreads();
-  if (tid == 0) gdpb_cumsum(G, Gl, c);
+  if (warp == 0) gdpb_cumsum_warp(G, Gl, c, lane);
   __syncthreads();
   for (int i = tid; i < C; i += nthr) {
     Eg[i] = i < c ? expf(G[i] + Gl[i]) : 0.f;

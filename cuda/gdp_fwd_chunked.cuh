@@ -39,18 +39,26 @@ __device__ __forceinline__ int gdpc_first(int64_t p0, int n) { return n - 1 - (i
 // whose first token is tok0: key row i (i < c), query row r (r < nq).
 // Row offsets are formed in 32 bits where they can be: p0 < T·n, which the launchers check
 // to fit in i32, and a 64-bit division is a long subroutine on the scans' sequential path.
+// The quotients of small non-negative x by n (row counts within a chunk) come from a float
+// reciprocal: floor((x + 1/2) / n) is floor(x / n) (no multiple of n lies in (x, x + 1/2]),
+// and the product's relative error (2^-23) stays below the 1/(2n) margin for x < 2^22.
+__device__ __forceinline__ int gdpc_div_small(int x, float rn) {
+  return (int)(((float)x + 0.5f) * rn);
+}
+
 struct GdpcRows {
   int64_t tok0, t0, tq0;
   int r0, n, H, K, head;
+  float rn;  // 1 / n
   __device__ __forceinline__ GdpcRows(int64_t tok0_, int64_t p0, int first, int n_, int H_,
                                       int K_, int head_)
       : tok0(tok0_), t0((int)p0 / n_), r0((int)p0 - (int)t0 * n_), n(n_), H(H_), K(K_),
-        head(head_) {
-    tq0 = t0 + (r0 + first) / n_;
+        head(head_), rn(1.f / (float)n_) {
+    tq0 = t0 + gdpc_div_small(r0 + first, rn);
   }
   __device__ __forceinline__ int64_t key(int i) const {
-    const int x = r0 + i;
-    return ((tok0 + t0 + x / n) * (n + 1) + 1 + x % n) * H * K + (int64_t)head * K;
+    const int x = r0 + i, q = gdpc_div_small(x, rn);
+    return ((tok0 + t0 + q) * (n + 1) + 1 + (x - q * n)) * H * K + (int64_t)head * K;
   }
   __device__ __forceinline__ int64_t query(int r) const {
     return ((tok0 + tq0 + r) * (n + 1)) * H * K + (int64_t)head * K;
@@ -98,6 +106,13 @@ __device__ __forceinline__ void gdpc_stage_rows(__nv_bfloat16* __restrict__ dst,
     }
   }
 }
+
+// Per-chunk geometry kept in shared memory next to a chunk's row table, so that the integer
+// divisions by n run once per chunk (in fill_table) and not again where the chunk is staged and
+// computed: rows c, first query row, query rows nq, token of query row 0 within the sequence.
+struct GdpcMeta {
+  int c, first, nq, tq0;
+};
 
 // Zeros columns [c0, c1) of rows [0, rows) of a shared bf16 tile.
 __device__ __forceinline__ void gdpc_zero_cols(__nv_bfloat16* dst, int ld, int rows, int c0,
@@ -176,7 +191,7 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
     Bt[i] = aux[BTH + ((tok0 * n + p0 + i) * H + head)];
   }
   __syncthreads();
-  if (tid == 0) gdpb_cumsum(G, Gl, c);
+  if (warp == 0) gdpb_cumsum_warp(G, Gl, c, lane);
   cp_async_wait<0>();
   __syncthreads();
   for (int i = tid; i < C; i += nthr) {
@@ -398,11 +413,13 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     return st;
   };
 
-  // Element offsets into qk of the key and query rows of chunk ci (-1 past its rows), NS
-  // chunks' worth: chunk ci's at tables[ci % NS].
+  // Element offsets into qk of the key and query rows of chunk ci (-1 past its rows) and the
+  // chunk's geometry, NS chunks' worth: chunk ci's in slot ci % NS, which is also the stage its
+  // operands are copied into.
   int64_t* tables = reinterpret_cast<int64_t*>(Dk + C * LB);  // [NS][2][C]
-  auto fill_table = [&](int ci) {
-    int64_t* koff = tables + (ci % NS) * 2 * C;
+  GdpcMeta* meta = reinterpret_cast<GdpcMeta*>(tables + NS * 2 * C);  // [NS]
+  auto fill_table = [&](int ci, int slot_of) {
+    int64_t* koff = tables + slot_of * 2 * C;
     int64_t* qoff = koff + C;
     const int64_t p0 = (int64_t)ci * C;
     const int c = (int)min((int64_t)C, L - p0);
@@ -413,17 +430,16 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
       koff[i] = i < c ? rows.key(i) : -1;
       qoff[i] = i < nq ? rows.query(i) : -1;
     }
+    if (tid == 0) meta[slot_of] = GdpcMeta{c, first, nq, (int)(rows.tq0)};
   };
   const GdpcSplit sp_k(K, tid, nthr), sp_p(C, tid, nthr), sp_u(bv, tid, nthr);
-
-  // Issues the copies of chunk ci into stage s (one cp.async group); its row table is ready.
+  // Issues the copies of chunk ci into stage s (one cp.async group; its slot's row table and
+  // geometry are ready).
   auto prefetch = [&](int ci, int s) {
     const Stage st = stage(s);
-    const int64_t p0 = (int64_t)ci * C;
-    const int c = (int)min((int64_t)C, L - p0);
-    const int first = gdpc_first(p0, n);
-    const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
-    const int64_t* koff = tables + (ci % NS) * 2 * C;
+    const GdpcMeta m = meta[s];
+    const int c = m.c, nq = m.nq;
+    const int64_t* koff = tables + s * 2 * C;
     const int64_t* qoff = koff + C;
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
     const __nv_bfloat16* w = wg + slot * C * K;
@@ -488,18 +504,18 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
         }
   };
   store_sb(Sb);
-  for (int ci = 0; ci < min(NS, nch); ++ci) fill_table(ci);
+  for (int ci = 0; ci < min(NS, nch); ++ci) fill_table(ci, ci);
   __syncthreads();
   for (int ci = 0; ci < min(NS - 1, nch); ++ci) prefetch(ci, ci);
 
-  for (int ci = 0; ci < nch; ++ci) {
+  // sc: chunk ci's stage and table slot (ci mod NS).
+  for (int ci = 0, sc = 0; ci < nch; ++ci) {
     const int cur = ci & 1;  // the bf16 state's buffer
-    const Stage st = stage(ci % NS);
+    const Stage st = stage(sc);
     const __nv_bfloat16* sb = Sb + cur * KPT * LB;
-    const int64_t p0 = (int64_t)ci * C;
-    const int c = (int)min((int64_t)C, L - p0);
-    const int first = gdpc_first(p0, n);
-    const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
+    // Read before the barrier below, after which fill_table(ci + NS) rewrites the slot.
+    const GdpcMeta m = meta[sc];
+    const int nq = m.nq;
     // Chunks ci .. ci + NS - 2 are in flight (one cp.async group each): wait for chunk ci's.
     if (NS == 3 && ci + 1 < nch)
       cp_async_wait<1>();
@@ -507,9 +523,11 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
       cp_async_wait<0>();
     __syncthreads();  // chunk ci staged; chunk ci - 1 done with its stage and with Dn / Dk
     // Chunk ci + NS - 1 into the stage chunk ci - 1 used.
-    if (ci + NS - 1 < nch) prefetch(ci + NS - 1, (ci + NS - 1) % NS);
+    const int s_prev = sc == 0 ? NS - 1 : sc - 1;
+    if (ci + NS - 1 < nch) prefetch(ci + NS - 1, s_prev);
     // Row table of chunk ci + NS (its slot was last read by the prefetch of chunk ci).
-    if (ci + NS < nch) fill_table(ci + NS);
+    if (ci + NS < nch) fill_table(ci + NS, sc);
+    if (++sc == NS) sc = 0;
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
     if (hs != nullptr) {  // the chunk's start state (bf16) for the backward
       __nv_bfloat16* dst = hs + slot * KV + v0;
@@ -565,12 +583,11 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
         for (int j = 0; j < NTW; ++j) acc[j][2 * h] *= cq, acc[j][2 * h + 1] *= cq;
       }
       gdpc_mma_kn<C, NPW>(acc, st.P, LC, m0, Dn, LB, nc0, lane);
-      const GdpcRows rows(tok0, p0, first, n, H, K, head);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = m0 + g + 8 * h;
         if (r < nq) {
-          const int64_t at = (rows.query_token(r) * H + head) * (int64_t)V + v0;
+          const int64_t at = ((tok0 + m.tq0 + r) * H + head) * (int64_t)V + v0;
 #pragma unroll
           for (int j = 0; j < NTW; ++j) {
             const int col = nc0 + 8 * j + 2 * t;

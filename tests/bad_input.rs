@@ -62,6 +62,7 @@ impl Args {
             initial_state: self.h0.as_ref(),
             output_final_state: true,
             cu_seqlens: self.cu.as_deref(),
+            ..Default::default()
         };
         gated_delta_product(&self.q, &self.k, &self.v, &self.g, &self.beta, &opts)
     }
@@ -74,6 +75,7 @@ impl Args {
             initial_state: self.h0.as_ref(),
             output_final_state: true,
             cu_seqlens: self.cu.as_deref(),
+            ..Default::default()
         };
         gated_delta_product_packed(qk, &self.v, &self.g, &self.beta, &opts)
     }

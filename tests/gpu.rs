@@ -15,7 +15,10 @@ use candle_gdp::op::recurrent::gated_delta_product_step;
 use candle_gdp::{
     gated_delta_product, gated_delta_product_packed, ContextParallel, Cotangents, GdpOptions,
 };
-use common::{inputs, median_ms, rel_rms, run_op_on, run_op_plain_on, run_reference, Case, Inputs};
+use common::{
+    inputs, median_ms, rel_rms, run_op_on, run_op_plain_on, run_op_saving_on, run_reference, Case,
+    Inputs,
+};
 
 fn cuda() -> Result<Device> {
     Ok(Device::new_cuda(0)?)
@@ -252,6 +255,53 @@ fn without_final_state_matches_f64_reference() -> Result<()> {
             check(&c, &format!("o {dtype:?} plain"), &got.o, &want.o, tol)?;
             for ((name, a), (_, b)) in got.grads.iter().zip(&want.grads) {
                 check(&c, &format!("{name} {dtype:?} plain"), a, b, tol)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn saved_intermediates_give_the_same_results() -> Result<()> {
+    // `save_intermediates`: the bf16 backward reads the forward's WY factors and chunk states
+    // instead of recomputing them with the same kernels, so `o` is bit-identical to the
+    // recomputing op's and every gradient equal to it up to the order of float atomics (the
+    // split backward's dg, dbeta; the per-value-tile backward, which serves K, V > 128 and
+    // keeps nothing, sums dq, dk over value tiles: an element may round to the neighbouring
+    // bf16 value, ~3e-5 relative RMS in all; a wrong cache would differ by O(1)). Every result
+    // is within the bf16 tolerance of the reference.
+    let dev = cuda()?;
+    let dtype = DType::BF16;
+    for c in cases() {
+        let x = inputs(&c, dtype)?;
+        for plain in [false, true] {
+            let (got, base, want) = if plain {
+                let want = run_reference(&c, &x.without_dht()?)?;
+                (
+                    run_op_saving_on(&c, &x, dtype, &dev, true)?,
+                    run_op_plain_on(&c, &x, dtype, &dev)?,
+                    want,
+                )
+            } else {
+                let want = run_reference(&c, &x)?;
+                (
+                    run_op_saving_on(&c, &x, dtype, &dev, false)?,
+                    run_op_on(&c, &x, dtype, &dev)?,
+                    want,
+                )
+            };
+            let what = if plain { "saved plain" } else { "saved" };
+            check(&c, &format!("o {what}"), &got.o, &want.o, 1e-2)?;
+            assert_eq!(rel_rms(&got.o, &base.o)?, 0.0, "{}: o {what}", c.name);
+            for (((name, a), (_, b)), (_, w)) in got.grads.iter().zip(&base.grads).zip(&want.grads)
+            {
+                check(&c, &format!("{name} {what}"), a, w, 1e-2)?;
+                let diff = rel_rms(a, b)?;
+                assert!(
+                    diff <= 1e-3,
+                    "{}: {name} {what} differs from recomputing by {diff:.2e}",
+                    c.name
+                );
             }
         }
     }

@@ -74,6 +74,7 @@ impl Problem {
             initial_state: h0,
             output_final_state: true,
             cu_seqlens: self.c.cu.as_deref(),
+            ..Default::default()
         }
     }
 

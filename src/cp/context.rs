@@ -375,6 +375,8 @@ impl<'a> Problem<'a> {
             initial_state: h0.as_ref().map(|v| v.as_tensor()),
             output_final_state: true,
             cu_seqlens: packed.then_some(meta.local_cu_seqlens.as_slice()),
+            // A rank's op takes overridden initial states: nothing to keep.
+            save_intermediates: false,
         };
         let rank = CpRank {
             comm,

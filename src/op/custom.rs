@@ -25,6 +25,10 @@ pub(crate) struct GdpForward {
     /// The output is the packed f32 `[o | final state]`; otherwise `o` alone in the inputs'
     /// dtype.
     pub with_final_state: bool,
+    /// Where the CUDA forward keeps its intermediates for the backward
+    /// ([`crate::GdpOptions::save_intermediates`]).
+    #[cfg(feature = "cuda")]
+    pub cache: Option<Arc<super::cuda::CacheSlot>>,
 }
 
 /// Backward op: `grad` is the packed `[do | dht]` f32 gradient of the forward's output.
@@ -163,6 +167,7 @@ impl CustomOp3 for GdpForward {
                 self.has_h0,
                 None,
                 plain,
+                self.cache.as_deref(),
             )?,
             Some(link) => link.forward_cuda(
                 (s1, l1),
@@ -199,6 +204,7 @@ impl CustomOp3 for GdpForward {
                 scale,
                 self.has_h0,
                 plain,
+                self.cache.as_ref().and_then(|c| c.take()),
             )?;
             if let Some([dqk, dv, daux]) = direct {
                 return Ok((Some(dqk), Some(dv), Some(daux)));

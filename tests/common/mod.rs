@@ -204,6 +204,7 @@ struct OpVars {
     g: Var,
     beta: Var,
     h0: Option<Var>,
+    save_intermediates: bool,
 }
 
 impl OpVars {
@@ -218,6 +219,7 @@ impl OpVars {
             g: var(&x.g, DType::F32)?,
             beta: var(&x.beta, dtype)?,
             h0: x.h0.as_ref().map(|h| var(h, DType::F32)).transpose()?,
+            save_intermediates: false,
         })
     }
 
@@ -226,6 +228,7 @@ impl OpVars {
             initial_state: self.h0.as_ref().map(|v| v.as_tensor()),
             output_final_state: final_state,
             cu_seqlens: c.cu.as_deref(),
+            save_intermediates: self.save_intermediates,
             ..Default::default()
         };
         Ok(gated_delta_product(
@@ -270,7 +273,28 @@ impl OpVars {
 /// dtype and device, and returns outputs and gradients (`dh0` when the case has an initial
 /// state) moved to the CPU.
 pub fn run_op_on(c: &Case, x: &Inputs, dtype: DType, dev: &Device) -> Result<Results> {
-    let vars = OpVars::new(x, dtype, dev)?;
+    run_vars(c, x, OpVars::new(x, dtype, dev)?, dev)
+}
+
+/// [`run_op_on`] (or with `plain`, [`run_op_plain_on`]) with
+/// [`GdpOptions::save_intermediates`] on.
+pub fn run_op_saving_on(
+    c: &Case,
+    x: &Inputs,
+    dtype: DType,
+    dev: &Device,
+    plain: bool,
+) -> Result<Results> {
+    let mut vars = OpVars::new(x, dtype, dev)?;
+    vars.save_intermediates = true;
+    if plain {
+        run_vars_plain(c, x, vars, dtype, dev)
+    } else {
+        run_vars(c, x, vars, dev)
+    }
+}
+
+fn run_vars(c: &Case, x: &Inputs, vars: OpVars, dev: &Device) -> Result<Results> {
     let (o, ht) = vars.forward(c, true)?;
     let ht = ht.expect("final state requested");
     let (dout, dht) = (x.dout.to_device(dev)?, x.dht.to_device(dev)?);
@@ -290,7 +314,16 @@ pub fn run_op_on(c: &Case, x: &Inputs, dtype: DType, dev: &Device) -> Result<Res
 /// from a second forward with the final state. Compare with the reference of
 /// [`Inputs::without_dht`].
 pub fn run_op_plain_on(c: &Case, x: &Inputs, dtype: DType, dev: &Device) -> Result<Results> {
-    let vars = OpVars::new(x, dtype, dev)?;
+    run_vars_plain(c, x, OpVars::new(x, dtype, dev)?, dtype, dev)
+}
+
+fn run_vars_plain(
+    c: &Case,
+    x: &Inputs,
+    vars: OpVars,
+    dtype: DType,
+    dev: &Device,
+) -> Result<Results> {
     let (o, none) = vars.forward(c, false)?;
     assert!(none.is_none(), "{}: a final state nobody asked for", c.name);
     assert_eq!(o.dtype(), dtype, "{}: o dtype", c.name);

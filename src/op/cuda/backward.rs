@@ -342,6 +342,7 @@ pub fn backward(
             h0_override,
             dht_override,
             layout,
+            None,
         )? {
             Some(Grads::Packed(out)) => Some(out),
             Some(Grads::Parts { .. }) => candle_core::bail!("gdp cuda: packed gradients expected"),

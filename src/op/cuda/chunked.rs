@@ -77,12 +77,12 @@ fn scan_threads(bv: usize) -> u32 {
 
 /// Shared memory of the forward scan for `bv` value columns and `ns` stage buffers, bytes
 /// (`gdp_fwd_scan_bf16_impl`: `ns` stages of `gdpc_stage_bytes`, the bf16 state twice, Delta
-/// twice, `ns` chunks' row tables).
+/// twice, `ns` chunks' row tables and geometry).
 pub fn scan_smem_bytes(kpt: usize, n: usize, bv: usize, ns: usize) -> usize {
     let c = CHUNK;
     let qr = query_rows(n);
     let stage = 2 * ((2 * c + qr) * (kpt + 8) + qr * (c + 8) + c * (bv + 8)) + 4 * 3 * c;
-    ns * stage + 2 * 2 * kpt * (bv + 8) + 2 * 2 * c * (bv + 8) + 8 * ns * 2 * c
+    ns * stage + 2 * 2 * kpt * (bv + 8) + 2 * 2 * c * (bv + 8) + 8 * ns * 2 * c + 16 * ns
 }
 
 /// A scan's launch plan: value columns per block, stage buffers, threads, shared memory and
@@ -195,6 +195,7 @@ pub fn try_forward_bf16(
     has_h0: bool,
     h0_override: Option<&CudaSlice<f32>>,
     plain: bool,
+    cache: Option<&CacheSlot>,
 ) -> Result<Option<CudaStorage>> {
     let choice = choice("GDP_CUDA_FWD")?;
     if choice == Choice::Fused {
@@ -208,29 +209,33 @@ pub fn try_forward_bf16(
             let inp = Bf16Inputs::new(qk, v, aux, sh, has_h0)?;
             check_states(h0_override, sh, "initial-state override")?;
             let table = ChunkTable::new(dev, sh)?;
-            let wy = WyFactors::compute(dev, &inp, &table, sh, scale, false)?;
+            // Keep the intermediates only where the split backward will read them.
+            let cache = match cache {
+                Some(slot) if super::chunked_bwd::split_backward_fits(dev, sh)? => Some(slot),
+                _ => None,
+            };
+            let wy = WyFactors::compute(dev, &inp, &table, sh, scale, cache.is_some())?;
+            let mut states = cache
+                .map(|_| ChunkStates::alloc(dev, &table, sh))
+                .transpose()?;
+            let scan = |out: ScanOut, states: Option<&mut ChunkStates>| {
+                let dest = ScanDest { out, states };
+                run_scan(dev, &inp, &table, &wy, sh, has_h0, h0_override, &plan, dest)
+            };
             let out = if plain {
                 // SAFETY: the scan writes o for every query row (`cu_seqlens` covers every
                 // token); with no (sequence, head) pair it is empty.
                 let mut o = unsafe { dev.alloc::<bf16>(sh.o_len())? };
-                run_scan(
-                    dev,
-                    &inp,
-                    &table,
-                    &wy,
-                    sh,
-                    has_h0,
-                    h0_override,
-                    &plan,
-                    ScanDest::Plain(&mut o),
-                )?;
+                scan(ScanOut::Plain(&mut o), states.as_mut())?;
                 CudaStorage::wrap_cuda_slice(o, dev.clone())
             } else {
                 let mut out = dev.alloc_zeros::<f32>(sh.o_len() + sh.state_len())?;
-                let dest = ScanDest::Packed(&mut out);
-                run_scan(dev, &inp, &table, &wy, sh, has_h0, h0_override, &plan, dest)?;
+                scan(ScanOut::Packed(&mut out), states.as_mut())?;
                 CudaStorage::wrap_cuda_slice(out, dev.clone())
             };
+            if let (Some(slot), Some(states)) = (cache, states) {
+                slot.put(ForwardCache { wy, states });
+            }
             Ok(Some(out))
         }
         (None, Choice::Chunked) => candle_core::bail!(
@@ -386,16 +391,78 @@ impl WyFactors {
     }
 }
 
-/// Where the forward scan writes: the packed f32 `[o | final state]` or `o` alone in bf16 (the
-/// forward), or each chunk's start state `[slots, K, V]` and Delta `[slots, 64, V]` in bf16
-/// (the backward).
-pub(super) enum ScanDest<'a> {
+/// The forward scan's output: the packed f32 `[o | final state]`, `o` alone in bf16, or none
+/// (the backward's rerun).
+pub(super) enum ScanOut<'a> {
     Packed(&'a mut CudaSlice<f32>),
     Plain(&'a mut CudaSlice<bf16>),
-    States {
-        hs: &'a mut CudaSlice<bf16>,
-        dn: &'a mut CudaSlice<bf16>,
-    },
+    None,
+}
+
+/// Each chunk's start state `[slots, K, V]` and Delta `[slots, 64, V]` in bf16, which the
+/// backward's gradient kernel reads.
+pub(super) struct ChunkStates {
+    pub hs: CudaSlice<bf16>,
+    pub dn: CudaSlice<bf16>,
+}
+
+impl ChunkStates {
+    pub fn alloc(dev: &CudaDevice, table: &ChunkTable, sh: &GdpShape) -> Result<Self> {
+        let slots = table.slots(sh);
+        // SAFETY: the forward scan writes every element of every slot of the table's chunks
+        // before anything reads them; slots of no chunk (none, or the one placeholder slot) are
+        // never read.
+        unsafe {
+            Ok(Self {
+                hs: dev.alloc::<bf16>(slots * sh.dk * sh.dv)?,
+                dn: dev.alloc::<bf16>(slots * CHUNK * sh.dv)?,
+            })
+        }
+    }
+}
+
+/// What the chunked forward leaves for the backward when asked to (`save_intermediates`): the
+/// WY factors with Ainv and every chunk's start state and Delta, so that the backward skips its
+/// rerun of the WY kernel and of the forward scan. About `1548 n` bytes per token and head at
+/// K = V = 128.
+pub struct ForwardCache {
+    wy: WyFactors,
+    states: ChunkStates,
+}
+
+/// Where an op instance keeps its [`ForwardCache`] between its forward and its backward (taken
+/// by the backward, so that the memory goes with it).
+#[derive(Default)]
+pub struct CacheSlot(std::sync::Mutex<Option<ForwardCache>>);
+
+impl CacheSlot {
+    fn put(&self, cache: ForwardCache) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(cache);
+    }
+
+    /// The cache, if the forward left one (once).
+    pub(crate) fn take(&self) -> Option<ForwardCache> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+impl std::fmt::Debug for CacheSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let full = self.0.lock().map(|c| c.is_some()).unwrap_or(false);
+        write!(f, "CacheSlot({})", if full { "full" } else { "empty" })
+    }
+}
+
+impl ForwardCache {
+    pub(super) fn into_parts(self) -> (WyFactors, ChunkStates) {
+        (self.wy, self.states)
+    }
+}
+
+/// Where the forward scan writes: its output and, for the backward, the chunk states.
+pub(super) struct ScanDest<'a> {
+    pub out: ScanOut<'a>,
+    pub states: Option<&'a mut ChunkStates>,
 }
 
 /// Runs the forward scan `plan.kernel` on the WY factors of `table`'s chunks.
@@ -435,28 +502,32 @@ pub(super) fn run_scan(
     args.arg(&use_override);
     // The kernel's `out, outb, fin, hs, dn`: f32 o, bf16 o, final states, start states, Delta.
     let mut parts;
-    match dest {
-        ScanDest::Packed(out) => {
+    match dest.out {
+        ScanOut::Packed(out) => {
             parts = out.split_at_mut(sh.o_len());
             args.arg(&mut parts.0);
             args.arg(&null);
             args.arg(&mut parts.1);
-            args.arg(&null);
-            args.arg(&null);
         }
-        ScanDest::Plain(o) => {
+        ScanOut::Plain(o) => {
             args.arg(&null);
             args.arg(o);
+            args.arg(&null);
+        }
+        ScanOut::None => {
             for _ in 0..3 {
                 args.arg(&null);
             }
         }
-        ScanDest::States { hs, dn } => {
-            for _ in 0..3 {
-                args.arg(&null);
-            }
-            args.arg(hs);
-            args.arg(dn);
+    }
+    match dest.states {
+        Some(st) => {
+            args.arg(&mut st.hs);
+            args.arg(&mut st.dn);
+        }
+        None => {
+            args.arg(&null);
+            args.arg(&null);
         }
     }
     for x in [&b, &t, &h, &k, &vd, &n, &has_h0, &qr, &stages] {
@@ -468,9 +539,9 @@ pub(super) fn run_scan(
         block_dim: (plan.threads, 1, 1),
         shared_mem_bytes: plan.smem as u32,
     };
-    // SAFETY: the arguments match `gdp_fwd_scan_bf16_impl` (null output or null state buffers,
-    // as the kernel expects: it writes one or the other); the scratch buffers were filled by
-    // the WY launch on the same stream; the dynamic shared memory is the plan's.
+    // SAFETY: the arguments match `gdp_fwd_scan_bf16_impl` (a null pointer for each output not
+    // wanted: it writes what is not null); the scratch buffers were filled by the WY launch on
+    // the same stream; the dynamic shared memory is the plan's.
     unsafe { args.launch(cfg) }.w()?;
     drop(args);
     Ok(())

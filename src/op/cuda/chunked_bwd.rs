@@ -9,7 +9,8 @@
 
 use super::chunked::{
     choice, key_tile, query_rows, run_scan, scan_plan, smem_and_sms, wy_smem_bytes, Bf16Inputs,
-    Choice, ChunkTable, ScanDest, ScanKind, ScanPlan, WyFactors, FWD_SCAN,
+    Choice, ChunkStates, ChunkTable, ForwardCache, ScanDest, ScanKind, ScanOut, ScanPlan,
+    WyFactors, FWD_SCAN,
 };
 use super::launch::{allow_smem, check_states, shape_i32, to_i32, view};
 use super::module::load_kernel;
@@ -34,7 +35,7 @@ pub fn dh_smem_bytes(kpt: usize, n: usize, bv: usize, ns: usize) -> usize {
     let qr = query_rows(n);
     let lb = bv + 8;
     let stage = 2 * ((2 * c + qr) * (kpt + 8) + qr * (c + 8) + qr * lb) + 4 * 3 * c;
-    ns * stage + 2 * (2 * kpt * lb + c * lb + qr * lb) + 8 * ns * 3 * c
+    ns * stage + 2 * (2 * kpt * lb + c * lb + qr * lb) + 8 * ns * 3 * c + 16 * ns
 }
 
 /// The state-gradient scan (`gdp_bwd_dh_bf16_<BV>_<KPT>`, K up to 128).
@@ -110,6 +111,11 @@ fn plan(dev: &CudaDevice, sh: &GdpShape) -> Result<Option<SplitPlan>> {
     }
 }
 
+/// Whether the split backward serves this shape (what a forward keeps its intermediates for).
+pub(super) fn split_backward_fits(dev: &CudaDevice, sh: &GdpShape) -> Result<bool> {
+    Ok(plan(dev, sh)?.is_some())
+}
+
 /// The tiles and scan plans of one split backward.
 struct SplitPlan {
     kp: usize,
@@ -120,7 +126,9 @@ struct SplitPlan {
 
 /// Runs the split bf16 backward if `GDP_CUDA_BWD` allows it and it fits this shape (the
 /// contract of [`super::backward`] without `zero_dh0`, and with a plain `do` allowed);
-/// `Ok(None)` means: use the per-value-tile backward.
+/// `Ok(None)` means: use the per-value-tile backward. With the forward's `cache` (of these
+/// inputs, without an initial-state override) the WY factors and chunk states are not
+/// recomputed.
 #[allow(clippy::too_many_arguments)]
 pub fn try_backward_bf16(
     dev: &CudaDevice,
@@ -134,6 +142,7 @@ pub fn try_backward_bf16(
     h0_override: Option<&CudaSlice<f32>>,
     dht_override: Option<&CudaSlice<f32>>,
     layout: GradLayout,
+    cache: Option<ForwardCache>,
 ) -> Result<Option<Grads>> {
     let Some(SplitPlan { kp, vp, fwd, dh }) = plan(dev, sh)? else {
         return Ok(None);
@@ -167,18 +176,21 @@ pub fn try_backward_bf16(
         return Ok(Some(out));
     }
 
-    // 1-2. WY factors with Ainv; every chunk's start state and Delta.
-    let wy = WyFactors::compute(dev, &inp, &table, sh, scale, true)?;
-    // SAFETY (hs, dn, dhs, ddn, dob): the scans write every element of every slot of the
-    // table's chunks, and the conversion every element of dob, before the gradient kernel reads
-    // them; slots of no chunk (none, or the one placeholder slot) are never read.
-    let mut hs = unsafe { dev.alloc::<bf16>(slots * kv)? };
-    let mut dn = unsafe { dev.alloc::<bf16>(slots * CHUNK * sh.dv)? };
-    let dest = ScanDest::States {
-        hs: &mut hs,
-        dn: &mut dn,
+    // 1-2. WY factors with Ainv; every chunk's start state and Delta (kept by the forward, or
+    // computed again).
+    let (wy, states) = match cache {
+        Some(cache) => cache.into_parts(),
+        None => {
+            let wy = WyFactors::compute(dev, &inp, &table, sh, scale, true)?;
+            let mut states = ChunkStates::alloc(dev, &table, sh)?;
+            let dest = ScanDest {
+                out: ScanOut::None,
+                states: Some(&mut states),
+            };
+            run_scan(dev, &inp, &table, &wy, sh, has_h0, h0_override, &fwd, dest)?;
+            (wy, states)
+        }
     };
-    run_scan(dev, &inp, &table, &wy, sh, has_h0, h0_override, &fwd, dest)?;
 
     // dO in bf16 (the tensor cores' operand type), and dht (f32) when given.
     let converted;
@@ -193,6 +205,8 @@ pub fn try_backward_bf16(
 
     // 3. The state-gradient scan.
     let [b, t, h, k, vd, n] = shape_i32(sh)?;
+    // SAFETY (dhs, ddn): the scan writes every element of every slot of the table's chunks
+    // before the gradient kernel reads them; slots of no chunk are never read.
     let mut dhs = unsafe { dev.alloc::<bf16>(slots * kv)? };
     let mut ddn = unsafe { dev.alloc::<bf16>(slots * CHUNK * sh.dv)? };
     {
@@ -262,9 +276,9 @@ pub fn try_backward_bf16(
         args.arg(&inp.aux);
         args.arg(&table.table);
         args.arg(ainv);
-        args.arg(&hs);
+        args.arg(&states.hs);
         args.arg(&dhs);
-        args.arg(&dn);
+        args.arg(&states.dn);
         args.arg(&ddn);
         args.arg(&dob);
         match &mut out {
@@ -341,6 +355,7 @@ pub fn try_backward_tensors(
     scale: f32,
     has_h0: bool,
     plain: bool,
+    cache: Option<ForwardCache>,
 ) -> Result<Option<[Tensor; 3]>> {
     if qk.dtype() != DType::BF16 || v.dtype() != DType::BF16 || !qk.device().is_cuda() {
         return Ok(None);
@@ -373,6 +388,7 @@ pub fn try_backward_tensors(
         None,
         None,
         GradLayout::Parts,
+        cache,
     )?;
     let Some(Grads::Parts { dqk, dv, daux }) = grads else {
         return Ok(None);

@@ -2,6 +2,7 @@
 //! shared memory, uploads the sequence table and launches on the device's stream. Every CUDA
 //! failure is returned as a [`candle_core::Error`].
 
+use super::chunked::CacheSlot;
 use super::module::load_kernel;
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::backend::{BackendDevice, BackendStorage};
@@ -177,7 +178,9 @@ pub(super) fn device_attr(dev: &CudaDevice, attr: CUdevice_attribute) -> Result<
 /// f32 gate buffer `[g | beta | h0?]`; returns the packed f32 `[o (B·T·H·V) | final state
 /// (N·H·K·V)]`, or with `plain` only `o` in the dtype of `qk`. `h0_override [N, H, K, V]`
 /// (f32, on the same device), when given, replaces the initial states of the gate buffer
-/// (context parallelism).
+/// (context parallelism). With a `cache` slot, the bf16 chunked forward leaves its
+/// intermediates there for the split backward (see
+/// [`ForwardCache`](super::chunked::ForwardCache)).
 #[allow(clippy::too_many_arguments)]
 pub fn forward(
     qk: (&CudaStorage, &Layout),
@@ -188,6 +191,7 @@ pub fn forward(
     has_h0: bool,
     h0_override: Option<&CudaSlice<f32>>,
     plain: bool,
+    cache: Option<&CacheSlot>,
 ) -> Result<CudaStorage> {
     let dev = qk.0.device().clone();
     for (s, name) in [(v.0, "v"), (aux.0, "gates")] {
@@ -221,6 +225,7 @@ pub fn forward(
             has_h0,
             h0_override,
             plain,
+            cache,
         )?;
         if let Some(out) = out {
             return Ok(out);
