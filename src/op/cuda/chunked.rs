@@ -114,8 +114,11 @@ pub(super) const FWD_SCAN: ScanKind = ScanKind {
 };
 
 /// Picks a scan's value tile: `kind.env` (16, 32 or 64) when set; else the widest tile that
-/// still gives about one block per multiprocessor (fewer, wider blocks stage each chunk's W, K
-/// and Q fewer times), or 16. Three stage buffers (copies two chunks ahead) where they fit,
+/// still gives about one block per two multiprocessors, or 16. Fewer, wider blocks stage each
+/// chunk's W, K and Q fewer times, and a scan's chunk step is latency-bound: at B1 T32768 H16
+/// (H200, `docs/perf.md` v9) 64 blocks of BV = 32 (eight warps) took 2.85 / 2.86 / 3.30 ms for
+/// the forward scan, its rerun and the dS scan against 3.20 / 3.22 / 3.74 ms for 128 blocks of
+/// BV = 16 (four warps). Three stage buffers (copies two chunks ahead) where they fit,
 /// else two. `None` where nothing fits (K too large, or shared memory).
 pub(super) fn scan_plan(
     kind: &ScanKind,
@@ -158,7 +161,7 @@ pub(super) fn scan_plan(
     }
     let rows = sh.num_seqs() * sh.heads;
     let fitting: Vec<usize> = [64, 32, 16].into_iter().filter(|&bv| ok(bv)).collect();
-    let enough = |bv: usize| 10 * rows * sh.dv.div_ceil(bv) >= 9 * sms;
+    let enough = |bv: usize| 20 * rows * sh.dv.div_ceil(bv) >= 9 * sms;
     Ok(fitting
         .iter()
         .copied()
