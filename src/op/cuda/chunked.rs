@@ -410,6 +410,7 @@ pub(super) struct ChunkStates {
 }
 
 impl ChunkStates {
+    /// Uninitialised buffers for every slot of `table` (the forward scan fills them).
     pub fn alloc(dev: &CudaDevice, table: &ChunkTable, sh: &GdpShape) -> Result<Self> {
         let slots = table.slots(sh);
         // SAFETY: the forward scan writes every element of every slot of the table's chunks
