@@ -187,14 +187,14 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     const int64_t p0 = (int64_t)ci * C;
     const int c = (int)min((int64_t)C, L - p0);
     const int first = gdpc_first(p0, n);
-    const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
+    const int nq = gdpc_query_rows(first, c, n);
     const GdpcRows rows(tok0, p0, first, n, H, K, head);
     for (int i = tid; i < C; i += nthr) {
       koff[i] = i < c ? rows.key(i) : -1;
       qoff[i] = i < nq ? rows.query(i) : -1;
       ooff[i] = i < nq ? (rows.query_token(i) * H + head) * (int64_t)V : -1;
     }
-    if (tid == 0) meta[slot_of] = GdpcMeta{c, first, nq, (int)rows.tq0};
+    if (tid == 0) meta[slot_of] = GdpcMeta{c, nq, (int)rows.tq0};
   };
   const GdpcSplit sp_k(K, tid, nthr), sp_p(C, tid, nthr), sp_u(bv, tid, nthr);
   // Issues the copies of step `step`'s chunk into stage s (one cp.async group; its slot's row
@@ -441,7 +441,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   const int64_t p0 = (int64_t)ci * C;
   const int c = (int)min((int64_t)C, L - p0);
   const int first = gdpc_first(p0, n);
-  const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
+  const int nq = gdpc_query_rows(first, c, n);
   const int mq = (nq + 15) / 16;
   const int64_t BTH = (int64_t)B * TT * H;
   const int64_t qk_len = BTH * (n + 1) * K, v_len = BTH * n * V;

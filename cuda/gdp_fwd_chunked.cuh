@@ -35,6 +35,11 @@
 // sequence: n − 1 − p0 mod n, in 32 bits (p0 < T·n fits in i32).
 __device__ __forceinline__ int gdpc_first(int64_t p0, int n) { return n - 1 - (int)p0 % n; }
 
+// The query rows of a chunk of c rows whose first query row is `first` (every n-th row on).
+__device__ __forceinline__ int gdpc_query_rows(int first, int c, int n) {
+  return first < c ? (c - 1 - first) / n + 1 : 0;
+}
+
 // Row offsets (elements of qk) of the interleaved chunk that starts at row p0 of a sequence
 // whose first token is tok0: key row i (i < c), query row r (r < nq).
 // Row offsets are formed in 32 bits where they can be: p0 < T·n, which the launchers check
@@ -109,9 +114,9 @@ __device__ __forceinline__ void gdpc_stage_rows(__nv_bfloat16* __restrict__ dst,
 
 // Per-chunk geometry kept in shared memory next to a chunk's row table, so that the integer
 // divisions by n run once per chunk (in fill_table) and not again where the chunk is staged and
-// computed: rows c, first query row, query rows nq, token of query row 0 within the sequence.
+// computed: rows c, query rows nq, token of query row 0 within the sequence.
 struct GdpcMeta {
-  int c, first, nq, tq0;
+  int c, nq, tq0;
 };
 
 // Zeros columns [c0, c1) of rows [0, rows) of a shared bf16 tile.
@@ -154,7 +159,7 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
   const int64_t p0 = (int64_t)ci * C;
   const int c = (int)min((int64_t)C, L - p0);
   const int first = gdpc_first(p0, n);
-  const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
+  const int nq = gdpc_query_rows(first, c, n);
   const int mq = (nq + 15) / 16;  // 16-row tiles of query rows
   const int64_t BTH = (int64_t)B * TT * H;
   const int KP = (K + 15) & ~15, VP = (V + 15) & ~15;
@@ -424,13 +429,13 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const int64_t p0 = (int64_t)ci * C;
     const int c = (int)min((int64_t)C, L - p0);
     const int first = gdpc_first(p0, n);
-    const int nq = first < c ? (c - 1 - first) / n + 1 : 0;
+    const int nq = gdpc_query_rows(first, c, n);
     const GdpcRows rows(tok0, p0, first, n, H, K, head);
     for (int i = tid; i < C; i += nthr) {
       koff[i] = i < c ? rows.key(i) : -1;
       qoff[i] = i < nq ? rows.query(i) : -1;
     }
-    if (tid == 0) meta[slot_of] = GdpcMeta{c, first, nq, (int)(rows.tq0)};
+    if (tid == 0) meta[slot_of] = GdpcMeta{c, nq, (int)rows.tq0};
   };
   const GdpcSplit sp_k(K, tid, nthr), sp_p(C, tid, nthr), sp_u(bv, tid, nthr);
   // Issues the copies of chunk ci into stage s (one cp.async group; its slot's row table and

@@ -100,7 +100,7 @@ static void forward(int B, int T, int H, int n) {
                        __nv_bfloat16* dn_out, int& NS) {
     const int stage = gdpc_stage_bytes(KP, QR, bv);
     auto smem_of = [&](int ns) {
-      return ns * stage + 2 * 2 * KP * (bv + 8) + 2 * 2 * C * (bv + 8) + 8 * ns * 2 * C + 16 * ns;
+      return ns * stage + 2 * 2 * KP * (bv + 8) + 2 * 2 * C * (bv + 8) + 8 * ns * 2 * C + 12 * ns;
     };
     NS = smem_of(3) <= 232448 ? 3 : 2;
     const int smem = smem_of(NS);
@@ -157,7 +157,7 @@ static void forward(int B, int T, int H, int n) {
   auto dh = [&](auto kern, int bv) {
     const int LB = bv + 8;
     auto smem_of = [&](int ns) {
-      return ns * gdpd_stage_bytes(KP, QR, bv) + 2 * (2 * KP * LB + C * LB + QR * LB) + 8 * ns * 3 * C + 16 * ns;
+      return ns * gdpd_stage_bytes(KP, QR, bv) + 2 * (2 * KP * LB + C * LB + QR * LB) + 8 * ns * 3 * C + 12 * ns;
     };
     const int NS = smem_of(3) <= 232448 ? 3 : 2, smem = smem_of(NS);
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));

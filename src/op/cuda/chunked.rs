@@ -82,7 +82,7 @@ pub fn scan_smem_bytes(kpt: usize, n: usize, bv: usize, ns: usize) -> usize {
     let c = CHUNK;
     let qr = query_rows(n);
     let stage = 2 * ((2 * c + qr) * (kpt + 8) + qr * (c + 8) + c * (bv + 8)) + 4 * 3 * c;
-    ns * stage + 2 * 2 * kpt * (bv + 8) + 2 * 2 * c * (bv + 8) + 8 * ns * 2 * c + 16 * ns
+    ns * stage + 2 * 2 * kpt * (bv + 8) + 2 * 2 * c * (bv + 8) + 8 * ns * 2 * c + 12 * ns
 }
 
 /// A scan's launch plan: value columns per block, stage buffers, threads, shared memory and

@@ -35,7 +35,7 @@ pub fn dh_smem_bytes(kpt: usize, n: usize, bv: usize, ns: usize) -> usize {
     let qr = query_rows(n);
     let lb = bv + 8;
     let stage = 2 * ((2 * c + qr) * (kpt + 8) + qr * (c + 8) + qr * lb) + 4 * 3 * c;
-    ns * stage + 2 * (2 * kpt * lb + c * lb + qr * lb) + 8 * ns * 3 * c + 16 * ns
+    ns * stage + 2 * (2 * kpt * lb + c * lb + qr * lb) + 8 * ns * 3 * c + 12 * ns
 }
 
 /// The state-gradient scan (`gdp_bwd_dh_bf16_<BV>_<KPT>`, K up to 128).
