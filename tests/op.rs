@@ -6,7 +6,9 @@ mod common;
 use anyhow::Result;
 use candle_core::DType;
 use candle_core::Device;
-use common::{assert_close, inputs, run_op, run_op_plain_on, run_reference, Case};
+use common::{
+    assert_close, inputs, rel_rms, run_op, run_op_packed_on, run_op_plain_on, run_reference, Case,
+};
 
 fn cases() -> Vec<Case> {
     vec![
@@ -74,6 +76,53 @@ fn without_final_state_matches_f64_reference() -> Result<()> {
             let got = run_op_plain_on(&c, &x, dtype, &Device::Cpu)?;
             let want = run_reference(&c, &x.without_dht()?)?;
             assert_close(&c, &got, &want, tol)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn packed_and_separate_queries_and_keys_agree() -> Result<()> {
+    // `gated_delta_product` hands `dq`, `dk` back without a packed graph node (and `dv`,
+    // `dg`, `dbeta`, `dh0` through a tie); the packed entry point goes through Candle's `cat`.
+    for c in cases() {
+        let x = inputs(&c, DType::F32)?;
+        let split = run_op(&c, &x, DType::F32)?;
+        let packed = run_op_packed_on(&c, &x, DType::F32, &Device::Cpu)?;
+        assert_eq!(rel_rms(&split.o, &packed.o)?, 0.0, "{}: o", c.name);
+        assert_eq!(rel_rms(&split.ht, &packed.ht)?, 0.0, "{}: ht", c.name);
+        for ((name, a), (_, b)) in split.grads.iter().zip(&packed.grads) {
+            assert_eq!(rel_rms(a, b)?, 0.0, "{}: {name}", c.name);
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn gradients_of_a_subset_of_variables_and_repeated_backward() -> Result<()> {
+    // Only `q` and `v` tracked (the gate tie then carries `v` alone); two losses backpropagated
+    // through the same graph give the same gradients each time.
+    use candle_core::{Tensor, Var};
+    use candle_gdp::{gated_delta_product, GdpOptions};
+    let c = Case::new("subset n2", 1, 37, 2, 8, 6, 2);
+    let x = inputs(&c, DType::F32)?;
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+    let full = run_op(&c, &x, DType::F32)?;
+    let q = Var::from_tensor(&f32(&x.q)?)?;
+    let v = Var::from_tensor(&f32(&x.v)?)?;
+    let opts = GdpOptions {
+        output_final_state: true,
+        ..Default::default()
+    };
+    let (o, ht) = gated_delta_product(&q, &f32(&x.k)?, &v, &f32(&x.g)?, &f32(&x.beta)?, &opts)?;
+    let loss = ((o * f32(&x.dout)?)?.sum_all()? + (ht.expect("ht") * f32(&x.dht)?)?.sum_all()?)?;
+    for pass in 0..2 {
+        let gs = loss.backward()?;
+        for (name, var) in [("dq", &q), ("dv", &v)] {
+            let want = &full.grads.iter().find(|(n, _)| *n == name).expect("grad").1;
+            let got = gs.get(var.as_tensor()).expect("gradient");
+            let err = rel_rms(got, want)?;
+            assert!(err < 1e-6, "pass {pass}: {name} differs by {err:.2e}");
         }
     }
     Ok(())

@@ -14,7 +14,7 @@ use super::protocol::Composition;
 use super::shard::{dense_rank_meta, packed_rank_meta, RankMeta, ShardPlan};
 use crate::error::GdpError;
 use crate::op::shape::GdpShape;
-use crate::op::{apply, pack_qk, validate_fla, validate_packed, GdpOptions};
+use crate::op::{apply, validate_fla, validate_packed, GdpOptions, QueryKeys};
 use candle_core::{DType, Device, Result, Tensor, Var};
 use std::ops::Range;
 use std::sync::Arc;
@@ -50,8 +50,7 @@ pub fn cp_gated_delta_product(
     rank: &CpRank,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let sh = validate_fla(q, k, v, g, beta, opts)?;
-    let qk = pack_qk(q, k, &sh)?;
-    apply_on_rank(&qk, v, g, beta, sh, opts, rank)
+    apply_on_rank(QueryKeys::Split(q, k), v, g, beta, sh, opts, rank)
 }
 
 /// [`cp_gated_delta_product`] on the packed query/key layout `qk [B, T_r, n+1, H, K]` of
@@ -67,12 +66,12 @@ pub fn cp_gated_delta_product_packed(
     rank: &CpRank,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let sh = validate_packed(qk, v, g, beta, opts)?;
-    apply_on_rank(qk, v, g, beta, sh, opts, rank)
+    apply_on_rank(QueryKeys::Packed(qk), v, g, beta, sh, opts, rank)
 }
 
 /// Checks the rank's offsets and applies the op with this rank's link to its group.
 fn apply_on_rank(
-    qk: &Tensor,
+    qk: QueryKeys,
     v: &Tensor,
     g: &Tensor,
     beta: &Tensor,

@@ -12,7 +12,7 @@ use super::shape::GdpShape;
 use crate::cp::driver::CpLink;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Forward op. Holds the metadata that is not a tensor.
 #[derive(Debug, Clone)]
@@ -297,4 +297,175 @@ impl CustomOp3 for GdpBackward {
         Ok((out, Shape::from(super::cuda::backward_len(sh, has_h0))))
     }
     // --- end CUDA backward ---
+}
+
+/// The forward over FLA's separate `q` and `k`, as graph inputs `(q, k, tie)` with
+/// `tie = GradTie(v, gates)`: a custom op takes at most three inputs, and a packed `qk` graph
+/// node would cost its own zero tensor plus add of `dqk` in Candle's gradient accumulation
+/// (about as much memory traffic as the pack itself, `docs/perf.md`). The kernels run on a
+/// packed copy of `q`, `k` held outside the graph; the backward cuts `dq`, `dk` out of `dqk`
+/// and hands `dv`, `dgates` to the tie through `stash`.
+#[derive(Debug, Clone)]
+pub(crate) struct GdpForwardSplit {
+    pub op: GdpForward,
+    /// `qk [B, T, n+1, H, K]`, packed from `q` and `k` (not a graph node).
+    pub qk: Tensor,
+    pub v: Tensor,
+    /// The f32 gate buffer `[g | beta | h0?]`.
+    pub aux: Tensor,
+    pub pack: super::pack::PackQk,
+    pub stash: Arc<Mutex<Option<(Tensor, Tensor)>>>,
+}
+
+/// The storage and layout of a held tensor, for a custom op's forward.
+macro_rules! held_storage {
+    ($t:expr, $variant:ident, $what:literal) => {{
+        let (s, l) = $t.storage_and_layout();
+        match &*s {
+            candle_core::Storage::$variant(_) => (s, l.clone()),
+            _ => candle_core::bail!(concat!("gdp: a held input is not on ", $what)),
+        }
+    }};
+}
+
+/// Unwraps a guard returned by [`held_storage!`].
+macro_rules! storage_ref {
+    ($guard:expr, $variant:ident) => {
+        match &*$guard {
+            candle_core::Storage::$variant(s) => s,
+            _ => unreachable!("checked by held_storage!"),
+        }
+    };
+}
+
+impl CustomOp3 for GdpForwardSplit {
+    fn name(&self) -> &'static str {
+        "gated-delta-product-split"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (s1, l1) = held_storage!(self.qk, Cpu, "the CPU");
+        let (s2, l2) = held_storage!(self.v, Cpu, "the CPU");
+        let (s3, l3) = held_storage!(self.aux, Cpu, "the CPU");
+        self.op.cpu_fwd(
+            storage_ref!(s1, Cpu),
+            &l1,
+            storage_ref!(s2, Cpu),
+            &l2,
+            storage_ref!(s3, Cpu),
+            &l3,
+        )
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (s1, l1) = held_storage!(self.qk, Cuda, "a CUDA device");
+        let (s2, l2) = held_storage!(self.v, Cuda, "a CUDA device");
+        let (s3, l3) = held_storage!(self.aux, Cuda, "a CUDA device");
+        self.op.cuda_fwd(
+            storage_ref!(s1, Cuda),
+            &l1,
+            storage_ref!(s2, Cuda),
+            &l2,
+            storage_ref!(s3, Cuda),
+            &l3,
+        )
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        tie: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        use candle_core::CustomOp2;
+        let (Some(dqk), dv, daux) = self.op.bwd(&self.qk, &self.v, &self.aux, res, grad_res)?
+        else {
+            candle_core::bail!("gdp: the backward returned no query/key gradient");
+        };
+        let (dq, dk) = self.pack.bwd(q, k, &self.qk, &dqk)?;
+        if tie.track_op() {
+            let (Some(dv), Some(daux)) = (dv, daux) else {
+                candle_core::bail!("gdp: the backward returned no value or gate gradient");
+            };
+            *lock_stash(&self.stash)? = Some((dv, daux));
+        }
+        Ok((dq, dk, Some(tie.zeros_like()?)))
+    }
+}
+
+fn lock_stash(
+    stash: &Mutex<Option<(Tensor, Tensor)>>,
+) -> Result<std::sync::MutexGuard<'_, Option<(Tensor, Tensor)>>> {
+    stash
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("gdp: gradient stash poisoned".into()))
+}
+
+/// A zero scalar that ties `v` and the gate buffer into the graph of [`GdpForwardSplit`]; its
+/// backward hands out the gradients that the split op's backward (which Candle runs first: it
+/// consumes the tie) left in `stash`.
+#[derive(Debug, Clone)]
+pub(crate) struct GradTie {
+    pub stash: Arc<Mutex<Option<(Tensor, Tensor)>>>,
+}
+
+impl candle_core::CustomOp2 for GradTie {
+    fn name(&self) -> &'static str {
+        "gdp-grad-tie"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        Ok((CpuStorage::F32(vec![0.0]), Shape::from(())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendDevice;
+        let zero = s.device().zeros_impl(&Shape::from(()), DType::F32)?;
+        Ok((zero, Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        _v: &Tensor,
+        _aux: &Tensor,
+        _res: &Tensor,
+        _grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        match lock_stash(&self.stash)?.take() {
+            Some((dv, daux)) => Ok((Some(dv), Some(daux))),
+            None => candle_core::bail!("gdp: the tie's gradients were not computed"),
+        }
+    }
 }

@@ -61,19 +61,17 @@ pub fn gated_delta_product(
     opts: &GdpOptions,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let sh = validate_fla(q, k, v, g, beta, opts)?;
-    let qk = pack_qk(q, k, &sh)?;
-    apply(&qk, v, g, beta, sh, opts, None)
+    apply(QueryKeys::Split(q, k), v, g, beta, sh, opts, None)
 }
 
-/// The packed `qk [B, T, n+1, H, K]` of validated FLA-layout `q` and `k` (a copy; see
-/// [`pack::PackQk`]).
-pub(crate) fn pack_qk(q: &Tensor, k: &Tensor, sh: &GdpShape) -> Result<Tensor> {
-    let op = pack::PackQk {
-        tokens: sh.batch * sh.tokens,
-        n: sh.n,
-        row: sh.heads * sh.dk,
-    };
-    q.contiguous()?.apply_op2(&k.contiguous()?, op)
+/// Where the op's queries and keys come from.
+#[derive(Clone, Copy)]
+pub(crate) enum QueryKeys<'a> {
+    /// `qk [B, T, n+1, H, K]`, one graph input.
+    Packed(&'a Tensor),
+    /// FLA's `q [B, T, H, K]` and `k [B, T·n, H, K]`, two graph inputs; the kernels run on a
+    /// packed copy held outside the graph ([`custom::GdpForwardSplit`]).
+    Split(&'a Tensor, &'a Tensor),
 }
 
 /// Gated DeltaProduct on the packed query/key layout `qk [B, T, n+1, H, K]`: slot 0 holds
@@ -88,7 +86,7 @@ pub fn gated_delta_product_packed(
     opts: &GdpOptions,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let sh = validate_packed(qk, v, g, beta, opts)?;
-    apply(qk, v, g, beta, sh, opts, None)
+    apply(QueryKeys::Packed(qk), v, g, beta, sh, opts, None)
 }
 
 /// Checks the packed-layout inputs of [`gated_delta_product_packed`] and returns the geometry.
@@ -114,7 +112,7 @@ pub(crate) fn validate_packed(
 
 /// Packs the gates, builds the op (with this rank's context-parallel link, if any) and applies it.
 pub(crate) fn apply(
-    qk: &Tensor,
+    qk: QueryKeys,
     v: &Tensor,
     g: &Tensor,
     beta: &Tensor,
@@ -136,11 +134,16 @@ pub(crate) fn apply(
     let s_shape = (sh.num_seqs(), sh.heads, sh.dk, sh.dv);
     #[cfg(feature = "cuda")]
     let cache = {
-        let tracked = qk.track_op() || v.track_op() || aux.track_op();
+        let tracked = match qk {
+            QueryKeys::Packed(qk) => qk.track_op(),
+            QueryKeys::Split(q, k) => q.track_op() || k.track_op(),
+        } || v.track_op()
+            || aux.track_op();
         let wanted = save_intermediates(opts.save_intermediates)?;
-        (wanted && tracked && cp.is_none() && qk.device().is_cuda())
+        (wanted && tracked && cp.is_none() && v.device().is_cuda())
             .then(|| std::sync::Arc::new(cuda::CacheSlot::default()))
     };
+    let (v, dtype, pack) = (v.contiguous()?, v.dtype(), pack::PackQk::of(&sh));
     let op = GdpForward {
         shape: sh,
         scale,
@@ -150,15 +153,34 @@ pub(crate) fn apply(
         #[cfg(feature = "cuda")]
         cache,
     };
-    let out = qk.contiguous()?.apply_op3(&v.contiguous()?, &aux, op)?;
+    let out = match qk {
+        QueryKeys::Packed(qk) => qk.contiguous()?.apply_op3(&v, &aux, op)?,
+        QueryKeys::Split(q, k) => {
+            let (q, k) = (q.contiguous()?, k.contiguous()?);
+            let qk = q.detach().apply_op2(&k.detach(), pack)?;
+            let stash = std::sync::Arc::new(std::sync::Mutex::new(None));
+            let tie = v.apply_op2(
+                &aux,
+                custom::GradTie {
+                    stash: stash.clone(),
+                },
+            )?;
+            let split = custom::GdpForwardSplit {
+                op,
+                qk,
+                v,
+                aux,
+                pack,
+                stash,
+            };
+            q.apply_op3(&k, &tie, split)?
+        }
+    };
     if !opts.output_final_state {
         // `o [B, T, H, V]` in the inputs' dtype.
         return Ok((out, None));
     }
-    let o = out
-        .narrow(0, 0, o_len)?
-        .reshape(o_shape)?
-        .to_dtype(qk.dtype())?;
+    let o = out.narrow(0, 0, o_len)?.reshape(o_shape)?.to_dtype(dtype)?;
     let ht = out.narrow(0, o_len, s_len)?.reshape(s_shape)?;
     Ok((o, Some(ht)))
 }

@@ -39,6 +39,7 @@ impl RowCopy {
 }
 
 /// `qk[b, t, 0] = q[b, t]`, `qk[b, t, 1 + j] = k[b, t·n + j]`, rows of `H·K` elements.
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct PackQk {
     /// `B·T` tokens.
     pub tokens: usize,
@@ -49,6 +50,15 @@ pub(crate) struct PackQk {
 }
 
 impl PackQk {
+    /// The pack of the op with geometry `sh`.
+    pub fn of(sh: &super::shape::GdpShape) -> Self {
+        Self {
+            tokens: sh.batch * sh.tokens,
+            n: sh.n,
+            row: sh.heads * sh.dk,
+        }
+    }
+
     fn shape(&self, q: &Layout) -> Shape {
         let d = q.dims();
         Shape::from(vec![d[0], d[1], self.n + 1, d[2], d[3]])

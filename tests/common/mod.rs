@@ -205,6 +205,8 @@ struct OpVars {
     beta: Var,
     h0: Option<Var>,
     save_intermediates: bool,
+    /// Through [`candle_gdp::gated_delta_product_packed`] on `q`, `k` concatenated by Candle.
+    packed: bool,
 }
 
 impl OpVars {
@@ -220,6 +222,7 @@ impl OpVars {
             beta: var(&x.beta, dtype)?,
             h0: x.h0.as_ref().map(|h| var(h, DType::F32)).transpose()?,
             save_intermediates: false,
+            packed: false,
         })
     }
 
@@ -231,6 +234,14 @@ impl OpVars {
             save_intermediates: self.save_intermediates,
             ..Default::default()
         };
+        if self.packed {
+            let (b, t, h, dk) = self.q.dims4()?;
+            let k = self.k.reshape((b, t, (self.k.dim(1)? / t), h, dk))?;
+            let qk = Tensor::cat(&[&self.q.unsqueeze(2)?, &k], 2)?;
+            return Ok(candle_gdp::gated_delta_product_packed(
+                &qk, &self.v, &self.g, &self.beta, &opts,
+            )?);
+        }
         Ok(gated_delta_product(
             &self.q, &self.k, &self.v, &self.g, &self.beta, &opts,
         )?)
@@ -292,6 +303,14 @@ pub fn run_op_saving_on(
     } else {
         run_vars(c, x, vars, dev)
     }
+}
+
+/// [`run_op_on`] through the packed-layout entry point, `qk` concatenated from `q` and `k` by
+/// Candle (so their gradients come through Candle's own `cat` backward).
+pub fn run_op_packed_on(c: &Case, x: &Inputs, dtype: DType, dev: &Device) -> Result<Results> {
+    let mut vars = OpVars::new(x, dtype, dev)?;
+    vars.packed = true;
+    run_vars(c, x, vars, dev)
 }
 
 fn run_vars(c: &Case, x: &Inputs, vars: OpVars, dev: &Device) -> Result<Results> {
