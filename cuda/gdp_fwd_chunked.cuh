@@ -205,16 +205,19 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
     sv[i] = i < c ? Bt[i] : 0.f;
   }
 
-  // ---- A = strict_lower(β_i (k_i·k_j) dec_ij) (warp w: rows 16 w.., the 2 (w + 1) column
-  // tiles up to its diagonal) and P = scale (q_r·k_j) dec(i_r, j) (warp w: query rows 16 w..).
+  // ---- A = strict_lower(β_i (k_i·k_j) dec_ij) (warp w: rows 16 w.., the w + 1 16-column
+  // pairs up to its diagonal) and P = scale (q_r·k_j) dec(i_r, j) (query tile mq − 1 − w on
+  // warp w, the pairs up to its last row's diagonal: the long query tiles go to the warps with
+  // short A rows).
   const int64_t slot = (int64_t)chunk * H + head;
   __nv_bfloat16* pm = pg + slot * C * C;
   const int g = lane >> 2, t = lane & 3;
   for (int pass = 0; pass < 2; ++pass) {
     const bool is_p = pass == 1;
     if (is_p && warp >= mq) break;
-    const int m0 = 16 * warp;
-    const int npairs = is_p ? 4 : warp + 1;  // 16-column pairs of n8 tiles
+    const int m0 = 16 * (is_p ? mq - 1 - warp : warp);
+    const int npairs =
+        is_p ? (first + (min(m0 + 15, nq - 1)) * n) / 16 + 1 : warp + 1;  // 16-column pairs
     const __nv_bfloat16* a_src = is_p ? QV : Ks;
     float acc[8][4] = {};
     for (int k0 = 0; k0 < KP; k0 += 16) {
@@ -230,23 +233,43 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
         }
       }
     }
+    // This thread's two rows: the decay's row index, its gate cumsum and the row scale, held
+    // in registers (the stores to A below would otherwise reload them for every element).
+    int ri[2];
+    bool ok[2];
+    float gi[2], gli[2], si[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = m0 + g + 8 * h;
+      ok[h] = is_p ? i < nq : i < c;
+      ri[h] = is_p ? min(first + i * n, C - 1) : i;
+      gi[h] = G[ri[h]];
+      gli[h] = Gl[ri[h]];
+      si[h] = is_p ? scale : Bt[i];
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      if (j < 2 * npairs) {
+      // P: every column (zeros past the pairs computed); A: the pairs up to the diagonal.
+      if (is_p || j < 2 * npairs) {
+        const int col = 8 * j + 2 * t;
+        const float2 gj = *reinterpret_cast<const float2*>(G + col);
+        const float2 glj = *reinterpret_cast<const float2*>(Gl + col);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int i = m0 + g + 8 * h, col = 8 * j + 2 * t;
+          const int i = m0 + g + 8 * h;
           float x[2];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int jj = col + e;
+            // Select before exponentiating (pitfall P4): the argument is <= 0 for jj <= ri.
+            const float dec =
+                jj <= ri[h] ? expf((gi[h] - (e ? gj.y : gj.x)) + (gli[h] - (e ? glj.y : glj.x)))
+                            : 0.f;
+            const float a = acc[j][2 * h + e];
             if (is_p)
-              x[e] = (i < nq && jj < c)
-                         ? acc[j][2 * h + e] * (scale * gdpb_dec(G, Gl, first + i * n, jj))
-                         : 0.f;
+              x[e] = (ok[h] && jj < c) ? a * (si[h] * dec) : 0.f;
             else
-              x[e] = (i < c && jj < i) ? (acc[j][2 * h + e] * Bt[i]) * gdpb_dec(G, Gl, i, jj)
-                                       : 0.f;
+              x[e] = (ok[h] && jj < i) ? (a * si[h]) * dec : 0.f;
           }
           if (is_p)
             *reinterpret_cast<__nv_bfloat162*>(pm + i * C + col) =
@@ -258,8 +281,8 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
     }
   }
   // Rows of P past the query tiles (the scan reads 16-row tiles of it).
-  for (int idx = tid; idx < (C - 16 * mq) * C; idx += nthr)
-    pm[16 * mq * C + idx] = __float2bfloat16_rn(0.f);
+  for (int idx = tid; idx < (C - 16 * mq) * C / 8; idx += nthr)
+    reinterpret_cast<uint4*>(pm + 16 * mq * C)[idx] = make_uint4(0, 0, 0, 0);
   __syncthreads();
 
   // ---- V into QV (Q is no longer read) while the inverse runs.

@@ -27,6 +27,8 @@ void launch(unsigned gx, unsigned gy, int nthr, F f) {
       blockIdx.x = x;
       blockIdx.y = y;
       blockDim.x = nthr;
+      gridDim.x = gx;
+      gridDim.y = gy;
       // Poison shared memory (large floats): a read of something nothing wrote shows.
       memset(smem_raw, 0x7f, sizeof(smem_raw));
       memset(gdpb_smem, 0x7f, sizeof(gdpb_smem));
