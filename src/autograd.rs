@@ -22,7 +22,7 @@ impl CustomOp1 for Seed {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        Ok((CpuStorage::F32(vec![0.0]), Shape::from(())))
+        Ok(zero_scalar_cpu())
     }
 
     #[cfg(feature = "cuda")]
@@ -31,11 +31,7 @@ impl CustomOp1 for Seed {
         s: &candle_core::CudaStorage,
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::{BackendDevice, BackendStorage};
-        let zero = s
-            .device()
-            .zeros_impl(&Shape::from(()), candle_core::DType::F32)?;
-        Ok((zero, Shape::from(())))
+        zero_scalar_cuda(s)
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, _grad_res: &Tensor) -> Result<Option<Tensor>> {
@@ -43,6 +39,23 @@ impl CustomOp1 for Seed {
         // reaching every seed is one and the output's gradient is the cotangent itself.
         Ok(Some(self.cotangent.clone()))
     }
+}
+
+/// The f32 zero scalar that a graph-tying custom op ([`Seed`], the op's gate tie) outputs.
+pub(crate) fn zero_scalar_cpu() -> (CpuStorage, Shape) {
+    (CpuStorage::F32(vec![0.0]), Shape::from(()))
+}
+
+/// [`zero_scalar_cpu`] on the CUDA device of `s`.
+#[cfg(feature = "cuda")]
+pub(crate) fn zero_scalar_cuda(
+    s: &candle_core::CudaStorage,
+) -> Result<(candle_core::CudaStorage, Shape)> {
+    use candle_core::backend::{BackendDevice, BackendStorage};
+    let zero = s
+        .device()
+        .zeros_impl(&Shape::from(()), candle_core::DType::F32)?;
+    Ok((zero, Shape::from(())))
 }
 
 /// Gradients of `Σ_i ⟨outputs_i, cotangents_i⟩` with respect to every variable the outputs

@@ -317,25 +317,11 @@ pub(crate) struct GdpForwardSplit {
     pub stash: Arc<Mutex<Option<(Tensor, Tensor)>>>,
 }
 
-/// The storage and layout of a held tensor, for a custom op's forward.
-macro_rules! held_storage {
-    ($t:expr, $variant:ident, $what:literal) => {{
-        let (s, l) = $t.storage_and_layout();
-        match &*s {
-            candle_core::Storage::$variant(_) => (s, l.clone()),
-            _ => candle_core::bail!(concat!("gdp: a held input is not on ", $what)),
-        }
-    }};
-}
-
-/// Unwraps a guard returned by [`held_storage!`].
-macro_rules! storage_ref {
-    ($guard:expr, $variant:ident) => {
-        match &*$guard {
-            candle_core::Storage::$variant(s) => s,
-            _ => unreachable!("checked by held_storage!"),
-        }
-    };
+impl GdpForwardSplit {
+    /// The tensors the kernels run on, in the order of [`GdpForward`]'s inputs.
+    fn held(&self) -> [&Tensor; 3] {
+        [&self.qk, &self.v, &self.aux]
+    }
 }
 
 impl CustomOp3 for GdpForwardSplit {
@@ -352,17 +338,12 @@ impl CustomOp3 for GdpForwardSplit {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (s1, l1) = held_storage!(self.qk, Cpu, "the CPU");
-        let (s2, l2) = held_storage!(self.v, Cpu, "the CPU");
-        let (s3, l3) = held_storage!(self.aux, Cpu, "the CPU");
-        self.op.cpu_fwd(
-            storage_ref!(s1, Cpu),
-            &l1,
-            storage_ref!(s2, Cpu),
-            &l2,
-            storage_ref!(s3, Cpu),
-            &l3,
-        )
+        use candle_core::Storage::Cpu;
+        let [(s1, l1), (s2, l2), (s3, l3)] = self.held().map(|t| t.storage_and_layout());
+        match (&*s1, &*s2, &*s3) {
+            (Cpu(s1), Cpu(s2), Cpu(s3)) => self.op.cpu_fwd(s1, l1, s2, l2, s3, l3),
+            _ => candle_core::bail!("gdp: the held inputs are not on the CPU"),
+        }
     }
 
     #[cfg(feature = "cuda")]
@@ -375,17 +356,12 @@ impl CustomOp3 for GdpForwardSplit {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (s1, l1) = held_storage!(self.qk, Cuda, "a CUDA device");
-        let (s2, l2) = held_storage!(self.v, Cuda, "a CUDA device");
-        let (s3, l3) = held_storage!(self.aux, Cuda, "a CUDA device");
-        self.op.cuda_fwd(
-            storage_ref!(s1, Cuda),
-            &l1,
-            storage_ref!(s2, Cuda),
-            &l2,
-            storage_ref!(s3, Cuda),
-            &l3,
-        )
+        use candle_core::Storage::Cuda;
+        let [(s1, l1), (s2, l2), (s3, l3)] = self.held().map(|t| t.storage_and_layout());
+        match (&*s1, &*s2, &*s3) {
+            (Cuda(s1), Cuda(s2), Cuda(s3)) => self.op.cuda_fwd(s1, l1, s2, l2, s3, l3),
+            _ => candle_core::bail!("gdp: the held inputs are not on one CUDA device"),
+        }
     }
 
     fn bwd(
@@ -440,7 +416,7 @@ impl candle_core::CustomOp2 for GradTie {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        Ok((CpuStorage::F32(vec![0.0]), Shape::from(())))
+        Ok(crate::autograd::zero_scalar_cpu())
     }
 
     #[cfg(feature = "cuda")]
@@ -451,9 +427,7 @@ impl candle_core::CustomOp2 for GradTie {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendDevice;
-        let zero = s.device().zeros_impl(&Shape::from(()), DType::F32)?;
-        Ok((zero, Shape::from(())))
+        crate::autograd::zero_scalar_cuda(s)
     }
 
     fn bwd(
