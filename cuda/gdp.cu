@@ -354,27 +354,35 @@ GDP_FWD_ENTRY(gdp_fwd_f16, __half)
 #include "copy.cuh"
 
 // One decode step, fused (`src/op/recurrent.rs`, `gated_delta_product_step_fused`): per
-// (batch row, head) and 64 value columns (8 warps of 8 columns), the state slice is read once,
-// decayed, updated by the n Householder sub-steps and read by the query, and written once. In a
-// warp, lane = 8 rg + c: column c of the warp's 8 and row group rg of 4 (rows rg, rg + 4, ...)
-// in registers, so that a load instruction reads four 32-byte row segments and a column dot k·S
-// is a partial over the thread's rows reduced over the 4 row groups with two shuffles: after
-// the one barrier that stages q and k, no warp waits for another. All f32:
+// (batch row, head) and 128 value columns, the state slice is read once, decayed, updated by the
+// n Householder sub-steps and read by the query, and written once. One column per thread, so a
+// warp's load or store touches 32 consecutive columns of a row: whole 128-byte lines (the
+// 32-byte row segments of the previous layout, 8 columns x 4 row groups per warp, reached 57%
+// of the copy rate). The rows are split in GDP_STEP_PARTS parts of ROWS rows over the block's
+// four groups of four warps (ROWS = K / 4 rounded up to a power of two, at least 8); a column
+// dot x·S is each thread's partial over its rows, the four partials summed through shared
+// memory (one barrier per dot, two buffers in turn). q and k (zero past row K), the block's v
+// columns and beta are staged in shared memory while the state loads are in flight: one round
+// trip to global memory. All f32:
 //   state [B, H, K, V];  small = [q (B H K) | k (B n H K) | v (B n H V) | g (B H) | beta (B n H)]
 //   out   = [o (B H V) | new state (B H K V)]
-// ROWS = K / 4 at most: gdp_step_f32 (K <= 128), gdp_step_f32_k256 (K <= 256).
-#define GDP_STEP_THREADS 256
-#define GDP_STEP_COLS 64
+// Kernels gdp_step_f32_k<4 ROWS> for ROWS = 8, 16, 32, 64 (K <= 32, 64, 128, 256). Dynamic
+// shared memory: `gdp_step_smem_floats` floats (`src/op/cuda/step.rs` repeats the formula).
+#define GDP_STEP_COLS 128
+#define GDP_STEP_PARTS 4
+#define GDP_STEP_THREADS (GDP_STEP_COLS * GDP_STEP_PARTS)
 
-// Sum of x over the lanes that hold the same column (lanes l ^ 8, l ^ 16, l ^ 24).
-__device__ __forceinline__ float gdp_step_rowgroup_sum(float x) {
-#ifdef GDP_EMU
-  return gdp_emu_xor_sum(x, 24);
-#else
-  x += __shfl_xor_sync(0xffffffffu, x, 8);
-  x += __shfl_xor_sync(0xffffffffu, x, 16);
-  return x;
-#endif
+// Rows per part: K / GDP_STEP_PARTS rounded up to a power of two, at least 8.
+__host__ __device__ __forceinline__ int gdp_step_rows_per_part(int K) {
+  int rows = 8;
+  while (rows * GDP_STEP_PARTS < K) rows *= 2;
+  return rows;
+}
+
+// Dynamic shared memory of the step kernel, in floats (layout in gdp_step_impl).
+__host__ __device__ __forceinline__ int gdp_step_smem_floats(int K, int n) {
+  return (1 + n) * GDP_STEP_PARTS * gdp_step_rows_per_part(K) + n * GDP_STEP_COLS +
+         ((n + 3) & ~3) + 2 * GDP_STEP_PARTS * GDP_STEP_COLS;
 }
 
 template <int ROWS>
@@ -382,78 +390,97 @@ __device__ __forceinline__ void gdp_step_impl(const float* __restrict__ state,
                                               const float* __restrict__ small,
                                               float* __restrict__ out, int B, int H, int K,
                                               int V, int n, float scale) {
-  // Dynamic shared memory: q [K], k [n][K] of the block's (batch row, head).
+  constexpr int COLS = GDP_STEP_COLS, PARTS = GDP_STEP_PARTS, KP = PARTS * ROWS;
+  // Shared memory: x [1 + n][KP] (q, then k_j; zero past row K), v [n][COLS] of the block's
+  // columns, beta [n] (padded to 4), the dot partials [2][PARTS][COLS].
   extern __shared__ __align__(16) unsigned char gdps_smem[];
-  float* qs = reinterpret_cast<float*>(gdps_smem);
-  float* ks = qs + K;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int rg = lane >> 3;
+  float* xs = reinterpret_cast<float*>(gdps_smem);
+  float* vs = xs + (1 + n) * KP;
+  float* bs = vs + n * COLS;
+  float* red = bs + ((n + 3) & ~3);
+  const int tid = threadIdx.x, c = tid % COLS, part = tid / COLS;
   const int bh = blockIdx.x, b = bh / H, h = bh % H;
-  const int col = blockIdx.y * GDP_STEP_COLS + warp * 8 + (lane & 7);
+  const int col0 = blockIdx.y * COLS, col = col0 + c;
   const bool valid = col < V;
+  const int r0 = part * ROWS;
   const int64_t BH = (int64_t)B * H;
   const float* q = small + (int64_t)bh * K;
   const float* kk = small + BH * K;
   const float* vv = kk + BH * n * K;
   const float* gg = vv + BH * n * V;
   const float* bb = gg + BH;
-  const float* s_in = state + (int64_t)bh * K * V;
-  float* s_out = out + BH * V + (int64_t)bh * K * V;
+  const float* s_in = state + (int64_t)bh * K * V + (int64_t)r0 * V + col;
+  float* s_out = out + BH * V + (int64_t)bh * K * V + (int64_t)r0 * V + col;
 
-  // One round trip to global memory: the state slice into registers, q and k into shared
-  // memory, all loads issued before any is used.
+  // Row i of this thread is state row r0 + i; rows past K stay zero.
   float s[ROWS];
 #pragma unroll
-  for (int i = 0; i < ROWS; ++i) {
-    const int r = rg + 4 * i;
-    s[i] = (valid && r < K) ? s_in[(int64_t)r * V + col] : 0.f;
-  }
+  for (int i = 0; i < ROWS; ++i) s[i] = (valid && r0 + i < K) ? s_in[(int64_t)i * V] : 0.f;
   const float decay = expf(gg[bh]);
-  for (int i = tid; i < (1 + n) * K; i += GDP_STEP_THREADS) {
-    const int j = i / K - 1, r = i - (j + 1) * K;  // j = -1: the query
-    qs[i] = j < 0 ? q[r] : kk[(((int64_t)b * n + j) * H + h) * K + r];
+  for (int i = tid; i < (1 + n) * KP; i += GDP_STEP_THREADS) {
+    const int j = i / KP - 1, r = i % KP;  // j = -1: the query
+    xs[i] = r >= K ? 0.f : j < 0 ? q[r] : kk[(((int64_t)b * n + j) * H + h) * K + r];
   }
+  for (int i = tid; i < n * COLS; i += GDP_STEP_THREADS) {
+    const int j = i / COLS, cj = col0 + i % COLS;
+    vs[i] = cj < V ? vv[(((int64_t)b * n + j) * H + h) * V + cj] : 0.f;
+  }
+  if (tid < n) bs[tid] = bb[((int64_t)b * n + tid) * H + h];
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) s[i] *= decay;
   __syncthreads();
 
-  // Column dot x·S over all K rows (x in shared memory), for this thread's column.
-  auto column_dot = [&](const float* x) {
-    float part = 0.f;
+  // Column dot x·S over all K rows for this thread's column; `buf` alternates between the two
+  // partial buffers (a buffer is rewritten only after the next dot's barrier, which every
+  // thread reaches after reading it).
+  auto column_dot = [&](const float* x, float* buf) {
+    const float4* x4 = reinterpret_cast<const float4*>(x + r0);
+    float p0 = 0.f, p1 = 0.f;
 #pragma unroll
-    for (int i = 0; i < ROWS; ++i) {
-      const int r = rg + 4 * i;
-      if (r < K) part = fmaf(x[r], s[i], part);
+    for (int i = 0; i < ROWS / 4; ++i) {
+      const float4 xv = x4[i];
+      p0 = fmaf(xv.x, s[4 * i], p0);
+      p1 = fmaf(xv.y, s[4 * i + 1], p1);
+      p0 = fmaf(xv.z, s[4 * i + 2], p0);
+      p1 = fmaf(xv.w, s[4 * i + 3], p1);
     }
-    return gdp_step_rowgroup_sum(part);
+    buf[tid] = p0 + p1;
+    __syncthreads();
+    float t = buf[c];
+#pragma unroll
+    for (int p = 1; p < PARTS; ++p) t += buf[p * COLS + c];
+    return t;
   };
   for (int j = 0; j < n; ++j) {
-    const int64_t row = ((int64_t)b * n + j) * H + h;
-    const float vj = valid ? vv[row * V + col] : 0.f;
-    const float bj = bb[row];
-    const float* kj = ks + j * K;
-    const float pred = column_dot(kj);
-    const float delta = valid ? bj * (vj - pred) : 0.f;
+    const float* kj = xs + (1 + j) * KP;
+    const float pred = column_dot(kj, red + (j & 1) * PARTS * COLS);
+    const float delta = bs[j] * (vs[j * COLS + c] - pred);
+    const float4* k4 = reinterpret_cast<const float4*>(kj + r0);
 #pragma unroll
-    for (int i = 0; i < ROWS; ++i) {
-      const int r = rg + 4 * i;
-      if (r < K) s[i] = fmaf(kj[r], delta, s[i]);
+    for (int i = 0; i < ROWS / 4; ++i) {
+      const float4 kv = k4[i];
+      s[4 * i] = fmaf(kv.x, delta, s[4 * i]);
+      s[4 * i + 1] = fmaf(kv.y, delta, s[4 * i + 1]);
+      s[4 * i + 2] = fmaf(kv.z, delta, s[4 * i + 2]);
+      s[4 * i + 3] = fmaf(kv.w, delta, s[4 * i + 3]);
     }
   }
-  const float ov = column_dot(qs);
-  if (rg == 0 && valid) out[(int64_t)bh * V + col] = scale * ov;
+  const float ov = column_dot(xs, red + (n & 1) * PARTS * COLS);
+  if (part == 0 && valid) out[(int64_t)bh * V + col] = scale * ov;
 #pragma unroll
-  for (int i = 0; i < ROWS; ++i) {
-    const int r = rg + 4 * i;
-    if (valid && r < K) s_out[(int64_t)r * V + col] = s[i];
-  }
+  for (int i = 0; i < ROWS; ++i)
+    if (valid && r0 + i < K) s_out[(int64_t)i * V] = s[i];
 }
 
-#define GDP_STEP_ENTRY(NAME, ROWS)                                                              \
-  extern "C" __global__ void __launch_bounds__(GDP_STEP_THREADS)                                \
+// Two blocks per multiprocessor (at most 64 registers) up to ROWS = 32: one block of 16 warps
+// waits at each dot's barrier with no other block's loads to overlap.
+#define GDP_STEP_ENTRY(NAME, ROWS, MIN_BLOCKS)                                                  \
+  extern "C" __global__ void __launch_bounds__(GDP_STEP_THREADS, MIN_BLOCKS)                    \
       NAME(const float* state, const float* small, float* out, int B, int H, int K, int V, int n, \
            float scale) {                                                                       \
     gdp_step_impl<ROWS>(state, small, out, B, H, K, V, n, scale);                               \
   }
-GDP_STEP_ENTRY(gdp_step_f32, 32)
-GDP_STEP_ENTRY(gdp_step_f32_k256, 64)
+GDP_STEP_ENTRY(gdp_step_f32_k32, 8, 2)
+GDP_STEP_ENTRY(gdp_step_f32_k64, 16, 2)
+GDP_STEP_ENTRY(gdp_step_f32_k128, 32, 2)
+GDP_STEP_ENTRY(gdp_step_f32_k256, 64, 1)

@@ -1,7 +1,7 @@
 // Kernel-only timings (CUDA events, median of repeated launches) of the bf16 two-kernel forward
 // (gdp_fwd_wy_bf16, gdp_fwd_scan_bf16_<BV>_128), of the split bf16 backward (the same two with
 // the states kept, gdp_bwd_dh_bf16_<BV>_128, gdp_bwd_grads_bf16_128_128) at the benchmark shapes
-// of docs/perf.md and of the fused decode step (gdp_step_f32) at B64 H16 K=V=128 n2, with achieved bandwidth. No Rust
+// of docs/perf.md and of the fused decode step (gdp_step_f32_k128) at B64 H16 K=V=128 n2, with achieved bandwidth. No Rust
 // needed, so it separates kernel time from the op's host-side work:
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icuda cuda/bench/kernels.cu -o kbench && ./kbench
 #include "gdp.cu"
@@ -198,7 +198,8 @@ static void step() {
   float* out;
   CK(cudaMalloc(&out, (BH * V + BH * K * V) * 4));
   const float t = median_ms([&] {
-    gdp_step_f32<<<dim3(BH, (V + 63) / 64), 256, 4 * (1 + n) * K>>>(
+    gdp_step_f32_k128<<<dim3(BH, (V + GDP_STEP_COLS - 1) / GDP_STEP_COLS), GDP_STEP_THREADS,
+                   4 * gdp_step_smem_floats(K, n)>>>(
         ds, dsm, out, B, H, K, V, n, 0.1f);
   }, 50);
   const double bytes = 2.0 * BH * K * V * 4;

@@ -419,7 +419,7 @@ void run_bf16_bwd(const Case& c, int bv, int NS) {
   if (c.h0) report(name, "bf16 dh0", rel(dh0, R.grads.data() + qk_len + v_len + BTH * (1 + n), sl), 1e-2);
 }
 
-// The fused decode step gdp_step_f32 against a float64 loop.
+// The fused decode step gdp_step_f32_k* against a float64 loop.
 void run_step(int B, int H, int K, int V, int n) {
   std::mt19937 rng(99 + K + V + n);
   std::normal_distribution<float> nd(0, 1);
@@ -434,9 +434,13 @@ void run_step(int B, int H, int K, int V, int n) {
   for (long i = 0; i < BH * n; ++i) beta[i] = 2.f * ud(rng);
   const float scale = 1.f / sqrtf((float)K);
   std::vector<float> out(BH * V + BH * K * V, -7.f);
-  launch(BH, (V + 63) / 64, 256, [&] {
-    if (K <= 128)
-      gdp_step_f32(state.data(), small.data(), out.data(), B, H, K, V, n, scale);
+  launch(BH, (V + GDP_STEP_COLS - 1) / GDP_STEP_COLS, GDP_STEP_THREADS, [&] {
+    if (K <= 32)
+      gdp_step_f32_k32(state.data(), small.data(), out.data(), B, H, K, V, n, scale);
+    else if (K <= 64)
+      gdp_step_f32_k64(state.data(), small.data(), out.data(), B, H, K, V, n, scale);
+    else if (K <= 128)
+      gdp_step_f32_k128(state.data(), small.data(), out.data(), B, H, K, V, n, scale);
     else
       gdp_step_f32_k256(state.data(), small.data(), out.data(), B, H, K, V, n, scale);
   });
@@ -491,7 +495,8 @@ int main(int argc, char** argv) {
   bool only_step = false;
   for (int i = 1; i < argc; ++i)
     if (!strcmp(argv[i], "step")) only_step = true;
-  for (auto d : {std::vector<int>{2, 3, 16, 24, 1}, {1, 2, 40, 70, 2}, {1, 1, 256, 33, 3}})
+  for (auto d : {std::vector<int>{2, 3, 16, 24, 1}, {1, 2, 40, 70, 2}, {1, 2, 100, 130, 2},
+                 {1, 1, 256, 33, 3}})
     run_step(d[0], d[1], d[2], d[3], d[4]);
   if (only_step) {
     printf("fails: %d\n", fails);

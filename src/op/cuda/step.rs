@@ -1,4 +1,4 @@
-//! Launcher of the fused decode step `gdp_step_f32` / `gdp_step_f32_k256` (`cuda/gdp.cu`).
+//! Launcher of the fused decode step `gdp_step_f32_k{32,64,128,256}` (`cuda/gdp.cu`).
 
 use super::launch::{to_i32, view};
 use super::module::load_kernel;
@@ -7,19 +7,28 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, Layout, Result};
 
-/// Threads per block (`GDP_STEP_THREADS`): 8 warps of 8 value columns x 4 row groups.
-const THREADS: u32 = 256;
-/// Value columns per block (`GDP_STEP_COLS`).
-const COLS: usize = 64;
-/// Largest K: rows per thread (64 in `gdp_step_f32_k256`) times the 4 row groups.
+/// Value columns per block (`GDP_STEP_COLS`): one per thread of each row part.
+const COLS: usize = 128;
+/// Parts the K rows are split in, one per group of `COLS` threads (`GDP_STEP_PARTS`).
+const PARTS: usize = 4;
+/// Threads per block (`GDP_STEP_THREADS`).
+const THREADS: u32 = (COLS * PARTS) as u32;
+/// Largest K: rows per part (64 in `gdp_step_f32_k256`) times the parts.
 const MAX_K: usize = 256;
 /// Dynamic shared memory a launch may take without opting in.
 const MAX_SMEM: usize = 48 * 1024;
 
-/// Dynamic shared memory of the step kernel, bytes: q [K] and k [n][K] of the block's
-/// (batch row, head).
+/// Rows per part (`gdp_step_rows_per_part`): `K / PARTS` rounded up to a power of two, at
+/// least 8; it names the kernel, `gdp_step_f32_k{PARTS · rows}`.
+fn rows_per_part(k: usize) -> usize {
+    k.div_ceil(PARTS).next_power_of_two().max(8)
+}
+
+/// Dynamic shared memory of the step kernel, bytes (`gdp_step_smem_floats`): q and k [n] of
+/// the block's (batch row, head) zero-padded to `PARTS` parts of `rows_per_part` rows, v [n] of
+/// its columns, beta [n] padded to 4, and two buffers of the dot partials.
 fn smem_bytes(k: usize, n: usize) -> usize {
-    4 * (1 + n) * k
+    4 * ((1 + n) * PARTS * rows_per_part(k) + n * COLS + n.div_ceil(4) * 4 + 2 * PARTS * COLS)
 }
 
 /// One fused step on CUDA: `state [B, H, K, V]` (f32) and the f32 buffer `[q | k | v | g | beta]`
@@ -66,11 +75,11 @@ pub fn step(
         to_i32(v, "V")?,
         to_i32(n, "n")?,
     ];
-    // 32 rows per thread up to K = 128, else 64.
-    let name = if k <= 128 {
-        "gdp_step_f32"
-    } else {
-        "gdp_step_f32_k256"
+    let name = match rows_per_part(k) {
+        8 => "gdp_step_f32_k32",
+        16 => "gdp_step_f32_k64",
+        32 => "gdp_step_f32_k128",
+        _ => "gdp_step_f32_k256",
     };
     let func = load_kernel(&dev, name)?;
     let mut args = func.builder();
