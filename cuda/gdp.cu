@@ -412,10 +412,18 @@ __device__ __forceinline__ void gdp_step_impl(const float* __restrict__ state,
   const float* s_in = state + (int64_t)bh * K * V + (int64_t)r0 * V + col;
   float* s_out = out + BH * V + (int64_t)bh * K * V + (int64_t)r0 * V + col;
 
-  // Row i of this thread is state row r0 + i; rows past K stay zero.
+  // Row i of this thread is state row r0 + i, for i < rows; rows past K stay zero. Every row
+  // valid (K a multiple of 4 ROWS) is the unguarded path: per-row guards made the compiler keep
+  // per-row addresses and spill.
+  const int rows = valid ? min(ROWS, max(K - r0, 0)) : 0;
   float s[ROWS];
+  if (rows == ROWS) {
 #pragma unroll
-  for (int i = 0; i < ROWS; ++i) s[i] = (valid && r0 + i < K) ? s_in[(int64_t)i * V] : 0.f;
+    for (int i = 0; i < ROWS; ++i) s[i] = s_in[(int64_t)i * V];
+  } else {
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) s[i] = i < rows ? s_in[(int64_t)i * V] : 0.f;
+  }
   const float decay = expf(gg[bh]);
   for (int i = tid; i < (1 + n) * KP; i += GDP_STEP_THREADS) {
     const int j = i / KP - 1, r = i % KP;  // j = -1: the query
@@ -467,9 +475,14 @@ __device__ __forceinline__ void gdp_step_impl(const float* __restrict__ state,
   }
   const float ov = column_dot(xs, red + (n & 1) * PARTS * COLS);
   if (part == 0 && valid) out[(int64_t)bh * V + col] = scale * ov;
+  if (rows == ROWS) {
 #pragma unroll
-  for (int i = 0; i < ROWS; ++i)
-    if (valid && r0 + i < K) s_out[(int64_t)i * V] = s[i];
+    for (int i = 0; i < ROWS; ++i) s_out[(int64_t)i * V] = s[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i)
+      if (i < rows) s_out[(int64_t)i * V] = s[i];
+  }
 }
 
 // Two blocks per multiprocessor (at most 64 registers) up to ROWS = 32: one block of 16 warps
