@@ -128,8 +128,9 @@ __host__ __device__ constexpr int gdpd_stage_bytes(int KP, int QR, int BV) {
 
 template <int BV, int KPT, int NW>
 __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
-    const __nv_bfloat16* __restrict__ qk, const int* __restrict__ table,
-    const __nv_bfloat16* __restrict__ wg, const __nv_bfloat16* __restrict__ pg,
+    const __nv_bfloat16* __restrict__ qb, const __nv_bfloat16* __restrict__ kb, int split,
+    const int* __restrict__ table, const __nv_bfloat16* __restrict__ wg,
+    const __nv_bfloat16* __restrict__ pg,
     const float* __restrict__ cg, const __nv_bfloat16* __restrict__ dob,
     const float* __restrict__ dht, int has_dht, __nv_bfloat16* __restrict__ dhs,
     __nv_bfloat16* __restrict__ ddn, float* __restrict__ dh0, int write_dh0, int B, int TT,
@@ -151,7 +152,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
   const int nch = (int)((L + C - 1) / C);
   const int64_t KV = (int64_t)K * V;
   const int64_t state_off = ((int64_t)sidx * H + head) * KV;
-  const bool vk = (K % 8 == 0) && ((reinterpret_cast<uintptr_t>(qk) & 15) == 0);
+  const bool vk = gdpc_qk_vec(qb, kb, K);
   const bool vu = (V % 8 == 0) && (bv % 8 == 0);
 
   extern __shared__ __align__(16) unsigned char gdpcs_smem[];
@@ -175,7 +176,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     return st;
   };
   // Row tables of NS chunks, by step (step s handles chunk nch - 1 - s, in slot s mod NS, the
-  // stage its operands go to): element offsets of the key rows and the query rows in qk, and of
+  // stage its operands go to): element offsets of the key rows in kb and the query rows in qb, and of
   // the query tokens' rows in dO (-1 past the rows), and the chunk's geometry.
   int64_t* tables = reinterpret_cast<int64_t*>(Dq + QR * LB);  // [NS][3][C]
   GdpcMeta* meta = reinterpret_cast<GdpcMeta*>(tables + NS * 3 * C);  // [NS]
@@ -188,7 +189,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     const int c = (int)min((int64_t)C, L - p0);
     const int first = gdpc_first(p0, n);
     const int nq = gdpc_query_rows(first, c, n);
-    const GdpcRows rows(tok0, p0, first, n, H, K, head);
+    const GdpcRows rows(tok0, p0, first, n, H, K, head, split);
     for (int i = tid; i < C; i += nthr) {
       koff[i] = i < c ? rows.key(i) : -1;
       qoff[i] = i < nq ? rows.query(i) : -1;
@@ -211,8 +212,8 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     const __nv_bfloat16* w = wg + slot * C * K;
     gdpc_stage_rows(st.W, LK, w, [&](int r) { return (int64_t)r * K; }, C, C, K, vk, sp_k, tid,
                     nthr);
-    gdpc_stage_rows(st.Kr, LK, qk, [&](int i) { return koff[i]; }, c, C, K, vk, sp_k, tid, nthr);
-    gdpc_stage_rows(st.Q, LK, qk, [&](int r) { return qoff[r]; }, nq, QR, K, vk, sp_k, tid,
+    gdpc_stage_rows(st.Kr, LK, kb, [&](int i) { return koff[i]; }, c, C, K, vk, sp_k, tid, nthr);
+    gdpc_stage_rows(st.Q, LK, qb, [&](int r) { return qoff[r]; }, nq, QR, K, vk, sp_k, tid,
                     nthr);
     gdpc_stage_rows(st.P, LC, pg + slot * C * C, [&](int r) { return (int64_t)r * C; }, QR, QR,
                     C, true, sp_p, tid, nthr);
@@ -375,11 +376,13 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
 
 #define GDPD_SCAN_ENTRY(BV, KPT, NW)                                                          \
   extern "C" __global__ void __launch_bounds__(NW * 32) gdp_bwd_dh_bf16_##BV##_##KPT(        \
-      const __nv_bfloat16* qk, const int* table, const __nv_bfloat16* wg,                     \
+      const __nv_bfloat16* qb, const __nv_bfloat16* kb, int split, const int* table,          \
+      const __nv_bfloat16* wg,                                                                \
       const __nv_bfloat16* pg, const float* cg, const __nv_bfloat16* dob, const float* dht,   \
       int has_dht, __nv_bfloat16* dhs, __nv_bfloat16* ddn, float* dh0, int write_dh0, int B,  \
       int TT, int H, int K, int V, int n, int QR, int NS) {                                   \
-    gdp_bwd_dh_bf16_impl<BV, KPT, NW>(qk, table, wg, pg, cg, dob, dht, has_dht, dhs, ddn, dh0, \
+    gdp_bwd_dh_bf16_impl<BV, KPT, NW>(qb, kb, split, table, wg, pg, cg, dob, dht, has_dht, dhs,  \
+                                      ddn, dh0,                                               \
                                       write_dh0, B, TT, H, K, V, n, QR, NS);                  \
   }
 GDPD_SCAN_ENTRY(16, 64, 4)
@@ -416,12 +419,13 @@ __device__ __forceinline__ void gdpg_store_pair(float* row, int col, int ncols, 
 
 template <int KP, int VP>
 __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
-    const __nv_bfloat16* __restrict__ qk, const __nv_bfloat16* __restrict__ vv,
-    const float* __restrict__ aux, const int* __restrict__ table,
-    const __nv_bfloat16* __restrict__ ag, const __nv_bfloat16* __restrict__ hs,
+    const __nv_bfloat16* __restrict__ qb, const __nv_bfloat16* __restrict__ kb, int split,
+    const __nv_bfloat16* __restrict__ vv, const float* __restrict__ aux,
+    const int* __restrict__ table, const __nv_bfloat16* __restrict__ ag, const __nv_bfloat16* __restrict__ hs,
     const __nv_bfloat16* __restrict__ dhs, const __nv_bfloat16* __restrict__ dn,
     const __nv_bfloat16* __restrict__ ddn, const __nv_bfloat16* __restrict__ dob,
-    float* __restrict__ out, __nv_bfloat16* __restrict__ dqkb, __nv_bfloat16* __restrict__ dvb_out,
+    float* __restrict__ out, __nv_bfloat16* __restrict__ dqb, __nv_bfloat16* __restrict__ dkb,
+    __nv_bfloat16* __restrict__ dvb_out,
     float* __restrict__ dgates, int B, int TT, int H, int K, int V, int n, int N, float scale,
     int QR) {
   constexpr int C = GDP_CHUNK, LK = KP + 8, LV = VP + 8, LC = C + 8, LF = 68;
@@ -445,22 +449,29 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   const int mq = (nq + 15) / 16;
   const int64_t BTH = (int64_t)B * TT * H;
   const int64_t qk_len = BTH * (n + 1) * K, v_len = BTH * n * V;
-  // The packed f32 [dqk | dv | dg | dβ] (out), or bf16 dqk and dv and f32 [dg | dβ] (dgates).
+  // The packed f32 [dqk | dv | dg | dβ] (out; packed qk only), or bf16 dq, dk (in the layout
+  // of qb, kb; a null dkb with a packed dqk in dqb: the keys follow the query slot) and dv and
+  // f32 [dg | dβ] (dgates).
   float* const dg_out = out != nullptr ? out + qk_len + v_len : dgates;
   float* const db_out = dg_out + BTH;
-  // Stores a pair of columns of row `at` of dqk (`is_v` false) or dv.
-  auto put_pair = [&](bool is_v, int64_t at, int col, int ncols, float x0, float x1) {
+  __nv_bfloat16* const dk_out =
+      (dkb != nullptr || dqb == nullptr) ? dkb : dqb + (int64_t)H * K;
+  enum Grad { kDq, kDk, kDv };
+  // Stores a pair of columns of row `at` (a GdpcRows offset, or dv's) of dq, dk or dv.
+  auto put_pair = [&](Grad which, int64_t at, int col, int ncols, float x0, float x1) {
     if (out != nullptr) {
-      gdpg_store_pair(out + (is_v ? qk_len : 0) + at, col, ncols, x0, x1);
+      const int64_t base = which == kDv ? qk_len : which == kDk ? (int64_t)H * K : 0;
+      gdpg_store_pair(out + base + at, col, ncols, x0, x1);
     } else {
-      gdpc_store_pair((is_v ? dvb_out : dqkb) + at, col, ncols, x0, x1, ncols % 2 == 0);
+      __nv_bfloat16* dst = which == kDv ? dvb_out : which == kDk ? dk_out : dqb;
+      gdpc_store_pair(dst + at, col, ncols, x0, x1, ncols % 2 == 0);
     }
   };
   const int64_t slot = (int64_t)chunk * H + head;
   const int64_t KV = (int64_t)K * V;
-  const bool vk = (K % 8 == 0) && ((reinterpret_cast<uintptr_t>(qk) & 15) == 0);
+  const bool vk = gdpc_qk_vec(qb, kb, K);
   const bool vv8 = V % 8 == 0;
-  const GdpcRows rows(tok0, p0, first, n, H, K, head);
+  const GdpcRows rows(tok0, p0, first, n, H, K, head, split);
 
   extern __shared__ __align__(16) unsigned char gdpg_smem[];
   __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(gdpg_smem);  // [C][LK]   K rows
@@ -498,8 +509,8 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   // ---- Stage everything but dS (one cp.async group; dS goes where dDelta and V were, after
   // phase 1); gates meanwhile.
   const GdpcSplit spk(K, tid, nthr), spv(V, tid, nthr), spc(C, tid, nthr);
-  gdpc_stage_rows(Ks, LK, qk, [&](int i) { return rows.key(i); }, c, C, K, vk, spk, tid, nthr);
-  gdpc_stage_rows(Qs, LK, qk, [&](int r) { return rows.query(r); }, nq, 16 * mq, K, vk, spk, tid,
+  gdpc_stage_rows(Ks, LK, kb, [&](int i) { return rows.key(i); }, c, C, K, vk, spk, tid, nthr);
+  gdpc_stage_rows(Qs, LK, qb, [&](int r) { return rows.query(r); }, nq, 16 * mq, K, vk, spk, tid,
                   nthr);
   gdpc_stage_rows(HB, LV, hs + slot * KV, [&](int r) { return (int64_t)r * V; }, K, KP, V, vv8,
                   spv, tid, nthr);
@@ -558,7 +569,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
         vb[h] += d0 * vx.x + d1 * vx.y;
         *reinterpret_cast<__nv_bfloat162*>(DVB + i * LV + col) = __floats2bfloat162_rn(d0, d1);
         if (i < c)
-          put_pair(true, ((tok0 * n + p0 + i) * H + head) * (int64_t)V, col, V, Bt[i] * d0,
+          put_pair(kDv, ((tok0 * n + p0 + i) * H + head) * (int64_t)V, col, V, Bt[i] * d0,
                    Bt[i] * d1);
       }
     put_rows(R_KB, kb);
@@ -609,7 +620,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
         const int r = m0 + g + 8 * h, col = nk0 + 8 * j + 2 * t;
         const float2 qx = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Qs + r * LK + col));
         a3[h] += acc[j][2 * h] * qx.x + acc[j][2 * h + 1] * qx.y;
-        if (r < nq) put_pair(false, rows.query(r), col, K, acc[j][2 * h], acc[j][2 * h + 1]);
+        if (r < nq) put_pair(kDq, rows.query(r), col, K, acc[j][2 * h], acc[j][2 * h + 1]);
       }
     put_rows(R_A3, a3);
   }
@@ -706,7 +717,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
         const float2 kx = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Ks + i * LK + col));
         a1[h] += x0 * kx.x + x1 * kx.y;
         if (i < c)
-          put_pair(false, rows.key(i), col, K, dk[j][2 * h] + x0, dk[j][2 * h + 1] + x1);
+          put_pair(kDk, rows.key(i), col, K, dk[j][2 * h] + x0, dk[j][2 * h + 1] + x1);
       }
     put_rows(R_A1, a1);
   }
@@ -743,13 +754,16 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
 
 #define GDPG_ENTRY(KP, VP)                                                                     \
   extern "C" __global__ void __launch_bounds__(GDPG_THREADS) gdp_bwd_grads_bf16_##KP##_##VP(  \
-      const __nv_bfloat16* qk, const __nv_bfloat16* v, const float* aux, const int* table,     \
+      const __nv_bfloat16* qb, const __nv_bfloat16* kb, int split, const __nv_bfloat16* v,     \
+      const float* aux, const int* table,                                                      \
       const __nv_bfloat16* ag, const __nv_bfloat16* hs, const __nv_bfloat16* dhs,              \
       const __nv_bfloat16* dn, const __nv_bfloat16* ddn, const __nv_bfloat16* dob, float* out, \
-      __nv_bfloat16* dqkb, __nv_bfloat16* dvb_out, float* dgates, int B, int TT, int H, int K, \
+      __nv_bfloat16* dqb, __nv_bfloat16* dkb, __nv_bfloat16* dvb_out, float* dgates, int B,    \
+      int TT, int H, int K,                                                                    \
       int V, int n, int N, float scale, int QR) {                                              \
-    gdp_bwd_grads_bf16_impl<KP, VP>(qk, v, aux, table, ag, hs, dhs, dn, ddn, dob, out, dqkb,   \
-                                    dvb_out, dgates, B, TT, H, K, V, n, N, scale, QR);         \
+    gdp_bwd_grads_bf16_impl<KP, VP>(qb, kb, split, v, aux, table, ag, hs, dhs, dn, ddn, dob,   \
+                                    out, dqb, dkb, dvb_out, dgates, B, TT, H, K, V, n, N,      \
+                                    scale, QR);                                                \
   }
 GDPG_ENTRY(64, 64)
 GDPG_ENTRY(64, 128)

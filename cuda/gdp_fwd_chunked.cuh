@@ -40,8 +40,14 @@ __device__ __forceinline__ int gdpc_query_rows(int first, int c, int n) {
   return first < c ? (c - 1 - first) / n + 1 : 0;
 }
 
-// Row offsets (elements of qk) of the interleaved chunk that starts at row p0 of a sequence
-// whose first token is tok0: key row i (i < c), query row r (r < nq).
+// Queries and keys. The chunked bf16 kernels take them as two base pointers `qb`, `kb` and a
+// flag `split`:
+//   split = 0: the packed qk [B, T, n+1, H, K]; qb = qk, kb = qk + H·K (token stride (n+1)·H·K
+//              for both);
+//   split = 1: FLA's separate q [B, T, H, K] (token stride H·K) and k [B, T·n, H, K] (token
+//              stride n·H·K), read in place.
+// Row offsets of the interleaved chunk that starts at row p0 of a sequence whose first token is
+// tok0: key row i (i < c) from kb, query row r (r < nq) from qb.
 // Row offsets are formed in 32 bits where they can be: p0 < T·n, which the launchers check
 // to fit in i32, and a 64-bit division is a long subroutine on the scans' sequential path.
 // The quotients of small non-negative x by n (row counts within a chunk) come from a float
@@ -53,20 +59,22 @@ __device__ __forceinline__ int gdpc_div_small(int x, float rn) {
 
 struct GdpcRows {
   int64_t tok0, t0, tq0;
+  int64_t qt, kt;  // token strides of the queries and the keys
   int r0, n, H, K, head;
   float rn;  // 1 / n
   __device__ __forceinline__ GdpcRows(int64_t tok0_, int64_t p0, int first, int n_, int H_,
-                                      int K_, int head_)
-      : tok0(tok0_), t0((int)p0 / n_), r0((int)p0 - (int)t0 * n_), n(n_), H(H_), K(K_),
-        head(head_), rn(1.f / (float)n_) {
+                                      int K_, int head_, int split)
+      : tok0(tok0_), t0((int)p0 / n_), qt((int64_t)(split ? 1 : n_ + 1) * H_ * K_),
+        kt((int64_t)(split ? n_ : n_ + 1) * H_ * K_), r0((int)p0 - (int)t0 * n_), n(n_), H(H_),
+        K(K_), head(head_), rn(1.f / (float)n_) {
     tq0 = t0 + gdpc_div_small(r0 + first, rn);
   }
   __device__ __forceinline__ int64_t key(int i) const {
     const int x = r0 + i, q = gdpc_div_small(x, rn);
-    return ((tok0 + t0 + q) * (n + 1) + 1 + (x - q * n)) * H * K + (int64_t)head * K;
+    return (tok0 + t0 + q) * kt + (int64_t)((x - q * n) * H + head) * K;
   }
   __device__ __forceinline__ int64_t query(int r) const {
-    return ((tok0 + tq0 + r) * (n + 1)) * H * K + (int64_t)head * K;
+    return (tok0 + tq0 + r) * qt + (int64_t)head * K;
   }
   // Token of query row r.
   __device__ __forceinline__ int64_t query_token(int r) const { return tok0 + tq0 + r; }
@@ -142,8 +150,16 @@ __device__ __forceinline__ void gdpc_store_pair(__nv_bfloat16* row, int col, int
 // ----------------------------------------------------------------------------------------------
 // Kernel 1: WY factors of every chunk.
 
+// Whether the rows of q and k can be copied 16 bytes at a time.
+__device__ __forceinline__ bool gdpc_qk_vec(const __nv_bfloat16* qb, const __nv_bfloat16* kb,
+                                            int K) {
+  return K % 8 == 0 &&
+         ((reinterpret_cast<uintptr_t>(qb) | reinterpret_cast<uintptr_t>(kb)) & 15) == 0;
+}
+
 extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
-    gdp_fwd_wy_bf16(const __nv_bfloat16* __restrict__ qk, const __nv_bfloat16* __restrict__ vv,
+    gdp_fwd_wy_bf16(const __nv_bfloat16* __restrict__ qb, const __nv_bfloat16* __restrict__ kb,
+                    int split, const __nv_bfloat16* __restrict__ vv,
                     const float* __restrict__ aux, const int* __restrict__ table,
                     __nv_bfloat16* __restrict__ wg, __nv_bfloat16* __restrict__ ug,
                     __nv_bfloat16* __restrict__ pg, float* __restrict__ cg,
@@ -164,9 +180,9 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
   const int64_t BTH = (int64_t)B * TT * H;
   const int KP = (K + 15) & ~15, VP = (V + 15) & ~15;
   const int LK = KP + 8, LV = VP + 8;  // bf16 row strides
-  const bool vk = (K % 8 == 0) && ((reinterpret_cast<uintptr_t>(qk) & 15) == 0);
+  const bool vk = gdpc_qk_vec(qb, kb, K);
   const bool vvec = (V % 8 == 0) && ((reinterpret_cast<uintptr_t>(vv) & 15) == 0);
-  const GdpcRows rows(tok0, p0, first, n, H, K, head);
+  const GdpcRows rows(tok0, p0, first, n, H, K, head, split);
 
   constexpr int CS = GDP_INV_LD;  // f32 row stride of A and its inverse
   extern __shared__ __align__(16) unsigned char gdpc_smem[];
@@ -183,9 +199,9 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
   const GdpcSplit sk_split(K, tid, nthr), sv_split(V, tid, nthr);
 
   // ---- Stage K and Q; gates and betas meanwhile.
-  gdpc_stage_rows(Ks, LK, qk, [&](int i) { return rows.key(i); }, c, C, K, vk, sk_split, tid,
+  gdpc_stage_rows(Ks, LK, kb, [&](int i) { return rows.key(i); }, c, C, K, vk, sk_split, tid,
                   nthr);
-  gdpc_stage_rows(QV, LK, qk, [&](int r) { return rows.query(r); }, nq, 16 * mq, K, vk,
+  gdpc_stage_rows(QV, LK, qb, [&](int r) { return rows.query(r); }, nq, 16 * mq, K, vk,
                   sk_split, tid, nthr);
   cp_async_commit();
   gdpc_zero_cols(Ks, LK, C, K, KP, tid, nthr);
@@ -392,8 +408,8 @@ __device__ __forceinline__ void gdpc_mma_kn(float (&acc)[2 * NP][4], const __nv_
 
 template <int BV, int KPT, int NW>
 __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
-    const __nv_bfloat16* __restrict__ qk, const float* __restrict__ aux,
-    const int* __restrict__ table, const __nv_bfloat16* __restrict__ wg,
+    const __nv_bfloat16* __restrict__ qb, const __nv_bfloat16* __restrict__ kb, int split,
+    const float* __restrict__ aux, const int* __restrict__ table, const __nv_bfloat16* __restrict__ wg,
     const __nv_bfloat16* __restrict__ ug, const __nv_bfloat16* __restrict__ pg,
     const float* __restrict__ cg, const float* __restrict__ h0_override, int use_h0_override,
     float* __restrict__ out, __nv_bfloat16* __restrict__ outb, float* __restrict__ fin,
@@ -417,7 +433,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
   const int64_t BTH = (int64_t)B * TT * H;
   const int64_t KV = (int64_t)K * V;
   const int64_t state_off = ((int64_t)sidx * H + head) * KV;
-  const bool vk = (K % 8 == 0) && ((reinterpret_cast<uintptr_t>(qk) & 15) == 0);
+  const bool vk = gdpc_qk_vec(qb, kb, K);
   const bool vu = (V % 8 == 0) && (bv % 8 == 0);
 
   extern __shared__ __align__(16) unsigned char gdpcs_smem[];
@@ -441,7 +457,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     return st;
   };
 
-  // Element offsets into qk of the key and query rows of chunk ci (-1 past its rows) and the
+  // Element offsets into kb and qb of the key and query rows of chunk ci (-1 past its rows) and the
   // chunk's geometry, NS chunks' worth: chunk ci's in slot ci % NS, which is also the stage its
   // operands are copied into.
   int64_t* tables = reinterpret_cast<int64_t*>(Dk + C * LB);  // [NS][2][C]
@@ -453,7 +469,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const int c = (int)min((int64_t)C, L - p0);
     const int first = gdpc_first(p0, n);
     const int nq = gdpc_query_rows(first, c, n);
-    const GdpcRows rows(tok0, p0, first, n, H, K, head);
+    const GdpcRows rows(tok0, p0, first, n, H, K, head, split);
     for (int i = tid; i < C; i += nthr) {
       koff[i] = i < c ? rows.key(i) : -1;
       qoff[i] = i < nq ? rows.query(i) : -1;
@@ -474,8 +490,8 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const __nv_bfloat16* u = ug + slot * C * V + v0;
     gdpc_stage_rows(st.W, LK, w, [&](int r) { return (int64_t)r * K; }, C, C, K, vk, sp_k, tid,
                     nthr);
-    gdpc_stage_rows(st.Kr, LK, qk, [&](int i) { return koff[i]; }, c, C, K, vk, sp_k, tid, nthr);
-    gdpc_stage_rows(st.Q, LK, qk, [&](int r) { return qoff[r]; }, nq, QR, K, vk, sp_k, tid,
+    gdpc_stage_rows(st.Kr, LK, kb, [&](int i) { return koff[i]; }, c, C, K, vk, sp_k, tid, nthr);
+    gdpc_stage_rows(st.Q, LK, qb, [&](int r) { return qoff[r]; }, nq, QR, K, vk, sp_k, tid,
                     nthr);
     gdpc_stage_rows(st.P, LC, pg + slot * C * C, [&](int r) { return (int64_t)r * C; }, QR, QR,
                     C, true, sp_p, tid, nthr);
@@ -674,12 +690,13 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
 
 #define GDPC_SCAN_ENTRY(BV, KPT, NW)                                                             \
   extern "C" __global__ void __launch_bounds__(NW * 32) gdp_fwd_scan_bf16_##BV##_##KPT(         \
-      const __nv_bfloat16* qk, const float* aux, const int* table, const __nv_bfloat16* wg,      \
-      const __nv_bfloat16* ug, const __nv_bfloat16* pg, const float* cg,                        \
+      const __nv_bfloat16* qb, const __nv_bfloat16* kb, int split, const float* aux,            \
+      const int* table, const __nv_bfloat16* wg, const __nv_bfloat16* ug,                       \
+      const __nv_bfloat16* pg, const float* cg,                                                 \
       const float* h0_override, int use_h0_override, float* out, __nv_bfloat16* outb,            \
       float* fin, __nv_bfloat16* hs, __nv_bfloat16* dn, int B, int TT, int H, int K, int V, int n, \
       int has_h0, int QR, int NS) {                                                              \
-    gdp_fwd_scan_bf16_impl<BV, KPT, NW>(qk, aux, table, wg, ug, pg, cg, h0_override,           \
+    gdp_fwd_scan_bf16_impl<BV, KPT, NW>(qb, kb, split, aux, table, wg, ug, pg, cg, h0_override, \
                                         use_h0_override, out, outb, fin, hs, dn, B, TT, H, K, V, \
                                         n, has_h0, QR, NS);                                      \
   }

@@ -16,8 +16,8 @@ use candle_gdp::{
     gated_delta_product, gated_delta_product_packed, ContextParallel, Cotangents, GdpOptions,
 };
 use common::{
-    inputs, median_ms, rel_rms, run_op_on, run_op_plain_on, run_op_saving_on, run_reference, Case,
-    Inputs,
+    inputs, median_ms, rel_rms, run_op_on, run_op_packed_on, run_op_plain_on, run_op_saving_on,
+    run_reference, Case, Inputs,
 };
 
 fn cuda() -> Result<Device> {
@@ -303,6 +303,36 @@ fn saved_intermediates_give_the_same_results() -> Result<()> {
                     c.name
                 );
             }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn fla_layout_in_place_matches_the_packed_entry() -> Result<()> {
+    // In bf16 where the chunked kernels serve both ways, `gated_delta_product` hands them `q`
+    // and `k` in place; the packed entry point reads `qk` built by Candle's `cat`. The kernels
+    // read the same values, so `o` and `ht` are bit-identical and every gradient equal up to
+    // the order of float atomics (as in `saved_intermediates_give_the_same_results`); K = 256
+    // (no split backward) takes the packed copy on both sides.
+    let dev = cuda()?;
+    let dtype = DType::BF16;
+    for c in cases() {
+        let x = inputs(&c, dtype)?;
+        let split = run_op_on(&c, &x, dtype, &dev)?;
+        let packed = run_op_packed_on(&c, &x, dtype, &dev)?;
+        let want = run_reference(&c, &x)?;
+        assert_eq!(rel_rms(&split.o, &packed.o)?, 0.0, "{}: o", c.name);
+        assert_eq!(rel_rms(&split.ht, &packed.ht)?, 0.0, "{}: ht", c.name);
+        for (((name, a), (_, b)), (_, w)) in split.grads.iter().zip(&packed.grads).zip(&want.grads)
+        {
+            check(&c, &format!("{name} in place"), a, w, 1e-2)?;
+            let diff = rel_rms(a, b)?;
+            assert!(
+                diff <= 1e-3,
+                "{}: {name} in place differs from the packed entry by {diff:.2e}",
+                c.name
+            );
         }
     }
     Ok(())

@@ -57,8 +57,10 @@ static void forward(int B, int T, int H, int n) {
   std::mt19937 rng(1);
   std::normal_distribution<float> nd(0, 1);
   const long BT = (long)B * T, BTH = BT * H;
-  std::vector<__nv_bfloat16> qk(BT * (n + 1) * H * K), v(BT * n * H * V);
-  for (auto& x : qk) x = __float2bfloat16_rn(nd(rng) / sqrtf((float)K));
+  // q [B, T, H, K] and k [B, T·n, H, K] apart, as the op passes FLA's inputs (read in place).
+  std::vector<__nv_bfloat16> q(BTH * K), k(BTH * n * K), v(BT * n * H * V);
+  for (auto& x : q) x = __float2bfloat16_rn(nd(rng) / sqrtf((float)K));
+  for (auto& x : k) x = __float2bfloat16_rn(nd(rng) / sqrtf((float)K));
   for (auto& x : v) x = __float2bfloat16_rn(nd(rng));
   std::vector<float> aux(BTH * (1 + n));
   for (long i = 0; i < BTH; ++i) aux[i] = -log1pf(expf(-nd(rng)));  // logsigmoid
@@ -71,7 +73,8 @@ static void forward(int B, int T, int H, int n) {
   }
   const long total = chunks.size() / 2, slots = total * H;
   tab.insert(tab.end(), chunks.begin(), chunks.end());
-  auto* dqk = upload(qk);
+  auto* dq = upload(q);
+  auto* dk = upload(k);
   auto* dv = upload(v);
   auto* daux = upload(aux);
   auto* dtab = upload(tab);
@@ -88,7 +91,7 @@ static void forward(int B, int T, int H, int n) {
   const int wy_smem = 4 * (2 * C * GDP_INV_LD + 6 * C) + 2 * C * ((KP + 8) + std::max(KP, VP) + 8);
   CK(cudaFuncSetAttribute(gdp_fwd_wy_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize, wy_smem));
   const float t_wy = median_ms([&] {
-    gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dqk, dv, daux, dtab, w, u, p, cf, nullptr,
+    gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf, nullptr,
                                                        B, T, H, K, V, n, B, scale);
   });
   const int QR = 16 * (((C + n - 1) / n + 15) / 16);
@@ -107,7 +110,7 @@ static void forward(int B, int T, int H, int n) {
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return median_ms([&] {
       kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
-          dqk, daux, dtab, w, u, p, cf, daux, 0, nullptr, o_out, nullptr, hs_out, dn_out, B, T, H,
+          dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, o_out, nullptr, hs_out, dn_out, B, T, H,
           K, V, n, 0, QR, NS);
     });
   };
@@ -134,13 +137,14 @@ static void forward(int B, int T, int H, int n) {
   dob = upload(hdo);
   CK(cudaMalloc(&dht, (long)B * H * K * V * 4));
   CK(cudaMemset(dht, 0, (long)B * H * K * V * 4));
-  // The op's gradient parts: bf16 dqk and dv, f32 [dg | dβ].
-  __nv_bfloat16 *gqk, *gv;
-  CK(cudaMalloc(&gqk, BTH * (n + 1) * K * 2));
+  // The op's gradient parts: bf16 dq, dk and dv, f32 [dg | dβ].
+  __nv_bfloat16 *gq, *gk, *gv;
+  CK(cudaMalloc(&gq, BTH * K * 2));
+  CK(cudaMalloc(&gk, BTH * n * K * 2));
   CK(cudaMalloc(&gv, BTH * n * V * 2));
   CK(cudaMalloc(&gout, BTH * (1 + n) * 4));
   const float t_wya = median_ms([&] {
-    gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dqk, dv, daux, dtab, w, u, p, cf, ag, B, T,
+    gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf, ag, B, T,
                                                        H, K, V, n, B, scale);
   });
   printf("  bwd: wy+Ainv %.3f ms", t_wya);
@@ -163,7 +167,7 @@ static void forward(int B, int T, int H, int n) {
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const float t = median_ms([&] {
       kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
-          dqk, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, NS);
+          dq, dk, 1, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, NS);
     });
     best_dh = std::min(best_dh, t);
     printf(" | dh BV%d/%d %.3f", bv, NS, t);
@@ -174,14 +178,14 @@ static void forward(int B, int T, int H, int n) {
   const int gsmem = gdpg_smem_bytes(KP, V, QR);
   CK(cudaFuncSetAttribute(gdp_bwd_grads_bf16_128_128, cudaFuncAttributeMaxDynamicSharedMemorySize, gsmem));
   const float t_gr = median_ms([&] {
-    gdp_bwd_grads_bf16_128_128<<<dim3(total, H), GDPG_THREADS, gsmem>>>(dqk, dv, daux, dtab, ag, hs, dhs, dn, ddn,
-                                                              dob, nullptr, gqk, gv, gout, B, T, H, K, V, n, B, scale, QR);
+    gdp_bwd_grads_bf16_128_128<<<dim3(total, H), GDPG_THREADS, gsmem>>>(dq, dk, 1, dv, daux, dtab, ag, hs, dhs, dn, ddn,
+                                                              dob, nullptr, gq, gk, gv, gout, B, T, H, K, V, n, B, scale, QR);
   });
   printf(" | grads %.3f ms (smem %d) | bwd total %.3f ms\n", t_gr, gsmem,
          t_wya + best_states + best_dh + t_gr);
-  for (void* x : {(void*)dqk, (void*)dv, (void*)daux, (void*)dtab, (void*)w, (void*)u, (void*)p,
+  for (void* x : {(void*)dq, (void*)dk, (void*)dv, (void*)daux, (void*)dtab, (void*)w, (void*)u, (void*)p,
                   (void*)cf, (void*)ag, (void*)hs, (void*)dn, (void*)dhs, (void*)ddn,
-                  (void*)dob, (void*)dht, (void*)gout, (void*)gqk, (void*)gv, (void*)ob})
+                  (void*)dob, (void*)dht, (void*)gout, (void*)gq, (void*)gk, (void*)gv, (void*)ob})
     CK(cudaFree(x));
 }
 

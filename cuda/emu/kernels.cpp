@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 
 thread_local dim3 threadIdx;
@@ -259,6 +260,28 @@ static std::vector<__nv_bfloat16> to_bf16(std::vector<float>& x) {
   return out;
 }
 
+// FLA's separate q [B·T, H, K] and k [B·T·n, H, K] cut out of a packed qk [B·T, n+1, H, K].
+struct SplitQk {
+  std::vector<__nv_bfloat16> q, k;
+  SplitQk(const std::vector<__nv_bfloat16>& qk, long BT, long n, long H, long K) {
+    for (long tk = 0; tk < BT; ++tk)
+      for (long s = 0; s <= n; ++s) {
+        const auto* row = &qk[(tk * (n + 1) + s) * H * K];
+        (s == 0 ? q : k).insert((s == 0 ? q : k).end(), row, row + H * K);
+      }
+  }
+};
+
+// The kernels' (qb, kb, split) arguments for the packed qk or for `sq`.
+struct QkArgs {
+  const __nv_bfloat16 *q, *k;
+  int split;
+};
+static QkArgs qk_args(const std::vector<__nv_bfloat16>& qk, const SplitQk& sq, bool split,
+                      long H, long K) {
+  return split ? QkArgs{sq.q.data(), sq.k.data(), 1} : QkArgs{qk.data(), qk.data() + H * K, 0};
+}
+
 // The bf16 forwards: gdp_fwd_bf16 (one kernel) and gdp_fwd_wy_bf16 + gdp_fwd_scan_bf16 (two
 // kernels, BV = 32 and 64) against the f64 reference on the bf16-rounded inputs.
 void run_bf16(const Case& c) {
@@ -287,22 +310,41 @@ void run_bf16(const Case& c) {
   std::vector<__nv_bfloat16> wg(slots * 64 * K, {0x7f7f}), ug(slots * 64 * V, {0x7f7f}),
       pg(slots * 64 * 64, {0x7f7f});
   std::vector<float> cg(slots * 3 * 64, 3e38f);
-  if (total > 0)
-    launch(total, H, 128, [&] {
-      gdp_fwd_wy_bf16(qkb.data(), vb.data(), P.aux.data(), tab.data(), wg.data(), ug.data(),
-                      pg.data(), cg.data(), nullptr, c.B, c.T, c.H, c.K, c.V, c.n, N, scale);
-    });
+  const SplitQk sq(qkb, BTH / H, n, H, K);
+  // The WY factors from the packed qk and from q, k in place: the same bits.
+  auto wy_factors = [&](bool split) {
+    const QkArgs a = qk_args(qkb, sq, split, H, K);
+    if (total > 0)
+      launch(total, H, 128, [&] {
+        gdp_fwd_wy_bf16(a.q, a.k, a.split, vb.data(), P.aux.data(), tab.data(), wg.data(),
+                        ug.data(), pg.data(), cg.data(), nullptr, c.B, c.T, c.H, c.K, c.V, c.n,
+                        N, scale);
+      });
+  };
+  wy_factors(true);
+  const auto wg1 = wg, ug1 = ug, pg1 = pg;
+  const auto cg1 = cg;
+  wy_factors(false);
+  auto same_bits = [](const auto& x, const auto& y) {
+    return x.size() == y.size() && memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
+  };
+  const bool same = same_bits(wg, wg1) && same_bits(ug, ug1) && same_bits(pg, pg1) &&
+                    same_bits(cg, cg1);
+  printf("%-26s %-8s %s\n", c.name, "bf16 wy", same ? "q, k in place: identical" : "q, k in place: DIFFERENT");
+  if (!same) ++fails;
   const int QR = 16 * (((64 + c.n - 1) / c.n + 15) / 16);
   const int KPT = c.K <= 64 ? 64 : c.K <= 128 ? 128 : 256;
   for (int cfg = 0; cfg < 6; ++cfg) {
     const int bv = 16 << (cfg % 3), NS = 2 + cfg / 3;
     if (bv == 64 && KPT == 256) continue;
-    // Odd configurations write o in bf16 (the op's plain output), even ones the packed f32.
-    const bool plain = cfg % 2 == 1;
+    // Odd configurations write o in bf16 (the op's plain output), even ones the packed f32;
+    // configurations 1 to 3 read q and k in place, the others the packed qk.
+    const bool plain = cfg % 2 == 1, split = cfg >= 1 && cfg <= 3;
+    const QkArgs a = qk_args(qkb, sq, split, H, K);
     std::vector<float> out(BTH * V + sl, 0.f);
     std::vector<__nv_bfloat16> ob(plain ? BTH * V : 0, __nv_bfloat16{0x7f7f});
     launch(N * H, (V + bv - 1) / bv, bv == 16 ? 128 : 256, [&] {
-#define ARGS qkb.data(), P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(), cg.data(), \
+#define ARGS a.q, a.k, a.split, P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(), cg.data(), \
              P.aux.data(), 0, plain ? nullptr : out.data(), plain ? ob.data() : nullptr,        \
              out.data() + BTH * V, nullptr, nullptr, c.B, c.T, c.H, c.K, c.V, c.n, c.h0, QR, NS
       if (bv == 16 && KPT == 64) gdp_fwd_scan_bf16_16_64(ARGS);
@@ -317,7 +359,7 @@ void run_bf16(const Case& c) {
     });
     for (long i = 0; plain && i < BTH * V; ++i) out[i] = __bfloat162float(ob[i]);
     char what[32];
-    snprintf(what, sizeof what, "bf16 2k%d/%d o%s", bv, NS, plain ? " bf16" : "");
+    snprintf(what, sizeof what, "bf16 2k%d/%d%s o%s", bv, NS, split ? " q,k" : "", plain ? " bf16" : "");
     report(c.name, what, rel(out.data(), R.o.data(), BTH * V), 1e-2);
     snprintf(what, sizeof what, "bf16 2k%d/%d ht", bv, NS);
     report(c.name, what, rel(out.data() + BTH * V, R.fin.data(), sl), 1e-2);
@@ -351,14 +393,20 @@ void run_bf16_bwd(const Case& c, int bv, int NS) {
   const int QR = 16 * (((64 + c.n - 1) / c.n + 15) / 16);
   const int KPT = c.K <= 64 ? 64 : 128;
   const int VPT = c.V <= 64 ? 64 : 128;
+  // BV = 32 runs write dq, dk, dv in bf16 and dg, dβ apart (the op's parts) and read q and k in
+  // place (FLA's layout); others read the packed qk and write the packed f32.
+  const bool parts = bv == 32;
+  const SplitQk sq(qkb, BTH / H, n, H, K);
+  const QkArgs a = qk_args(qkb, sq, parts, H, K);
   if (total > 0)
     launch(total, H, 128, [&] {
-      gdp_fwd_wy_bf16(qkb.data(), vb.data(), P.aux.data(), tab.data(), wg.data(), ug.data(),
-                      pg.data(), cg.data(), ag.data(), c.B, c.T, c.H, c.K, c.V, c.n, N, scale);
+      gdp_fwd_wy_bf16(a.q, a.k, a.split, vb.data(), P.aux.data(), tab.data(), wg.data(),
+                      ug.data(), pg.data(), cg.data(), ag.data(), c.B, c.T, c.H, c.K, c.V, c.n,
+                      N, scale);
     });
   const int nthr = bv == 16 ? 128 : 256;
   launch(N * H, (V + bv - 1) / bv, nthr, [&] {
-#define ARGS qkb.data(), P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(), cg.data(), \
+#define ARGS a.q, a.k, a.split, P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(), cg.data(), \
              P.aux.data(), 0, nullptr, nullptr, nullptr, hs.data(), dn.data(), c.B, c.T, c.H, c.K, \
              c.V, c.n, c.h0, QR, NS
     if (bv == 16 && KPT == 64) gdp_fwd_scan_bf16_16_64(ARGS);
@@ -372,7 +420,7 @@ void run_bf16_bwd(const Case& c, int bv, int NS) {
   std::vector<float> out(qk_len + v_len + BTH * (1 + n) + (c.h0 ? sl : 0), 0.f);
   float* dh0 = out.data() + qk_len + v_len + BTH * (1 + n);
   launch(N * H, (V + bv - 1) / bv, nthr, [&] {
-#define ARGS qkb.data(), tab.data(), wg.data(), pg.data(), cg.data(), dob.data(), P.dht.data(), 1, \
+#define ARGS a.q, a.k, a.split, tab.data(), wg.data(), pg.data(), cg.data(), dob.data(), P.dht.data(), 1, \
              dhs.data(), ddn.data(), dh0, c.h0, c.B, c.T, c.H, c.K, c.V, c.n, QR, NS
     if (bv == 16 && KPT == 64) gdp_bwd_dh_bf16_16_64(ARGS);
     if (bv == 16 && KPT == 128) gdp_bwd_dh_bf16_16_128(ARGS);
@@ -382,14 +430,14 @@ void run_bf16_bwd(const Case& c, int bv, int NS) {
     if (bv == 64 && KPT == 128) gdp_bwd_dh_bf16_64_128(ARGS);
 #undef ARGS
   });
-  // BV = 32 runs write dq, dk, dv in bf16 and dg, dβ apart (the op's parts), others the packed f32.
-  const bool parts = bv == 32;
-  std::vector<__nv_bfloat16> dqkb(parts ? qk_len : 0, poison), dvb(parts ? v_len : 0, poison);
+  std::vector<__nv_bfloat16> dqb(parts ? BTH * K : 0, poison), dkb(parts ? BTH * n * K : 0, poison),
+      dvb(parts ? v_len : 0, poison);
   if (total > 0)
     launch(total, H, GDPG_THREADS, [&] {
-#define ARGS qkb.data(), vb.data(), P.aux.data(), tab.data(), ag.data(), hs.data(), dhs.data(), \
-             dn.data(), ddn.data(), dob.data(), parts ? nullptr : out.data(),                   \
-             parts ? dqkb.data() : nullptr, parts ? dvb.data() : nullptr,                       \
+#define ARGS a.q, a.k, a.split, vb.data(), P.aux.data(), tab.data(), ag.data(), hs.data(),        \
+             dhs.data(), dn.data(), ddn.data(), dob.data(), parts ? nullptr : out.data(),       \
+             parts ? dqb.data() : nullptr, parts ? dkb.data() : nullptr,                        \
+             parts ? dvb.data() : nullptr,                                                      \
              out.data() + qk_len + v_len, c.B, c.T, c.H, c.K, c.V, c.n, N, scale, QR
       if (KPT == 64 && VPT == 64) gdp_bwd_grads_bf16_64_64(ARGS);
       if (KPT == 64 && VPT == 128) gdp_bwd_grads_bf16_64_128(ARGS);
@@ -397,7 +445,12 @@ void run_bf16_bwd(const Case& c, int bv, int NS) {
       if (KPT == 128 && VPT == 128) gdp_bwd_grads_bf16_128_128(ARGS);
 #undef ARGS
     });
-  for (long i = 0; parts && i < qk_len; ++i) out[i] = __bfloat162float(dqkb[i]);
+  // dq, dk back into the packed layout of the reference.
+  for (long tk = 0; parts && tk < BTH / H; ++tk)
+    for (long s = 0; s <= n; ++s)
+      for (long i = 0; i < H * K; ++i)
+        out[(tk * (n + 1) + s) * H * K + i] = __bfloat162float(
+            s == 0 ? dqb[tk * H * K + i] : dkb[(tk * n + s - 1) * H * K + i]);
   for (long i = 0; parts && i < v_len; ++i) out[qk_len + i] = __bfloat162float(dvb[i]);
   std::vector<float> gq, gk;
   std::vector<double> rq, rk;
@@ -410,7 +463,7 @@ void run_bf16_bwd(const Case& c, int bv, int NS) {
           else gk.push_back(out[i]), rk.push_back(R.grads[i]);
         }
   char name[64];
-  snprintf(name, sizeof name, "%s bwd%d/%d%s", c.name, bv, NS, parts ? " parts" : "");
+  snprintf(name, sizeof name, "%s bwd%d/%d%s", c.name, bv, NS, parts ? " parts q,k" : "");
   report(name, "bf16 dq", rel(gq.data(), rq.data(), gq.size()), 1e-2);
   report(name, "bf16 dk", rel(gk.data(), rk.data(), gk.size()), 1e-2);
   report(name, "bf16 dv", rel(out.data() + qk_len, R.grads.data() + qk_len, v_len), 1e-2);

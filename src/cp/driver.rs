@@ -330,7 +330,17 @@ impl CpLink {
         let all = self.gather(local)?;
         self.fold_into_initial_states(&all, frags.len(), sh, &mut h0);
         let h0_dev = dev.clone_htod(&h0)?;
-        let out = cuda::forward(qk, v, aux, sh, scale, has_h0, Some(&h0_dev), plain, None)?;
+        let out = cuda::forward(
+            cuda::QkIn::Packed(qk),
+            v,
+            aux,
+            sh,
+            scale,
+            has_h0,
+            Some(&h0_dev),
+            plain,
+            None,
+        )?;
         *self.saved_h0.lock().map_err(|_| poisoned())? = Some(h0);
         Ok(out)
     }

@@ -9,6 +9,7 @@
 
 use super::cpu;
 use super::shape::GdpShape;
+use super::QueryKeys;
 use crate::cp::driver::CpLink;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -83,6 +84,63 @@ impl GdpForward {
         let zeros = Tensor::zeros(self.shape.state_len(), DType::F32, grad.device())?;
         Tensor::cat(&[&grad.flatten_all()?.to_dtype(DType::F32)?, &zeros], 0)
     }
+
+    /// The CUDA forward on the queries and keys `qk` (packed, or FLA's `q`, `k` read in place),
+    /// `v` and the gate buffer.
+    #[cfg(feature = "cuda")]
+    fn cuda_forward(
+        &self,
+        qk: super::cuda::QkIn,
+        v: (&candle_core::CudaStorage, &Layout),
+        aux: (&candle_core::CudaStorage, &Layout),
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (sh, scale, has_h0) = (&self.shape, self.scale, self.has_h0);
+        let plain = !self.with_final_state;
+        let out = match (&self.cp, qk) {
+            (None, qk) => {
+                let cache = self.cache.as_deref();
+                super::cuda::forward(qk, v, aux, sh, scale, has_h0, None, plain, cache)?
+            }
+            (Some(link), super::cuda::QkIn::Packed(qk)) => {
+                link.forward_cuda(qk, v, aux, sh, scale, has_h0, plain)?
+            }
+            (Some(_), super::cuda::QkIn::Split(..)) => {
+                candle_core::bail!("gdp: context parallelism runs on the packed `qk`")
+            }
+        };
+        Ok((out, self.output_shape()))
+    }
+
+    /// The split bf16 backward straight into bf16 gradients (CUDA, no context parallelism):
+    /// the gradients of the query/key inputs (one or two), of `v` and of the gate buffer, or
+    /// `Ok(None)` where it does not apply.
+    #[cfg(feature = "cuda")]
+    fn direct_backward(
+        &self,
+        qk: QueryKeys,
+        v: &Tensor,
+        aux: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<Option<(Vec<Tensor>, Tensor, Tensor)>> {
+        if self.cp.is_some() {
+            return Ok(None);
+        }
+        let (sh, scale, plain) = (&self.shape, self.scale, !self.with_final_state);
+        let grad = grad_res.contiguous()?;
+        let cache = self.cache.as_ref().and_then(|c| c.take());
+        super::cuda::try_backward_tensors(qk, v, aux, &grad, sh, scale, self.has_h0, plain, cache)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn direct_backward(
+        &self,
+        _: QueryKeys,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+    ) -> Result<Option<(Vec<Tensor>, Tensor, Tensor)>> {
+        Ok(None)
+    }
 }
 
 /// `o` alone, as `T`, from the packed f32 `[o | final state]` of the CPU kernels.
@@ -145,7 +203,6 @@ impl CustomOp3 for GdpForward {
         Ok((out, self.output_shape()))
     }
 
-    // --- CUDA forward (feature `cuda`; owned by the CUDA kernel work, see src/op/cuda) ---
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
@@ -156,32 +213,8 @@ impl CustomOp3 for GdpForward {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let plain = !self.with_final_state;
-        let out = match &self.cp {
-            None => super::cuda::forward(
-                (s1, l1),
-                (s2, l2),
-                (s3, l3),
-                &self.shape,
-                self.scale,
-                self.has_h0,
-                None,
-                plain,
-                self.cache.as_deref(),
-            )?,
-            Some(link) => link.forward_cuda(
-                (s1, l1),
-                (s2, l2),
-                (s3, l3),
-                &self.shape,
-                self.scale,
-                self.has_h0,
-                plain,
-            )?,
-        };
-        Ok((out, self.output_shape()))
+        self.cuda_forward(super::cuda::QkIn::Packed((s1, l1)), (s2, l2), (s3, l3))
     }
-    // --- end CUDA forward ---
 
     fn bwd(
         &self,
@@ -191,24 +224,10 @@ impl CustomOp3 for GdpForward {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        #[cfg(feature = "cuda")]
-        if self.cp.is_none() {
-            let (sh, scale, plain) = (&self.shape, self.scale, !self.with_final_state);
-            let grad = grad_res.contiguous()?;
-            let direct = super::cuda::try_backward_tensors(
-                qk,
-                v,
-                aux,
-                &grad,
-                sh,
-                scale,
-                self.has_h0,
-                plain,
-                self.cache.as_ref().and_then(|c| c.take()),
-            )?;
-            if let Some([dqk, dv, daux]) = direct {
-                return Ok((Some(dqk), Some(dv), Some(daux)));
-            }
+        if let Some((mut dqk, dv, daux)) =
+            self.direct_backward(QueryKeys::Packed(qk), v, aux, grad_res)?
+        {
+            return Ok((dqk.pop(), Some(dv), Some(daux)));
         }
         let op = GdpBackward {
             fwd: self.clone(),
@@ -302,26 +321,21 @@ impl CustomOp3 for GdpBackward {
 /// The forward over FLA's separate `q` and `k`, as graph inputs `(q, k, tie)` with
 /// `tie = GradTie(v, gates)`: a custom op takes at most three inputs, and a packed `qk` graph
 /// node would cost its own zero tensor plus add of `dqk` in Candle's gradient accumulation
-/// (about as much memory traffic as the pack itself, `docs/perf.md`). The kernels run on a
-/// packed copy of `q`, `k` held outside the graph; the backward cuts `dq`, `dk` out of `dqk`
-/// and hands `dv`, `dgates` to the tie through `stash`.
+/// (about as much memory traffic as the pack itself, `docs/perf.md`). The CUDA bf16 chunked
+/// kernels read `q` and `k` in place; elsewhere the kernels run on a packed copy held outside
+/// the graph and the backward cuts `dq`, `dk` out of `dqk`. The backward hands `dv`, `dgates`
+/// to the tie through `stash`.
 #[derive(Debug, Clone)]
 pub(crate) struct GdpForwardSplit {
     pub op: GdpForward,
-    /// `qk [B, T, n+1, H, K]`, packed from `q` and `k` (not a graph node).
-    pub qk: Tensor,
+    /// `qk [B, T, n+1, H, K]` packed from `q` and `k` (not a graph node), or `None` where the
+    /// kernels read the op's inputs `q`, `k` in place ([`super::cuda::reads_qk_in_place`]).
+    pub qk: Option<Tensor>,
     pub v: Tensor,
     /// The f32 gate buffer `[g | beta | h0?]`.
     pub aux: Tensor,
     pub pack: super::pack::PackQk,
     pub stash: Arc<Mutex<Option<(Tensor, Tensor)>>>,
-}
-
-impl GdpForwardSplit {
-    /// The tensors the kernels run on, in the order of [`GdpForward`]'s inputs.
-    fn held(&self) -> [&Tensor; 3] {
-        [&self.qk, &self.v, &self.aux]
-    }
 }
 
 impl CustomOp3 for GdpForwardSplit {
@@ -339,7 +353,11 @@ impl CustomOp3 for GdpForwardSplit {
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         use candle_core::Storage::Cpu;
-        let [(s1, l1), (s2, l2), (s3, l3)] = self.held().map(|t| t.storage_and_layout());
+        let Some(qk) = &self.qk else {
+            candle_core::bail!("gdp: `q` and `k` in place are read by the CUDA kernels only");
+        };
+        let [(s1, l1), (s2, l2), (s3, l3)] =
+            [qk, &self.v, &self.aux].map(|t| t.storage_and_layout());
         match (&*s1, &*s2, &*s3) {
             (Cpu(s1), Cpu(s2), Cpu(s3)) => self.op.cpu_fwd(s1, l1, s2, l2, s3, l3),
             _ => candle_core::bail!("gdp: the held inputs are not on the CPU"),
@@ -349,18 +367,31 @@ impl CustomOp3 for GdpForwardSplit {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use super::cuda::QkIn;
         use candle_core::Storage::Cuda;
-        let [(s1, l1), (s2, l2), (s3, l3)] = self.held().map(|t| t.storage_and_layout());
-        match (&*s1, &*s2, &*s3) {
-            (Cuda(s1), Cuda(s2), Cuda(s3)) => self.op.cuda_fwd(s1, l1, s2, l2, s3, l3),
-            _ => candle_core::bail!("gdp: the held inputs are not on one CUDA device"),
+        let [(vs, vl), (xs, xl)] = [&self.v, &self.aux].map(|t| t.storage_and_layout());
+        let (Cuda(vs), Cuda(xs)) = (&*vs, &*xs) else {
+            candle_core::bail!("gdp: the held inputs are not on one CUDA device");
+        };
+        match &self.qk {
+            None => self
+                .op
+                .cuda_forward(QkIn::Split((s1, l1), (s2, l2)), (vs, vl), (xs, xl)),
+            Some(qk) => {
+                let (qs, ql) = qk.storage_and_layout();
+                let Cuda(qs) = &*qs else {
+                    candle_core::bail!("gdp: the held inputs are not on one CUDA device");
+                };
+                self.op
+                    .cuda_forward(QkIn::Packed((qs, ql)), (vs, vl), (xs, xl))
+            }
         }
     }
 
@@ -372,12 +403,28 @@ impl CustomOp3 for GdpForwardSplit {
         res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        use candle_core::CustomOp2;
-        let (Some(dqk), dv, daux) = self.op.bwd(&self.qk, &self.v, &self.aux, res, grad_res)?
-        else {
-            candle_core::bail!("gdp: the backward returned no query/key gradient");
+        let (dq, dk, dv, daux) = match &self.qk {
+            None => {
+                let split = QueryKeys::Split(q, k);
+                let Some((dqk, dv, daux)) = self
+                    .op
+                    .direct_backward(split, &self.v, &self.aux, grad_res)?
+                else {
+                    candle_core::bail!("gdp: the CUDA backward did not take `q`, `k` in place");
+                };
+                let mut dqk = dqk.into_iter();
+                (dqk.next(), dqk.next(), Some(dv), Some(daux))
+            }
+            Some(qk) => {
+                use candle_core::CustomOp2;
+                let (Some(dqk), dv, daux) = self.op.bwd(qk, &self.v, &self.aux, res, grad_res)?
+                else {
+                    candle_core::bail!("gdp: the backward returned no query/key gradient");
+                };
+                let (dq, dk) = self.pack.bwd(q, k, qk, &dqk)?;
+                (dq, dk, dv, daux)
+            }
         };
-        let (dq, dk) = self.pack.bwd(q, k, &self.qk, &dqk)?;
         if tie.track_op() {
             let (Some(dv), Some(daux)) = (dv, daux) else {
                 candle_core::bail!("gdp: the backward returned no value or gate gradient");

@@ -69,8 +69,9 @@ pub fn gated_delta_product(
 pub(crate) enum QueryKeys<'a> {
     /// `qk [B, T, n+1, H, K]`, one graph input.
     Packed(&'a Tensor),
-    /// FLA's `q [B, T, H, K]` and `k [B, T·n, H, K]`, two graph inputs; the kernels run on a
-    /// packed copy held outside the graph ([`custom::GdpForwardSplit`]).
+    /// FLA's `q [B, T, H, K]` and `k [B, T·n, H, K]`, two graph inputs; the CUDA bf16 kernels
+    /// read them in place, the others run on a packed copy held outside the graph
+    /// ([`custom::GdpForwardSplit`]).
     Split(&'a Tensor, &'a Tensor),
 }
 
@@ -157,7 +158,14 @@ pub(crate) fn apply(
         QueryKeys::Packed(qk) => qk.contiguous()?.apply_op3(&v, &aux, op)?,
         QueryKeys::Split(q, k) => {
             let (q, k) = (q.contiguous()?, k.contiguous()?);
-            let qk = q.detach().apply_op2(&k.detach(), pack)?;
+            #[cfg(feature = "cuda")]
+            let in_place = op.cp.is_none() && cuda::reads_qk_in_place(&q, &op.shape)?;
+            #[cfg(not(feature = "cuda"))]
+            let in_place = false;
+            let qk = match in_place {
+                true => None,
+                false => Some(q.detach().apply_op2(&k.detach(), pack)?),
+            };
             let stash = std::sync::Arc::new(std::sync::Mutex::new(None));
             let tie = v.apply_op2(
                 &aux,

@@ -327,12 +327,13 @@ pub fn backward(
     super::memory::default_pool_policy(&dev)?;
     let total = backward_len(sh, has_h0);
     let split = if qk.0.dtype() == DType::BF16 {
+        use super::chunked::QkIn;
         use super::chunked_bwd::{try_backward_bf16, Cotangent, GradLayout, Grads};
         let cot = Cotangent::Packed(grad);
         let layout = GradLayout::Packed;
         match try_backward_bf16(
             &dev,
-            qk,
+            QkIn::Packed(qk),
             v,
             aux,
             cot,

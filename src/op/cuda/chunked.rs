@@ -9,13 +9,14 @@
 //! bf16 backward (`chunked_bwd.rs`) reruns both kernels to get each chunk's start state and
 //! Delta. Timings in `docs/perf.md`.
 
+use super::backward::In;
 use super::launch::{allow_smem, check_states, device_attr, shape_i32, to_i32, view};
 use super::module::load_kernel;
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
-use candle_core::{CudaStorage, Layout, Result};
+use candle_core::{CudaStorage, DType, Device, Layout, Result, Tensor};
 use half::bf16;
 
 /// Threads per block of the WY kernel (`GDPC_THREADS`).
@@ -184,13 +185,49 @@ pub(super) fn smem_and_sms(dev: &CudaDevice) -> Result<(usize, usize)> {
     ))
 }
 
+/// Where the bf16 chunked kernels read the queries and keys (their `qb, kb, split` arguments,
+/// `GdpcRows` in `cuda/gdp_fwd_chunked.cuh`).
+#[derive(Clone, Copy)]
+pub enum QkIn<'a> {
+    /// `qk [B, T, n+1, H, K]` (every kernel takes it).
+    Packed(In<'a>),
+    /// FLA's `q [B, T, H, K]` and `k [B, T·n, H, K]`, read in place (the bf16 chunked kernels
+    /// only: see [`reads_qk_in_place`]).
+    Split(In<'a>, In<'a>),
+}
+
+impl<'a> QkIn<'a> {
+    /// `qk`, or `q`: the storage whose device and dtype the op runs on.
+    pub fn lead(&self) -> In<'a> {
+        match *self {
+            QkIn::Packed(qk) | QkIn::Split(qk, _) => qk,
+        }
+    }
+}
+
+/// Whether the bf16 chunked kernels serve this shape both ways (the two-kernel forward, and
+/// the split backward under `GDP_CUDA_BWD`), so that the op can give them FLA's `q`, `k` in
+/// place instead of a packed copy. `q` says the device and dtype.
+pub fn reads_qk_in_place(q: &Tensor, sh: &GdpShape) -> Result<bool> {
+    let Device::Cuda(dev) = q.device() else {
+        return Ok(false);
+    };
+    if q.dtype() != DType::BF16 || choice("GDP_CUDA_FWD")? == Choice::Fused {
+        return Ok(false);
+    }
+    let (max_smem, sms) = smem_and_sms(dev)?;
+    let forward = wy_smem_bytes(sh.dk, sh.dv) <= max_smem
+        && scan_plan(&FWD_SCAN, sh, max_smem, sms)?.is_some();
+    Ok(forward && super::chunked_bwd::split_backward_fits(dev, sh)?)
+}
+
 /// Runs the two-kernel bf16 forward if `GDP_CUDA_FWD` allows it and it fits this shape: the
 /// packed f32 `[o | final state]`, or with `plain` only `o` in bf16; `Ok(None)` means: use the
 /// one-kernel forward.
 #[allow(clippy::too_many_arguments)]
 pub fn try_forward_bf16(
     dev: &CudaDevice,
-    qk: (&CudaStorage, &Layout),
+    qk: QkIn,
     v: (&CudaStorage, &Layout),
     aux: (&CudaStorage, &Layout),
     sh: &GdpShape,
@@ -252,24 +289,45 @@ pub fn try_forward_bf16(
     }
 }
 
-/// The bf16 inputs as device views: `qk [B, T, n+1, H, K]`, `v [B, T·n, H, V]`, the f32 gate
-/// buffer `[g | beta | h0?]`.
+/// The bf16 inputs as device views: the queries and keys as the kernels' `qb, kb, split` (see
+/// [`QkIn`]; for the packed `qk`, `k` starts at its first key slot), `v [B, T·n, H, V]`, the
+/// f32 gate buffer `[g | beta | h0?]`.
 pub(super) struct Bf16Inputs<'a> {
-    pub qk: CudaView<'a, bf16>,
+    pub q: CudaView<'a, bf16>,
+    pub k: CudaView<'a, bf16>,
+    /// 1 for FLA's separate `q`, `k`; 0 for the packed `qk`.
+    pub split: i32,
     pub v: CudaView<'a, bf16>,
     pub aux: CudaView<'a, f32>,
 }
 
 impl<'a> Bf16Inputs<'a> {
     pub fn new(
-        qk: (&'a CudaStorage, &Layout),
+        qk: QkIn<'a>,
         v: (&'a CudaStorage, &Layout),
         aux: (&'a CudaStorage, &Layout),
         sh: &GdpShape,
         has_h0: bool,
     ) -> Result<Self> {
+        let (q, k, split) = match qk {
+            QkIn::Packed(qk) => {
+                let all = view::<bf16>(qk.0, qk.1, sh.qk_len(), "qk")?;
+                let slot = (sh.heads * sh.dk).min(all.len());
+                (all.slice(..), all.slice(slot..), 0)
+            }
+            QkIn::Split(q, k) => {
+                let q_len = sh.batch * sh.tokens * sh.heads * sh.dk;
+                (
+                    view::<bf16>(q.0, q.1, q_len, "q")?,
+                    view::<bf16>(k.0, k.1, q_len * sh.n, "k")?,
+                    1,
+                )
+            }
+        };
         Ok(Self {
-            qk: view::<bf16>(qk.0, qk.1, sh.qk_len(), "qk")?,
+            q,
+            k,
+            split,
             v: view::<bf16>(v.0, v.1, sh.v_len(), "v")?,
             aux: view::<f32>(aux.0, aux.1, sh.aux_len(has_h0), "gates")?,
         })
@@ -364,7 +422,9 @@ impl WyFactors {
         allow_smem(&wy, smem)?;
         let null = 0u64;
         let mut args = wy.builder();
-        args.arg(&inp.qk);
+        args.arg(&inp.q);
+        args.arg(&inp.k);
+        args.arg(&inp.split);
         args.arg(&inp.v);
         args.arg(&inp.aux);
         args.arg(&table.table);
@@ -491,7 +551,9 @@ pub(super) fn run_scan(
     let stages = plan.stages as i32;
     let null = 0u64;
     let mut args = scan.builder();
-    args.arg(&inp.qk);
+    args.arg(&inp.q);
+    args.arg(&inp.k);
+    args.arg(&inp.split);
     args.arg(&inp.aux);
     args.arg(&table.table);
     args.arg(&wy.w);

@@ -9,12 +9,13 @@
 
 use super::chunked::{
     choice, key_tile, query_rows, run_scan, scan_plan, smem_and_sms, wy_smem_bytes, Bf16Inputs,
-    Choice, ChunkStates, ChunkTable, ForwardCache, ScanDest, ScanKind, ScanOut, ScanPlan,
+    Choice, ChunkStates, ChunkTable, ForwardCache, QkIn, ScanDest, ScanKind, ScanOut, ScanPlan,
     WyFactors, FWD_SCAN,
 };
 use super::launch::{allow_smem, check_states, shape_i32, to_i32, view};
 use super::module::load_kernel;
 use crate::op::shape::{GdpShape, CHUNK};
+use crate::op::QueryKeys;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
@@ -65,19 +66,29 @@ pub enum Cotangent<'a> {
     Plain((&'a CudaStorage, &'a Layout)),
 }
 
-/// Where the gradients go: the packed f32 `[dqk | dv | dg | dbeta | dh0?]`, or bf16 `dqk` and
-/// `dv` with the f32 `[dg | dbeta | dh0?]` (the layout of the gate buffer).
+/// Where the gradients go: the packed f32 `[dqk | dv | dg | dbeta | dh0?]` (packed `qk` only),
+/// or bf16 query/key gradients in the layout of the inputs and `dv` with the f32
+/// `[dg | dbeta | dh0?]` (the layout of the gate buffer).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum GradLayout {
     Packed,
     Parts,
 }
 
+/// The bf16 query/key gradients: `dqk [B, T, n+1, H, K]`, or FLA's `dq`, `dk`.
+pub enum QkGrads {
+    Packed(CudaSlice<bf16>),
+    Split {
+        dq: CudaSlice<bf16>,
+        dk: CudaSlice<bf16>,
+    },
+}
+
 /// The gradients, in the requested [`GradLayout`].
 pub enum Grads {
     Packed(CudaSlice<f32>),
     Parts {
-        dqk: CudaSlice<bf16>,
+        dqk: QkGrads,
         dv: CudaSlice<bf16>,
         daux: CudaSlice<f32>,
     },
@@ -132,7 +143,7 @@ struct SplitPlan {
 #[allow(clippy::too_many_arguments)]
 pub fn try_backward_bf16(
     dev: &CudaDevice,
-    qk: (&CudaStorage, &Layout),
+    qk: QkIn,
     v: (&CudaStorage, &Layout),
     aux: (&CudaStorage, &Layout),
     cot: Cotangent,
@@ -161,12 +172,22 @@ pub fn try_backward_bf16(
     // of every row of every chunk (each once), the state-gradient scan dh0 of every (sequence,
     // head) when the layout has it. With no (sequence, head) pair every length is zero.
     let mut out = unsafe {
-        match layout {
-            GradLayout::Packed => {
+        match (layout, inp.split) {
+            (GradLayout::Packed, 0) => {
                 Grads::Packed(dev.alloc::<f32>(sh.qk_len() + sh.v_len() + aux_len)?)
             }
-            GradLayout::Parts => Grads::Parts {
-                dqk: dev.alloc::<bf16>(sh.qk_len())?,
+            (GradLayout::Packed, _) => candle_core::bail!(
+                "gdp cuda: the packed f32 gradients need the packed `qk`, not `q` and `k`"
+            ),
+            (GradLayout::Parts, split) => Grads::Parts {
+                dqk: if split == 0 {
+                    QkGrads::Packed(dev.alloc::<bf16>(sh.qk_len())?)
+                } else {
+                    QkGrads::Split {
+                        dq: dev.alloc::<bf16>(inp.q.len())?,
+                        dk: dev.alloc::<bf16>(inp.k.len())?,
+                    }
+                },
                 dv: dev.alloc::<bf16>(sh.v_len())?,
                 daux: dev.alloc::<f32>(aux_len)?,
             },
@@ -221,7 +242,9 @@ pub fn try_backward_bf16(
         };
         let (qr_i, ns) = (qr as i32, dh.stages as i32);
         let mut args = func.builder();
-        args.arg(&inp.qk);
+        args.arg(&inp.q);
+        args.arg(&inp.k);
+        args.arg(&inp.split);
         args.arg(&table.table);
         args.arg(&wy.w);
         args.arg(&wy.p);
@@ -271,7 +294,9 @@ pub fn try_backward_bf16(
         let qr_i = qr as i32;
         let null = 0u64;
         let mut args = func.builder();
-        args.arg(&inp.qk);
+        args.arg(&inp.q);
+        args.arg(&inp.k);
+        args.arg(&inp.split);
         args.arg(&inp.v);
         args.arg(&inp.aux);
         args.arg(&table.table);
@@ -281,16 +306,26 @@ pub fn try_backward_bf16(
         args.arg(&states.dn);
         args.arg(&ddn);
         args.arg(&dob);
+        // The kernel's `out, dqb, dkb, dvb_out, dgates` (a null `dkb` with a packed `dqk`).
         match &mut out {
             Grads::Packed(p) => {
                 args.arg(p);
-                args.arg(&null);
-                args.arg(&null);
-                args.arg(&null);
+                for _ in 0..4 {
+                    args.arg(&null);
+                }
             }
             Grads::Parts { dqk, dv, daux } => {
                 args.arg(&null);
-                args.arg(dqk);
+                match dqk {
+                    QkGrads::Packed(dqk) => {
+                        args.arg(dqk);
+                        args.arg(&null);
+                    }
+                    QkGrads::Split { dq, dk } => {
+                        args.arg(dq);
+                        args.arg(dk);
+                    }
+                }
                 args.arg(dv);
                 args.arg(daux);
             }
@@ -339,15 +374,16 @@ fn to_bf16(dev: &CudaDevice, src: &CudaView<f32>) -> Result<CudaSlice<bf16>> {
     Ok(dst)
 }
 
-/// The split bf16 backward on tensors, for the op's `bwd`: `qk`, `v` (bf16), the gate buffer
-/// and the output's gradient `grad` (the packed f32 `[do | dht]`, or with `plain` the bf16
-/// `do [B, T, H, V]`) on one CUDA device; returns the gradients of `qk` and `v` (bf16, in their
-/// shapes) and of the gate buffer (f32), without the packed f32 detour of
+/// The split bf16 backward on tensors, for the op's `bwd`: the queries and keys (the packed
+/// `qk`, or FLA's `q`, `k`), `v` (bf16), the gate buffer and the output's gradient `grad` (the
+/// packed f32 `[do | dht]`, or with `plain` the bf16 `do [B, T, H, V]`) on one CUDA device;
+/// returns the gradients of the query/key inputs (one or two, in their shapes) and of `v`
+/// (bf16) and of the gate buffer (f32), without the packed f32 detour of
 /// [`super::backward`]. `Ok(None)` where this path does not apply (not CUDA, not bf16, or the
 /// split backward does not fit).
 #[allow(clippy::too_many_arguments)]
-pub fn try_backward_tensors(
-    qk: &Tensor,
+pub(crate) fn try_backward_tensors(
+    qk: QueryKeys,
     v: &Tensor,
     aux: &Tensor,
     grad: &Tensor,
@@ -356,20 +392,37 @@ pub fn try_backward_tensors(
     has_h0: bool,
     plain: bool,
     cache: Option<ForwardCache>,
-) -> Result<Option<[Tensor; 3]>> {
-    if qk.dtype() != DType::BF16 || v.dtype() != DType::BF16 || !qk.device().is_cuda() {
+) -> Result<Option<(Vec<Tensor>, Tensor, Tensor)>> {
+    let lead = match qk {
+        QueryKeys::Packed(qk) | QueryKeys::Split(qk, _) => qk,
+    };
+    if lead.dtype() != DType::BF16 || v.dtype() != DType::BF16 || !lead.device().is_cuda() {
         return Ok(None);
     }
-    let (qs, ql) = qk.storage_and_layout();
+    let inputs: Vec<&Tensor> = match qk {
+        QueryKeys::Packed(qk) => vec![qk],
+        QueryKeys::Split(q, k) => vec![q, k],
+    };
+    let guards: Vec<_> = inputs.iter().map(|t| t.storage_and_layout()).collect();
+    let mut cuda = vec![];
+    for (s, l) in &guards {
+        match &**s {
+            Storage::Cuda(s) => cuda.push((s, *l)),
+            _ => return Ok(None),
+        }
+    }
+    let qk_in = match cuda[..] {
+        [qk] => QkIn::Packed(qk),
+        [q, k] => QkIn::Split(q, k),
+        _ => candle_core::bail!("gdp cuda: one or two query/key inputs expected"),
+    };
     let (vs, vl) = v.storage_and_layout();
     let (xs, xl) = aux.storage_and_layout();
     let (gs, gl) = grad.storage_and_layout();
-    let (Storage::Cuda(qs), Storage::Cuda(vs), Storage::Cuda(xs), Storage::Cuda(gs)) =
-        (&*qs, &*vs, &*xs, &*gs)
-    else {
+    let (Storage::Cuda(vs), Storage::Cuda(xs), Storage::Cuda(gs)) = (&*vs, &*xs, &*gs) else {
         return Ok(None);
     };
-    let dev = qs.device().clone();
+    let dev = vs.device().clone();
     super::memory::default_pool_policy(&dev)?;
     let cot = if plain {
         Cotangent::Plain((gs, gl))
@@ -378,7 +431,7 @@ pub fn try_backward_tensors(
     };
     let grads = try_backward_bf16(
         &dev,
-        (qs, ql),
+        qk_in,
         (vs, vl),
         (xs, xl),
         cot,
@@ -393,12 +446,23 @@ pub fn try_backward_tensors(
     let Some(Grads::Parts { dqk, dv, daux }) = grads else {
         return Ok(None);
     };
-    let wrap = |s: CudaStorage, shape: &Shape| {
+    let wrap = |s: CudaSlice<_>, shape: &Shape| {
+        let s = CudaStorage::wrap_cuda_slice(s, dev.clone());
         Tensor::from_storage(Storage::Cuda(s), shape.clone(), BackpropOp::none(), false)
     };
-    Ok(Some([
-        wrap(CudaStorage::wrap_cuda_slice(dqk, dev.clone()), qk.shape()),
-        wrap(CudaStorage::wrap_cuda_slice(dv, dev.clone()), v.shape()),
-        wrap(CudaStorage::wrap_cuda_slice(daux, dev), aux.shape()),
-    ]))
+    let dqk = match dqk {
+        QkGrads::Packed(dqk) => vec![wrap(dqk, inputs[0].shape())],
+        QkGrads::Split { dq, dk } => vec![wrap(dq, inputs[0].shape()), wrap(dk, inputs[1].shape())],
+    };
+    let dv = wrap(dv, v.shape());
+    let daux = {
+        let s = CudaStorage::wrap_cuda_slice(daux, dev.clone());
+        Tensor::from_storage(
+            Storage::Cuda(s),
+            aux.shape().clone(),
+            BackpropOp::none(),
+            false,
+        )
+    };
+    Ok(Some((dqk, dv, daux)))
 }

@@ -2,7 +2,7 @@
 //! shared memory, uploads the sequence table and launches on the device's stream. Every CUDA
 //! failure is returned as a [`candle_core::Error`].
 
-use super::chunked::CacheSlot;
+use super::chunked::{CacheSlot, QkIn};
 use super::module::load_kernel;
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::backend::{BackendDevice, BackendStorage};
@@ -174,8 +174,9 @@ pub(super) fn device_attr(dev: &CudaDevice, attr: CUdevice_attribute) -> Result<
     Ok(v.max(0) as usize)
 }
 
-/// Forward on CUDA: `qk [B, T, n+1, H, K]`, `v [B, T·n, H, V]` (both f32, bf16 or f16) and the
-/// f32 gate buffer `[g | beta | h0?]`; returns the packed f32 `[o (B·T·H·V) | final state
+/// Forward on CUDA: `qk [B, T, n+1, H, K]` (or, for the bf16 chunked kernels, FLA's `q`, `k`:
+/// [`QkIn`]), `v [B, T·n, H, V]` (f32, bf16 or f16, one dtype) and the f32 gate buffer
+/// `[g | beta | h0?]`; returns the packed f32 `[o (B·T·H·V) | final state
 /// (N·H·K·V)]`, or with `plain` only `o` in the dtype of `qk`. `h0_override [N, H, K, V]`
 /// (f32, on the same device), when given, replaces the initial states of the gate buffer
 /// (context parallelism). With a `cache` slot, the bf16 chunked forward leaves its
@@ -183,7 +184,7 @@ pub(super) fn device_attr(dev: &CudaDevice, attr: CUdevice_attribute) -> Result<
 /// [`ForwardCache`](super::chunked::ForwardCache)).
 #[allow(clippy::too_many_arguments)]
 pub fn forward(
-    qk: (&CudaStorage, &Layout),
+    qk: QkIn,
     v: (&CudaStorage, &Layout),
     aux: (&CudaStorage, &Layout),
     sh: &GdpShape,
@@ -193,17 +194,22 @@ pub fn forward(
     plain: bool,
     cache: Option<&CacheSlot>,
 ) -> Result<CudaStorage> {
-    let dev = qk.0.device().clone();
-    for (s, name) in [(v.0, "v"), (aux.0, "gates")] {
+    let lead = qk.lead();
+    let dev = lead.0.device().clone();
+    let mut others = vec![(v.0, "v"), (aux.0, "gates")];
+    if let QkIn::Split(_, k) = qk {
+        others.push((k.0, "k"));
+    }
+    for (s, name) in others {
         if !s.device().same_device(&dev) {
             candle_core::bail!("gdp cuda: `{name}` is on another device than `qk`");
         }
     }
-    if v.0.dtype() != qk.0.dtype() {
+    if v.0.dtype() != lead.0.dtype() {
         candle_core::bail!(
             "gdp cuda: `v` is {:?} but `qk` is {:?}",
             v.0.dtype(),
-            qk.0.dtype()
+            lead.0.dtype()
         );
     }
     if aux.0.dtype() != DType::F32 {
@@ -213,7 +219,7 @@ pub fn forward(
         );
     }
     super::memory::default_pool_policy(&dev)?;
-    let dtype = qk.0.dtype();
+    let dtype = lead.0.dtype();
     if dtype == DType::BF16 {
         let out = super::chunked::try_forward_bf16(
             &dev,
@@ -231,6 +237,14 @@ pub fn forward(
             return Ok(out);
         }
     }
+    let QkIn::Packed(qk) = qk else {
+        candle_core::bail!(
+            "gdp cuda: `q` and `k` read in place need the chunked bf16 forward, which does not \
+             serve this shape (dtype {dtype:?}, K = {}, V = {}, GDP_CUDA_FWD)",
+            sh.dk,
+            sh.dv
+        );
+    };
     // The one-kernel forward of `qk`'s dtype: the same arguments for every kernel.
     macro_rules! fused {
         ($t:ty, $kernel:literal) => {

@@ -16,8 +16,8 @@ pub use backward::{
     backward, backward_len, backward_summaries, bwd_smem_bytes, dht_to_host, forward_summaries,
     initial_states_to_host, BwdPlan,
 };
-pub use chunked::{CacheSlot, ForwardCache};
-pub use chunked_bwd::try_backward_tensors;
+pub use chunked::{reads_qk_in_place, CacheSlot, ForwardCache, QkIn};
+pub(crate) use chunked_bwd::try_backward_tensors;
 pub(crate) use copy::copy_rows;
 pub use launch::{forward, smem_bytes, LaunchPlan, THREADS};
 pub use memory::retain_freed_memory;
