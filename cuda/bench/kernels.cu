@@ -1,7 +1,7 @@
 // Kernel-only timings (CUDA events, median of repeated launches) of the bf16 two-kernel forward
 // (gdp_fwd_wy_bf16, gdp_fwd_scan_bf16_<BV>_128), of the split bf16 backward (the same two with
 // the states kept, gdp_bwd_dh_bf16_<BV>_128, gdp_bwd_grads_bf16_128_128) at the benchmark shapes
-// of docs/perf.md and of the fused decode step (gdp_step_f32_k128) at B64 H16 K=V=128 n2, with achieved bandwidth. No Rust
+// of docs/perf.md and of the fused decode step (gdp_step_f32_k128) at B64 H16 K=V=128 n = 1..3, with achieved bandwidth. No Rust
 // needed, so it separates kernel time from the op's host-side work:
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icuda cuda/bench/kernels.cu -o kbench && ./kbench
 #include "gdp.cu"
@@ -189,28 +189,44 @@ static void forward(int B, int T, int H, int n) {
     CK(cudaFree(x));
 }
 
+// The decode step at n = 1, 2, 3 against a device copy of the state (same bytes) and a large
+// copy (8.6 GB moved, the ceiling of KINDS.md).
 static void step() {
-  const int B = 64, H = 16, K = 128, V = 128, n = 2;
+  const int B = 64, H = 16, K = 128, V = 128, nmax = 3;
   const long BH = (long)B * H;
   std::mt19937 rng(2);
   std::normal_distribution<float> nd(0, 1);
-  std::vector<float> state(BH * K * V), small(BH * K * (1 + n) + BH * n * V + BH * (1 + n));
+  std::vector<float> state(BH * K * V),
+      small(BH * K * (1 + nmax) + BH * nmax * V + BH * (1 + nmax));
   for (auto& x : state) x = nd(rng);
   for (auto& x : small) x = nd(rng) / sqrtf((float)K);
   auto* ds = upload(state);
   auto* dsm = upload(small);
   float* out;
   CK(cudaMalloc(&out, (BH * V + BH * K * V) * 4));
-  const float t = median_ms([&] {
-    gdp_step_f32_k128<<<dim3(BH, (V + GDP_STEP_COLS - 1) / GDP_STEP_COLS), GDP_STEP_THREADS,
-                   4 * gdp_step_smem_floats(K, n)>>>(
-        ds, dsm, out, B, H, K, V, n, 0.1f);
-  }, 50);
   const double bytes = 2.0 * BH * K * V * 4;
-  printf("step B%d H%d K%d V%d n%d: %.4f ms, %.0f GB/s (state read + written)\n", B, H, K, V, n,
-         t, bytes / t / 1e6);
-  const float tc = median_ms([&] { CK(cudaMemcpyAsync(out + BH * V, ds, BH * K * V * 4, cudaMemcpyDeviceToDevice)); }, 50);
+  for (int n = 1; n <= nmax; ++n) {
+    const float t = median_ms([&] {
+      gdp_step_f32_k128<<<dim3(BH, (V + GDP_STEP_COLS - 1) / GDP_STEP_COLS), GDP_STEP_THREADS,
+                          4 * gdp_step_smem_floats(K, n)>>>(ds, dsm, out, B, H, K, V, n, 0.1f);
+    }, 50);
+    printf("step B%d H%d K%d V%d n%d: %.4f ms, %.0f GB/s (state read + written)\n", B, H, K, V,
+           n, t, bytes / t / 1e6);
+  }
+  const float tc = median_ms([&] {
+    CK(cudaMemcpyAsync(out + BH * V, ds, BH * K * V * 4, cudaMemcpyDeviceToDevice));
+  }, 50);
   printf("copy of the state: %.4f ms, %.0f GB/s\n", tc, bytes / tc / 1e6);
+  const size_t big = 4300000000ull;
+  void *a, *b;
+  if (cudaMalloc(&a, big) == cudaSuccess && cudaMalloc(&b, big) == cudaSuccess) {
+    CK(cudaMemset(a, 1, big));
+    const float tb = median_ms([&] { CK(cudaMemcpyAsync(b, a, big, cudaMemcpyDeviceToDevice)); }, 10);
+    printf("copy of 4.3 GB: %.3f ms, %.0f GB/s\n", tb, 2.0 * big / tb / 1e6);
+    CK(cudaFree(a));
+    CK(cudaFree(b));
+  }
+  for (void* x : {(void*)ds, (void*)dsm, (void*)out}) CK(cudaFree(x));
 }
 
 // KB_ONLY_N2=1 skips the n = 1 shape; KB_ONLY_B1=1 runs only B1 T32768 n2 (for profilers).
