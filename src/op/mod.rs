@@ -162,9 +162,10 @@ pub(crate) fn apply(
             let in_place = op.cp.is_none() && cuda::reads_qk_in_place(&q, &op.shape)?;
             #[cfg(not(feature = "cuda"))]
             let in_place = false;
-            let qk = match in_place {
-                true => None,
-                false => Some(q.detach().apply_op2(&k.detach(), pack)?),
+            let qk = if in_place {
+                None
+            } else {
+                Some(q.detach().apply_op2(&k.detach(), pack)?)
             };
             let stash = std::sync::Arc::new(std::sync::Mutex::new(None));
             let tie = v.apply_op2(

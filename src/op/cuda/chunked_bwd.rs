@@ -393,16 +393,14 @@ pub(crate) fn try_backward_tensors(
     plain: bool,
     cache: Option<ForwardCache>,
 ) -> Result<Option<(Vec<Tensor>, Tensor, Tensor)>> {
-    let lead = match qk {
-        QueryKeys::Packed(qk) | QueryKeys::Split(qk, _) => qk,
-    };
-    if lead.dtype() != DType::BF16 || v.dtype() != DType::BF16 || !lead.device().is_cuda() {
-        return Ok(None);
-    }
     let inputs: Vec<&Tensor> = match qk {
         QueryKeys::Packed(qk) => vec![qk],
         QueryKeys::Split(q, k) => vec![q, k],
     };
+    let lead = inputs[0];
+    if lead.dtype() != DType::BF16 || v.dtype() != DType::BF16 || !lead.device().is_cuda() {
+        return Ok(None);
+    }
     let guards: Vec<_> = inputs.iter().map(|t| t.storage_and_layout()).collect();
     let mut cuda = vec![];
     for (s, l) in &guards {
@@ -446,23 +444,17 @@ pub(crate) fn try_backward_tensors(
     let Some(Grads::Parts { dqk, dv, daux }) = grads else {
         return Ok(None);
     };
-    let wrap = |s: CudaSlice<_>, shape: &Shape| {
-        let s = CudaStorage::wrap_cuda_slice(s, dev.clone());
+    let tensor = |s: CudaStorage, shape: &Shape| {
         Tensor::from_storage(Storage::Cuda(s), shape.clone(), BackpropOp::none(), false)
     };
+    let bf16_tensor = |s: CudaSlice<bf16>, t: &Tensor| {
+        tensor(CudaStorage::wrap_cuda_slice(s, dev.clone()), t.shape())
+    };
     let dqk = match dqk {
-        QkGrads::Packed(dqk) => vec![wrap(dqk, inputs[0].shape())],
-        QkGrads::Split { dq, dk } => vec![wrap(dq, inputs[0].shape()), wrap(dk, inputs[1].shape())],
+        QkGrads::Packed(dqk) => vec![bf16_tensor(dqk, inputs[0])],
+        QkGrads::Split { dq, dk } => vec![bf16_tensor(dq, inputs[0]), bf16_tensor(dk, inputs[1])],
     };
-    let dv = wrap(dv, v.shape());
-    let daux = {
-        let s = CudaStorage::wrap_cuda_slice(daux, dev.clone());
-        Tensor::from_storage(
-            Storage::Cuda(s),
-            aux.shape().clone(),
-            BackpropOp::none(),
-            false,
-        )
-    };
+    let dv = bf16_tensor(dv, v);
+    let daux = tensor(CudaStorage::wrap_cuda_slice(daux, dev.clone()), aux.shape());
     Ok(Some((dqk, dv, daux)))
 }
