@@ -186,9 +186,9 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
 
   constexpr int CS = GDP_INV_LD;  // f32 row stride of A and its inverse
   extern __shared__ __align__(16) unsigned char gdpc_smem[];
-  float* A = reinterpret_cast<float*>(gdpc_smem);  // [C][CS] A (zero outside strict lower c x c)
-  float* Ai = A + C * CS;                            // [C][CS] (I + A)^-1
-  float* G = Ai + C * CS;                            // [C]     gate cumsum (hi)
+  // [C][CS] A (zero where read outside strict lower c x c), then in place (I + A)^-1.
+  float* A = reinterpret_cast<float*>(gdpc_smem);
+  float* G = A + C * CS;                             // [C]     gate cumsum (hi)
   float* Gl = G + C;                                 // [C]     its rounding error
   float* Bt = Gl + C;                                // [C]     beta
   float* Eg = Bt + C;                                // [C]     e^G
@@ -307,7 +307,8 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
       vvec, sv_split, tid, nthr);
   cp_async_commit();
   gdpc_zero_cols(QV, LV, C, V, VP, tid, nthr);
-  tri_inverse64(A, Ai, tid);
+  tri_inverse64(A, tid);
+  const float* Ai = A;
   cp_async_wait<0>();
   __syncthreads();
   if (ag != nullptr) {  // bf16(Ainv) for the backward (gdp_bwd_chunked.cuh)

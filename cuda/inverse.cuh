@@ -105,18 +105,21 @@ __device__ __forceinline__ void tri_inverse(const float* __restrict__ A, float* 
   }
 }
 
-// (I + A)^-1 of a strictly lower-triangular 64 x 64 block, both with row stride GDP_INV_LD
-// (rows padded so that a column read by eight rows is bank-conflict free). A must be zero
-// wherever it is read outside the block's strict lower triangle (rows past a partial chunk:
-// their rows and columns of the inverse come out as the identity's). Every entry of Ai is
-// written. Same scheme as tri_inverse (16 x 16 substitution, then two merges), with the merges
-// as register-tiled f32 products (each thread a 1 x 4 or 1 x 8 strip). Threads [0, 128) of the
-// block; synchronises with __syncthreads.
+// (I + A)^-1 of a strictly lower-triangular 64 x 64 block, in place: M holds A on entry and the
+// inverse on exit, with row stride GDP_INV_LD (rows padded so that a column read by eight rows
+// is bank-conflict free). A must be zero wherever it is read outside the block's strict lower
+// triangle (rows past a partial chunk: their rows and columns of the inverse come out as the
+// identity's); its entries on and above the diagonal are never read, and every entry of the
+// inverse is written. Same scheme as tri_inverse (16 x 16 substitution, then two merges), with
+// the merges as register-tiled f32 products (each thread a 1 x 4 or 1 x 8 strip). In place, each
+// step reads the A blocks it overwrites into registers before a barrier: a merge of W x W
+// blocks reads A10 (rows c0 + W.., columns c0..) that no earlier step wrote. One f32 tile of
+// shared memory instead of two (the WY kernel's fourth block per multiprocessor). Threads
+// [0, 128) of the block; synchronises with __syncthreads.
 #define GDP_INV_LD 68
 
 template <int W>
-__device__ __forceinline__ void tri_inverse64_merge(const float* __restrict__ A,
-                                                    float* __restrict__ Ai, int tid) {
+__device__ __forceinline__ void tri_inverse64_merge(float* __restrict__ M, int tid) {
   // Pairs of W x W diagonal blocks at rows c0 and r1 = c0 + W: X10 = -X11 (A10 X00).
   constexpr int NP = 64 / (2 * W), TPR = 128 / (NP * W), J = W / TPR;  // threads per row, strip
   const int p = tid / (128 / NP), rest = tid % (128 / NP), i = rest / TPR, j0 = (rest % TPR) * J;
@@ -124,39 +127,38 @@ __device__ __forceinline__ void tri_inverse64_merge(const float* __restrict__ A,
   float acc[J] = {};
 #pragma unroll
   for (int k = 0; k < W; ++k) {
-    const float a = A[(r1 + i) * GDP_INV_LD + c0 + k];
+    const float a = M[(r1 + i) * GDP_INV_LD + c0 + k];
 #pragma unroll
-    for (int j = 0; j < J; ++j) acc[j] = fmaf(a, Ai[(c0 + k) * GDP_INV_LD + c0 + j0 + j], acc[j]);
+    for (int j = 0; j < J; ++j) acc[j] = fmaf(a, M[(c0 + k) * GDP_INV_LD + c0 + j0 + j], acc[j]);
   }
-  // T = A10 X00 goes into the X10 block (not read by this step).
+  __syncthreads();  // every row of A10 read: T = A10 X00 replaces it
 #pragma unroll
-  for (int j = 0; j < J; ++j) Ai[(r1 + i) * GDP_INV_LD + c0 + j0 + j] = acc[j];
+  for (int j = 0; j < J; ++j) M[(r1 + i) * GDP_INV_LD + c0 + j0 + j] = acc[j];
   __syncthreads();
   float res[J] = {};
 #pragma unroll
   for (int k = 0; k < W; ++k) {
-    const float x = Ai[(r1 + i) * GDP_INV_LD + r1 + k];
+    const float x = M[(r1 + i) * GDP_INV_LD + r1 + k];
 #pragma unroll
-    for (int j = 0; j < J; ++j) res[j] = fmaf(x, Ai[(r1 + k) * GDP_INV_LD + c0 + j0 + j], res[j]);
+    for (int j = 0; j < J; ++j) res[j] = fmaf(x, M[(r1 + k) * GDP_INV_LD + c0 + j0 + j], res[j]);
   }
   __syncthreads();
 #pragma unroll
-  for (int j = 0; j < J; ++j) Ai[(r1 + i) * GDP_INV_LD + c0 + j0 + j] = -res[j];
+  for (int j = 0; j < J; ++j) M[(r1 + i) * GDP_INV_LD + c0 + j0 + j] = -res[j];
   __syncthreads();
 }
 
-__device__ __forceinline__ void tri_inverse64(const float* __restrict__ A, float* __restrict__ Ai,
-                                              int tid) {
+__device__ __forceinline__ void tri_inverse64(float* __restrict__ M, int tid) {
+  float x[16];
   if (tid < 64) {
     // Column `tid` of its 16 x 16 diagonal block by forward substitution, in registers.
     const int col = tid, l = col & 15, r0 = col & ~15;
-    float x[16];
 #pragma unroll
     for (int r = 0; r < 16; ++r) x[r] = r == l ? 1.f : 0.f;
 #pragma unroll
     for (int r = 1; r < 16; ++r) {
       if (r > l) {
-        const float* arow = A + (r0 + r) * GDP_INV_LD + r0;
+        const float* arow = M + (r0 + r) * GDP_INV_LD + r0;
         float acc0 = 0.f, acc1 = 0.f;
 #pragma unroll
         for (int m = 0; m + 1 < r; m += 2) {
@@ -167,16 +169,20 @@ __device__ __forceinline__ void tri_inverse64(const float* __restrict__ A, float
         x[r] = -(acc0 + acc1);
       }
     }
-#pragma unroll
-    for (int r = 0; r < 16; ++r) Ai[(r0 + r) * GDP_INV_LD + col] = x[r];
   } else {
-    // Zero the blocks right of the diagonal blocks (the merges write those left of them).
+    // Zero the blocks right of the diagonal blocks (never read; the merges write those left of
+    // them).
     for (int idx = tid - 64; idx < 64 * 64; idx += 64) {
       const int i = idx >> 6, j = idx & 63;
-      if (j >= (i & ~15) + 16) Ai[i * GDP_INV_LD + j] = 0.f;
+      if (j >= (i & ~15) + 16) M[i * GDP_INV_LD + j] = 0.f;
     }
   }
+  __syncthreads();  // the diagonal blocks of A read: their inverses replace them
+  if (tid < 64) {
+#pragma unroll
+    for (int r = 0; r < 16; ++r) M[((tid & ~15) + r) * GDP_INV_LD + tid] = x[r];
+  }
   __syncthreads();
-  tri_inverse64_merge<16>(A, Ai, tid);
-  tri_inverse64_merge<32>(A, Ai, tid);
+  tri_inverse64_merge<16>(M, tid);
+  tri_inverse64_merge<32>(M, tid);
 }

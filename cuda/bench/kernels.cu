@@ -88,7 +88,7 @@ static void forward(int B, int T, int H, int n) {
   CK(cudaMalloc(&ob, BTH * V * 2));
   const float scale = 1.f / sqrtf((float)K);
   const int KP = K, VP = V;
-  const int wy_smem = 4 * (2 * C * GDP_INV_LD + 6 * C) + 2 * C * ((KP + 8) + std::max(KP, VP) + 8);
+  const int wy_smem = 4 * (C * GDP_INV_LD + 6 * C) + 2 * C * ((KP + 8) + std::max(KP, VP) + 8);
   CK(cudaFuncSetAttribute(gdp_fwd_wy_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize, wy_smem));
   const float t_wy = median_ms([&] {
     gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf, nullptr,

@@ -54,7 +54,7 @@ const INV_LD: usize = 68;
 pub fn wy_smem_bytes(dk: usize, dv: usize) -> usize {
     let c = CHUNK;
     let (kp, vp) = (dk.next_multiple_of(16), dv.next_multiple_of(16));
-    4 * (2 * c * INV_LD + 6 * c) + 2 * c * ((kp + 8) + (kp + 8).max(vp + 8))
+    4 * (c * INV_LD + 6 * c) + 2 * c * ((kp + 8) + (kp + 8).max(vp + 8))
 }
 
 /// Query rows per chunk that the scans stage: 16-row tiles of `ceil(64 / n)`.
