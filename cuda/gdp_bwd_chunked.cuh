@@ -150,6 +150,8 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
   const int64_t tok0 = (int64_t)seq_b * TT + seq_start;
   const int64_t L = (int64_t)seq_len * n;
   const int nch = (int)((L + C - 1) / C);
+  const float rn = 1.f / (float)n;
+  const double rnd = 1.0 / (double)n;
   const int64_t KV = (int64_t)K * V;
   const int64_t state_off = ((int64_t)sidx * H + head) * KV;
   const bool vk = gdpc_qk_vec(qb, kb, K);
@@ -186,18 +188,16 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     int64_t* qoff = koff + C;
     int64_t* ooff = qoff + C;
     const int64_t p0 = (int64_t)ci * C;
-    const int c = (int)min((int64_t)C, L - p0);
-    const int first = gdpc_first(p0, n);
-    const int nq = gdpc_query_rows(first, c, n);
-    const GdpcRows rows(tok0, p0, first, n, H, K, head, split);
+    const GdpcChunk ch(p0, L, n, rn, gdpc_div_row(p0, rnd));
+    const GdpcRows rows(tok0, ch, n, rn, H, K, head, split);
     for (int i = tid; i < C; i += nthr) {
-      koff[i] = i < c ? rows.key(i) : -1;
-      qoff[i] = i < nq ? rows.query(i) : -1;
-      ooff[i] = i < nq ? (rows.query_token(i) * H + head) * (int64_t)V : -1;
+      koff[i] = i < ch.c ? rows.key(i) : -1;
+      qoff[i] = i < ch.nq ? rows.query(i) : -1;
+      ooff[i] = i < ch.nq ? (rows.query_token(i) * H + head) * (int64_t)V : -1;
     }
-    if (tid == 0) meta[slot_of] = GdpcMeta{c, nq, (int)rows.tq0};
+    if (tid == 0) meta[slot_of] = GdpcMeta{ch.c, ch.nq, ch.t0};
   };
-  const GdpcSplit sp_k(K, tid, nthr), sp_p(C, tid, nthr), sp_u(bv, tid, nthr);
+  const GdpcSplit sp_u(bv, tid, nthr);
   // Issues the copies of step `step`'s chunk into stage s (one cp.async group; its slot's row
   // table and geometry are ready).
   auto prefetch = [&](int step, int s) {
@@ -209,15 +209,12 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     const int64_t* qoff = koff + C;
     const int64_t* ooff = qoff + C;
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
-    const __nv_bfloat16* w = wg + slot * C * K;
-    gdpc_stage_rows(st.W, LK, w, [&](int r) { return (int64_t)r * K; }, C, C, K, vk, sp_k, tid,
-                    nthr);
-    gdpc_stage_rows(st.Kr, LK, kb, [&](int i) { return koff[i]; }, c, C, K, vk, sp_k, tid, nthr);
-    gdpc_stage_rows(st.Q, LK, qb, [&](int r) { return qoff[r]; }, nq, QR, K, vk, sp_k, tid,
-                    nthr);
-    gdpc_stage_rows(st.P, LC, pg + slot * C * C, [&](int r) { return (int64_t)r * C; }, QR, QR,
-                    C, true, sp_p, tid, nthr);
-    if (vu) {
+    gdpc_stage_wkqp<KPT, NW * 32>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb, qb,
+                                  pg + slot * C * C, koff, qoff, c, nq, QR, K, vk, tid);
+    if (vu && bv == BV) {
+      gdpc_stage_tile<BV, LB, C, NW * 32>(st.DO, dob + v0, [&](int r) { return ooff[r]; }, nq, QR,
+                                          tid);
+    } else if (vu) {
       gdpc_stage_rows(st.DO, LB, dob + v0, [&](int r) { return ooff[r]; }, nq, QR, bv, true,
                       sp_u, tid, nthr);
     } else {
@@ -443,9 +440,9 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   const int64_t tok0 = (int64_t)seq_b * TT + seq_start;
   const int64_t L = (int64_t)seq_len * n;
   const int64_t p0 = (int64_t)ci * C;
-  const int c = (int)min((int64_t)C, L - p0);
-  const int first = gdpc_first(p0, n);
-  const int nq = gdpc_query_rows(first, c, n);
+  const float rn = 1.f / (float)n;
+  const GdpcChunk ch(p0, L, n, rn, (int)p0 / n);
+  const int c = ch.c, first = ch.first, nq = ch.nq;
   const int mq = (nq + 15) / 16;
   const int64_t BTH = (int64_t)B * TT * H;
   const int64_t qk_len = BTH * (n + 1) * K, v_len = BTH * n * V;
@@ -471,7 +468,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   const int64_t KV = (int64_t)K * V;
   const bool vk = gdpc_qk_vec(qb, kb, K);
   const bool vv8 = V % 8 == 0;
-  const GdpcRows rows(tok0, p0, first, n, H, K, head, split);
+  const GdpcRows rows(tok0, ch, n, rn, H, K, head, split);
 
   extern __shared__ __align__(16) unsigned char gdpg_smem[];
   __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(gdpg_smem);  // [C][LK]   K rows

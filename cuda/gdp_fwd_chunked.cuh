@@ -31,14 +31,34 @@
 
 #define GDPC_THREADS 128
 
-// The first query row (rows t·n + n − 1 are query rows) of the chunk that starts at row p0 of a
-// sequence: n − 1 − p0 mod n, in 32 bits (p0 < T·n fits in i32).
-__device__ __forceinline__ int gdpc_first(int64_t p0, int n) { return n - 1 - (int)p0 % n; }
-
-// The query rows of a chunk of c rows whose first query row is `first` (every n-th row on).
-__device__ __forceinline__ int gdpc_query_rows(int first, int c, int n) {
-  return first < c ? (c - 1 - first) / n + 1 : 0;
+// Quotients by n without an integer division (a long subroutine on the scans' sequential path):
+// rn = 1/n (f32) and rnd = 1/n (f64), computed once per block.
+//  - gdpc_div_small(x, rn) = floor(x / n) for 0 <= x < 2^22 (row counts within a chunk):
+//    floor((x + 1/2) · rn): no multiple of n lies in (x, x + 1/2], and the product's relative
+//    error (2^-23) stays below the 1/(2 n x) margin;
+//  - gdpc_div_row(p, rnd) = floor(p / n) for 0 <= p < 2^31 (row offsets within a sequence; the
+//    launchers check that T·n fits in i32): the same in f64 (relative error 2^-52).
+__device__ __forceinline__ int gdpc_div_small(int x, float rn) {
+  return (int)(((float)x + 0.5f) * rn);
 }
+__device__ __forceinline__ int gdpc_div_row(int64_t p, double rnd) {
+  return (int)(((double)p + 0.5) * rnd);
+}
+
+// Geometry of the interleaved chunk that starts at row p0 of a sequence of L rows (rows t·n +
+// n − 1 are query rows): its rows c, the token t0 = floor(p0 / n) (given) and sub-row r0 of row
+// p0 (p0 = t0 n + r0), its first query row first = n − 1 − r0 (in token t0) and its query rows
+// nq.
+struct GdpcChunk {
+  int c, t0, r0, first, nq;
+  __device__ __forceinline__ GdpcChunk(int64_t p0, int64_t L, int n, float rn, int t0_) {
+    c = (int)min((int64_t)GDP_CHUNK, L - p0);
+    t0 = t0_;
+    r0 = (int)p0 - t0 * n;
+    first = n - 1 - r0;
+    nq = first < c ? gdpc_div_small(c - 1 - first, rn) + 1 : 0;
+  }
+};
 
 // Queries and keys. The chunked bf16 kernels take them as two base pointers `qb`, `kb` and a
 // flag `split`:
@@ -48,36 +68,28 @@ __device__ __forceinline__ int gdpc_query_rows(int first, int c, int n) {
 //              stride n·H·K), read in place.
 // Row offsets of the interleaved chunk that starts at row p0 of a sequence whose first token is
 // tok0: key row i (i < c) from kb, query row r (r < nq) from qb.
-// Row offsets are formed in 32 bits where they can be: p0 < T·n, which the launchers check
-// to fit in i32, and a 64-bit division is a long subroutine on the scans' sequential path.
-// The quotients of small non-negative x by n (row counts within a chunk) come from a float
-// reciprocal: floor((x + 1/2) / n) is floor(x / n) (no multiple of n lies in (x, x + 1/2]),
-// and the product's relative error (2^-23) stays below the 1/(2n) margin for x < 2^22.
-__device__ __forceinline__ int gdpc_div_small(int x, float rn) {
-  return (int)(((float)x + 0.5f) * rn);
-}
-
+// Row offsets of the interleaved chunk `ch` of a sequence whose first token is tok0: key row i
+// (i < c) from kb, query row r (r < nq) from qb.
 struct GdpcRows {
-  int64_t tok0, t0, tq0;
+  int64_t tok0, t0;
   int64_t qt, kt;  // token strides of the queries and the keys
   int r0, n, H, K, head;
   float rn;  // 1 / n
-  __device__ __forceinline__ GdpcRows(int64_t tok0_, int64_t p0, int first, int n_, int H_,
-                                      int K_, int head_, int split)
-      : tok0(tok0_), t0((int)p0 / n_), qt((int64_t)(split ? 1 : n_ + 1) * H_ * K_),
-        kt((int64_t)(split ? n_ : n_ + 1) * H_ * K_), r0((int)p0 - (int)t0 * n_), n(n_), H(H_),
-        K(K_), head(head_), rn(1.f / (float)n_) {
-    tq0 = t0 + gdpc_div_small(r0 + first, rn);
-  }
+  __device__ __forceinline__ GdpcRows(int64_t tok0_, const GdpcChunk& ch, int n_, float rn_,
+                                      int H_, int K_, int head_, int split)
+      : tok0(tok0_), t0(ch.t0), qt((int64_t)(split ? 1 : n_ + 1) * H_ * K_),
+        kt((int64_t)(split ? n_ : n_ + 1) * H_ * K_), r0(ch.r0), n(n_), H(H_), K(K_),
+        head(head_), rn(rn_) {}
   __device__ __forceinline__ int64_t key(int i) const {
     const int x = r0 + i, q = gdpc_div_small(x, rn);
     return (tok0 + t0 + q) * kt + (int64_t)((x - q * n) * H + head) * K;
   }
+  // The first query row is in token t0 (r0 + first = n − 1).
   __device__ __forceinline__ int64_t query(int r) const {
-    return (tok0 + tq0 + r) * qt + (int64_t)head * K;
+    return (tok0 + t0 + r) * qt + (int64_t)head * K;
   }
   // Token of query row r.
-  __device__ __forceinline__ int64_t query_token(int r) const { return tok0 + tq0 + r; }
+  __device__ __forceinline__ int64_t query_token(int r) const { return tok0 + t0 + r; }
 };
 
 // A thread's share of copying rows of `len` bf16 values 16 bytes at a time: column block cv of
@@ -120,9 +132,74 @@ __device__ __forceinline__ void gdpc_stage_rows(__nv_bfloat16* __restrict__ dst,
   }
 }
 
-// Per-chunk geometry kept in shared memory next to a chunk's row table, so that the integer
-// divisions by n run once per chunk (in fill_table) and not again where the chunk is staged and
-// computed: rows c, query rows nq, token of query row 0 within the sequence.
+// gdpc_stage_rows for tiles whose row length LEN, row stride LD and thread count NTHR are known
+// at compile time (LEN a multiple of 8 whose 16-byte blocks divide NTHR): thread tid copies
+// column block tid mod (LEN / 8) of rows r0, r0 + RS, ... in an unrolled loop of at most
+// MAXROWS / RS steps with shared-memory offsets fixed at compile time, so that a 16-byte copy
+// costs little more than its cp.async (the scans' staging was ~30% of their sequential step's
+// instructions through the general loop). Row r comes from src + off(r); rows [rows, zrows)
+// are zeroed (zrows <= MAXROWS). Every row start must be 16-byte aligned.
+template <int LEN, int LD, int MAXROWS, int NTHR, typename Off>
+__device__ __forceinline__ void gdpc_stage_tile(__nv_bfloat16* __restrict__ dst,
+                                                const __nv_bfloat16* __restrict__ src, Off off,
+                                                int rows, int zrows, int tid) {
+  constexpr int VPR = LEN / 8, RS = NTHR / VPR, STEPS = (MAXROWS + RS - 1) / RS;
+  static_assert(LEN % 8 == 0 && NTHR % VPR == 0, "16-byte blocks of a row must divide NTHR");
+  const int cv = 8 * (tid % VPR), r0 = tid / VPR;
+  dst += r0 * LD + cv;
+  src += cv;
+#pragma unroll
+  for (int i = 0; i < STEPS; ++i) {
+    const int r = r0 + i * RS;
+    const bool copy = r < rows;
+    if (copy) cp_async16(dst + i * RS * LD, src + off(r));
+    if (!copy && r < zrows) *reinterpret_cast<uint4*>(dst + i * RS * LD) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// The same for `rows` rows at a fixed source row stride (row r at src + r · stride), the row
+// pointer formed once, so that each step's source is a constant or one-add offset from it.
+template <int LEN, int LD, int MAXROWS, int NTHR>
+__device__ __forceinline__ void gdpc_stage_tile_strided(__nv_bfloat16* __restrict__ dst,
+                                                        const __nv_bfloat16* __restrict__ src,
+                                                        int stride, int rows, int tid) {
+  constexpr int VPR = LEN / 8, RS = NTHR / VPR, STEPS = (MAXROWS + RS - 1) / RS;
+  static_assert(LEN % 8 == 0 && NTHR % VPR == 0, "16-byte blocks of a row must divide NTHR");
+  const int cv = 8 * (tid % VPR), r0 = tid / VPR;
+  dst += r0 * LD + cv;
+  src += (int64_t)r0 * stride + cv;
+#pragma unroll
+  for (int i = 0; i < STEPS; ++i)
+    if (r0 + i * RS < rows) cp_async16(dst + i * RS * LD, src + (int64_t)(i * RS) * stride);
+}
+
+// The operands both scans stage for a chunk: W [C][K] (row r at w + r K), its c key rows and nq
+// query rows (at kb + koff[i], qb + qoff[r]; zeros to C and QR rows) into [*][KPT + 8] tiles, and
+// P [QR][C] (row r at p + r C) into [QR][C + 8]. The compile-time path when K = KPT and the
+// rows are 16-byte aligned (vk), the general one otherwise.
+template <int KPT, int NTHR>
+__device__ __forceinline__ void gdpc_stage_wkqp(
+    __nv_bfloat16* W, __nv_bfloat16* Kr, __nv_bfloat16* Q, __nv_bfloat16* P,
+    const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ kb,
+    const __nv_bfloat16* __restrict__ qb, const __nv_bfloat16* __restrict__ p,
+    const int64_t* koff, const int64_t* qoff, int c, int nq, int QR, int K, bool vk, int tid) {
+  constexpr int C = GDP_CHUNK, LK = KPT + 8;
+  if (vk && K == KPT) {
+    gdpc_stage_tile_strided<KPT, LK, C, NTHR>(W, w, KPT, C, tid);
+    gdpc_stage_tile<KPT, LK, C, NTHR>(Kr, kb, [&](int i) { return koff[i]; }, c, C, tid);
+    gdpc_stage_tile<KPT, LK, C, NTHR>(Q, qb, [&](int r) { return qoff[r]; }, nq, QR, tid);
+  } else {
+    const GdpcSplit sp(K, tid, NTHR);
+    gdpc_stage_rows(W, LK, w, [&](int r) { return (int64_t)r * K; }, C, C, K, vk, sp, tid, NTHR);
+    gdpc_stage_rows(Kr, LK, kb, [&](int i) { return koff[i]; }, c, C, K, vk, sp, tid, NTHR);
+    gdpc_stage_rows(Q, LK, qb, [&](int r) { return qoff[r]; }, nq, QR, K, vk, sp, tid, NTHR);
+  }
+  gdpc_stage_tile_strided<C, C + 8, C, NTHR>(P, p, C, QR, tid);
+}
+
+// Per-chunk geometry kept in shared memory next to a chunk's row table, so that it is worked out
+// once per chunk (in fill_table) and not again where the chunk is staged and computed: rows c,
+// query rows nq, token of query row 0 within the sequence.
 struct GdpcMeta {
   int c, nq, tq0;
 };
@@ -173,16 +250,16 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
   const int64_t tok0 = (int64_t)seq_b * TT + seq_start;
   const int64_t L = (int64_t)seq_len * n;
   const int64_t p0 = (int64_t)ci * C;
-  const int c = (int)min((int64_t)C, L - p0);
-  const int first = gdpc_first(p0, n);
-  const int nq = gdpc_query_rows(first, c, n);
+  const float rn = 1.f / (float)n;
+  const GdpcChunk ch(p0, L, n, rn, (int)p0 / n);
+  const int c = ch.c, first = ch.first, nq = ch.nq;
   const int mq = (nq + 15) / 16;  // 16-row tiles of query rows
   const int64_t BTH = (int64_t)B * TT * H;
   const int KP = (K + 15) & ~15, VP = (V + 15) & ~15;
   const int LK = KP + 8, LV = VP + 8;  // bf16 row strides
   const bool vk = gdpc_qk_vec(qb, kb, K);
   const bool vvec = (V % 8 == 0) && ((reinterpret_cast<uintptr_t>(vv) & 15) == 0);
-  const GdpcRows rows(tok0, p0, first, n, H, K, head, split);
+  const GdpcRows rows(tok0, ch, n, rn, H, K, head, split);
 
   constexpr int CS = GDP_INV_LD;  // f32 row stride of A and its inverse
   extern __shared__ __align__(16) unsigned char gdpc_smem[];
@@ -431,6 +508,8 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
   const int64_t tok0 = (int64_t)seq_b * TT + seq_start;
   const int64_t L = (int64_t)seq_len * n;
   const int nch = (int)((L + C - 1) / C);
+  const float rn = 1.f / (float)n;
+  const double rnd = 1.0 / (double)n;
   const int64_t BTH = (int64_t)B * TT * H;
   const int64_t KV = (int64_t)K * V;
   const int64_t state_off = ((int64_t)sidx * H + head) * KV;
@@ -467,17 +546,15 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     int64_t* koff = tables + slot_of * 2 * C;
     int64_t* qoff = koff + C;
     const int64_t p0 = (int64_t)ci * C;
-    const int c = (int)min((int64_t)C, L - p0);
-    const int first = gdpc_first(p0, n);
-    const int nq = gdpc_query_rows(first, c, n);
-    const GdpcRows rows(tok0, p0, first, n, H, K, head, split);
+    const GdpcChunk ch(p0, L, n, rn, gdpc_div_row(p0, rnd));
+    const GdpcRows rows(tok0, ch, n, rn, H, K, head, split);
     for (int i = tid; i < C; i += nthr) {
-      koff[i] = i < c ? rows.key(i) : -1;
-      qoff[i] = i < nq ? rows.query(i) : -1;
+      koff[i] = i < ch.c ? rows.key(i) : -1;
+      qoff[i] = i < ch.nq ? rows.query(i) : -1;
     }
-    if (tid == 0) meta[slot_of] = GdpcMeta{c, nq, (int)rows.tq0};
+    if (tid == 0) meta[slot_of] = GdpcMeta{ch.c, ch.nq, ch.t0};
   };
-  const GdpcSplit sp_k(K, tid, nthr), sp_p(C, tid, nthr), sp_u(bv, tid, nthr);
+  const GdpcSplit sp_u(bv, tid, nthr);
   // Issues the copies of chunk ci into stage s (one cp.async group; its slot's row table and
   // geometry are ready).
   auto prefetch = [&](int ci, int s) {
@@ -487,16 +564,12 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const int64_t* koff = tables + s * 2 * C;
     const int64_t* qoff = koff + C;
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
-    const __nv_bfloat16* w = wg + slot * C * K;
     const __nv_bfloat16* u = ug + slot * C * V + v0;
-    gdpc_stage_rows(st.W, LK, w, [&](int r) { return (int64_t)r * K; }, C, C, K, vk, sp_k, tid,
-                    nthr);
-    gdpc_stage_rows(st.Kr, LK, kb, [&](int i) { return koff[i]; }, c, C, K, vk, sp_k, tid, nthr);
-    gdpc_stage_rows(st.Q, LK, qb, [&](int r) { return qoff[r]; }, nq, QR, K, vk, sp_k, tid,
-                    nthr);
-    gdpc_stage_rows(st.P, LC, pg + slot * C * C, [&](int r) { return (int64_t)r * C; }, QR, QR,
-                    C, true, sp_p, tid, nthr);
-    if (vu) {
+    gdpc_stage_wkqp<KPT, NW * 32>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb, qb,
+                                  pg + slot * C * C, koff, qoff, c, nq, QR, K, vk, tid);
+    if (vu && bv == BV) {
+      gdpc_stage_tile_strided<BV, LB, C, NW * 32>(st.U, u, V, C, tid);
+    } else if (vu) {
       gdpc_stage_rows(st.U, LB, u, [&](int r) { return (int64_t)r * V; }, C, C, bv, true, sp_u,
                       tid, nthr);
     } else {
