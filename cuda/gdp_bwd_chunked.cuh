@@ -156,6 +156,8 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
   const int64_t state_off = ((int64_t)sidx * H + head) * KV;
   const bool vk = gdpc_qk_vec(qb, kb, K);
   const bool vu = (V % 8 == 0) && (bv % 8 == 0);
+  // dO rows 16 bytes at a time also need a 16-byte aligned base (a view may start anywhere).
+  const bool vdo = vu && ((reinterpret_cast<uintptr_t>(dob) & 15) == 0);
 
   extern __shared__ __align__(16) unsigned char gdpcs_smem[];
   const int stage_bytes = gdpd_stage_bytes(KPT, QR, BV);
@@ -211,10 +213,10 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
     gdpc_stage_wkqp<KPT, NW * 32>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb, qb,
                                   pg + slot * C * C, koff, qoff, c, nq, QR, K, vk, tid);
-    if (vu && bv == BV) {
+    if (vdo && bv == BV) {
       gdpc_stage_tile<BV, LB, C, NW * 32>(st.DO, dob + v0, [&](int r) { return ooff[r]; }, nq, QR,
                                           tid);
-    } else if (vu) {
+    } else if (vdo) {
       gdpc_stage_rows(st.DO, LB, dob + v0, [&](int r) { return ooff[r]; }, nq, QR, bv, true,
                       sp_u, tid, nthr);
     } else {
@@ -519,7 +521,8 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
       Vs, LV, vv, [&](int i) { return ((tok0 * n + p0 + i) * H + head) * (int64_t)V; }, c, C, V,
       vv8 && ((reinterpret_cast<uintptr_t>(vv) & 15) == 0), spv, tid, nthr);
   gdpc_stage_rows(DOs, LV, dob, [&](int r) { return (rows.query_token(r) * H + head) * (int64_t)V; },
-                  nq, 16 * mq, V, vv8, spv, tid, nthr);
+                  nq, 16 * mq, V, vv8 && ((reinterpret_cast<uintptr_t>(dob) & 15) == 0), spv, tid,
+                  nthr);
   gdpc_stage_rows(Ab, LC, ag + slot * C * C, [&](int r) { return (int64_t)r * C; }, C, C, C, true,
                   spc, tid, nthr);
   cp_async_commit();

@@ -65,6 +65,8 @@ __device__ __forceinline__ void ldsm_b_nk(uint32_t (&b)[2][2], const __nv_bfloat
 // 16-byte asynchronous copy global -> shared (both 16-byte aligned), and its group fences.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 #ifdef GDP_EMU
+  // The hardware faults on a misaligned 16-byte copy; the emulation says where instead.
+  assert(((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0);
   memcpy(dst, src, 16);
 #else
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));

@@ -4,6 +4,7 @@
 // shared exchange of the 32 lanes' fragment registers; atomicAdd is std::atomic_ref.
 // Included before the kernels with `-include emu.h -DGDP_EMU`; device code compiles as C++20.
 #pragma once
+#include <assert.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

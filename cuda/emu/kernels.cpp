@@ -370,12 +370,17 @@ void run_bf16(const Case& c) {
 // The split bf16 backward (gdp_bwd_chunked.cuh): WY with Ainv, the forward scan writing h and
 // Delta, the state-gradient scan, the gradient kernel; every gradient against the f64 reference
 // on the bf16-rounded inputs (dO rounded too: the kernels read it in bf16).
-void run_bf16_bwd(const Case& c, int bv, int NS) {
+void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
   Prob P = make(c, 777 + c.K + c.T);
   const auto qkb = to_bf16(P.qk);
   const auto vb = to_bf16(P.v);
-  const auto dob = to_bf16(P.dout);
   const long K = c.K, V = c.V, n = c.n, H = c.H, N = P.N, BTH = P.BTH, sl = N * H * K * V;
+  // With misalign_do, dO starts one element past a 16-byte boundary (a view of a larger tensor
+  // may start anywhere): the kernels must not copy it 16 bytes at a time (cp_async16 asserts).
+  const auto dob_at = to_bf16(P.dout);
+  std::vector<__nv_bfloat16> dob_buf(dob_at.size() + 1);
+  std::copy(dob_at.begin(), dob_at.end(), dob_buf.begin() + (misalign_do ? 1 : 0));
+  const __nv_bfloat16* dob_ptr = dob_buf.data() + (misalign_do ? 1 : 0);
   const long qk_len = BTH * (n + 1) * K, v_len = BTH * n * V;
   std::vector<double> h0d, dhtd(P.dht.begin(), P.dht.end());
   if (c.h0) h0d.assign(P.aux.begin() + BTH * (1 + n), P.aux.end());
@@ -420,7 +425,7 @@ void run_bf16_bwd(const Case& c, int bv, int NS) {
   std::vector<float> out(qk_len + v_len + BTH * (1 + n) + (c.h0 ? sl : 0), 0.f);
   float* dh0 = out.data() + qk_len + v_len + BTH * (1 + n);
   launch(N * H, (V + bv - 1) / bv, nthr, [&] {
-#define ARGS a.q, a.k, a.split, tab.data(), wg.data(), pg.data(), cg.data(), dob.data(), P.dht.data(), 1, \
+#define ARGS a.q, a.k, a.split, tab.data(), wg.data(), pg.data(), cg.data(), dob_ptr, P.dht.data(), 1, \
              dhs.data(), ddn.data(), dh0, c.h0, c.B, c.T, c.H, c.K, c.V, c.n, QR, NS
     if (bv == 16 && KPT == 64) gdp_bwd_dh_bf16_16_64(ARGS);
     if (bv == 16 && KPT == 128) gdp_bwd_dh_bf16_16_128(ARGS);
@@ -435,7 +440,7 @@ void run_bf16_bwd(const Case& c, int bv, int NS) {
   if (total > 0)
     launch(total, H, GDPG_THREADS, [&] {
 #define ARGS a.q, a.k, a.split, vb.data(), P.aux.data(), tab.data(), ag.data(), hs.data(),        \
-             dhs.data(), dn.data(), ddn.data(), dob.data(), parts ? nullptr : out.data(),       \
+             dhs.data(), dn.data(), ddn.data(), dob_ptr, parts ? nullptr : out.data(),       \
              parts ? dqb.data() : nullptr, parts ? dkb.data() : nullptr,                        \
              parts ? dvb.data() : nullptr,                                                      \
              out.data() + qk_len + v_len, c.B, c.T, c.H, c.K, c.V, c.n, N, scale, QR
@@ -463,7 +468,8 @@ void run_bf16_bwd(const Case& c, int bv, int NS) {
           else gk.push_back(out[i]), rk.push_back(R.grads[i]);
         }
   char name[64];
-  snprintf(name, sizeof name, "%s bwd%d/%d%s", c.name, bv, NS, parts ? " parts q,k" : "");
+  snprintf(name, sizeof name, "%s bwd%d/%d%s%s", c.name, bv, NS, parts ? " parts q,k" : "",
+           misalign_do ? " dO+1" : "");
   report(name, "bf16 dq", rel(gq.data(), rq.data(), gq.size()), 1e-2);
   report(name, "bf16 dk", rel(gk.data(), rk.data(), gk.size()), 1e-2);
   report(name, "bf16 dv", rel(out.data() + qk_len, R.grads.data() + qk_len, v_len), 1e-2);
@@ -562,6 +568,7 @@ int main(int argc, char** argv) {
     const int cfg = (int)i % 3;
     run_bf16_bwd(cases[i], 16 << cfg, 2 + (int)(i % 2));
   }
+  run_bf16_bwd(cases.back(), 32, 3, true);
   if (only_bwd) {
     printf("fails: %d\n", fails);
     return fails != 0;
