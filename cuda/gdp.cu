@@ -361,9 +361,11 @@ GDP_FWD_ENTRY(gdp_fwd_f16, __half)
 // of the copy rate). The rows are split in GDP_STEP_PARTS parts of ROWS rows over the block's
 // four groups of four warps (ROWS = K / 4 rounded up to a power of two, at least 8); a column
 // dot x·S is each thread's partial over its rows, the four partials summed through shared
-// memory (one barrier per dot, two buffers in turn). q and k (zero past row K), the block's v
-// columns and beta are staged in shared memory while the state loads are in flight: one round
-// trip to global memory. All f32:
+// memory (one barrier per dot, two buffers in turn). The state is read and written with the
+// streaming (evict-first) cache hint: each byte is touched once, and the hint took 3-5% off
+// the step (docs/perf.md v13). q and k (zero past row K), the block's v columns and beta are
+// staged in shared memory while the state loads are in flight: one round trip to global memory.
+// All f32:
 //   state [B, H, K, V];  small = [q (B H K) | k (B n H K) | v (B n H V) | g (B H) | beta (B n H)]
 //   out   = [o (B H V) | new state (B H K V)]
 // Kernels gdp_step_f32_k<4 ROWS> for ROWS = 8, 16, 32, 64 (K <= 32, 64, 128, 256). Dynamic
@@ -419,10 +421,10 @@ __device__ __forceinline__ void gdp_step_impl(const float* __restrict__ state,
   float s[ROWS];
   if (rows == ROWS) {
 #pragma unroll
-    for (int i = 0; i < ROWS; ++i) s[i] = s_in[(int64_t)i * V];
+    for (int i = 0; i < ROWS; ++i) s[i] = __ldcs(s_in + (int64_t)i * V);
   } else {
 #pragma unroll
-    for (int i = 0; i < ROWS; ++i) s[i] = i < rows ? s_in[(int64_t)i * V] : 0.f;
+    for (int i = 0; i < ROWS; ++i) s[i] = i < rows ? __ldcs(s_in + (int64_t)i * V) : 0.f;
   }
   const float decay = expf(gg[bh]);
   for (int i = tid; i < (1 + n) * KP; i += GDP_STEP_THREADS) {
@@ -477,11 +479,11 @@ __device__ __forceinline__ void gdp_step_impl(const float* __restrict__ state,
   if (part == 0 && valid) out[(int64_t)bh * V + col] = scale * ov;
   if (rows == ROWS) {
 #pragma unroll
-    for (int i = 0; i < ROWS; ++i) s_out[(int64_t)i * V] = s[i];
+    for (int i = 0; i < ROWS; ++i) __stcs(s_out + (int64_t)i * V, s[i]);
   } else {
 #pragma unroll
     for (int i = 0; i < ROWS; ++i)
-      if (i < rows) s_out[(int64_t)i * V] = s[i];
+      if (i < rows) __stcs(s_out + (int64_t)i * V, s[i]);
   }
 }
 

@@ -229,8 +229,13 @@ static void step() {
   for (void* x : {(void*)ds, (void*)dsm, (void*)out}) CK(cudaFree(x));
 }
 
-// KB_ONLY_N2=1 skips the n = 1 shape; KB_ONLY_B1=1 runs only B1 T32768 n2 (for profilers).
+// KB_ONLY_N2=1 skips the n = 1 shape; KB_ONLY_B1=1 runs only B1 T32768 n2 (for profilers);
+// KB_ONLY_STEP=1 only the decode step.
 int main() {
+  if (getenv("KB_ONLY_STEP") != nullptr) {  // the decode step only
+    step();
+    return 0;
+  }
   if (getenv("KB_ONLY_B1") == nullptr) {
     step();
     if (getenv("KB_ONLY_N2") == nullptr) forward(4, 4096, 16, 1);

@@ -48,6 +48,15 @@ template <class T>
 T __ldg(const T* p) {
   return *p;
 }
+// Streaming (evict-first) loads and stores: plain accesses here.
+template <typename T>
+T __ldcs(const T* p) {
+  return *p;
+}
+template <typename T>
+void __stcs(T* p, T x) {
+  *p = x;
+}
 inline float __uint_as_float(uint32_t u) {
   float f;
   memcpy(&f, &u, 4);
