@@ -362,7 +362,7 @@ GDP_FWD_ENTRY(gdp_fwd_f16, __half)
 // four groups of four warps (ROWS = K / 4 rounded up to a power of two, at least 8); a column
 // dot x·S is each thread's partial over its rows, the four partials summed through shared
 // memory (one barrier per dot, two buffers in turn). The state is read and written with the
-// streaming (evict-first) cache hint: each byte is touched once, and the hint took 3-5% off
+// streaming (evict-first) cache hint: each byte is touched once, and the hint took 3-6% off
 // the step (docs/perf.md v13). q and k (zero past row K), the block's v columns and beta are
 // staged in shared memory while the state loads are in flight: one round trip to global memory.
 // All f32:

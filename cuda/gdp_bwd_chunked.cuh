@@ -157,7 +157,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
   const bool vk = gdpc_qk_vec(qb, kb, K);
   const bool vu = (V % 8 == 0) && (bv % 8 == 0);
   // dO rows 16 bytes at a time also need a 16-byte aligned base (a view may start anywhere).
-  const bool vdo = vu && ((reinterpret_cast<uintptr_t>(dob) & 15) == 0);
+  const bool vdo = vu && gdpc_aligned16(dob);
 
   extern __shared__ __align__(16) unsigned char gdpcs_smem[];
   const int stage_bytes = gdpd_stage_bytes(KPT, QR, BV);
@@ -519,10 +519,9 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
                   vv8, spv, tid, nthr);
   gdpc_stage_rows(
       Vs, LV, vv, [&](int i) { return ((tok0 * n + p0 + i) * H + head) * (int64_t)V; }, c, C, V,
-      vv8 && ((reinterpret_cast<uintptr_t>(vv) & 15) == 0), spv, tid, nthr);
+      vv8 && gdpc_aligned16(vv), spv, tid, nthr);
   gdpc_stage_rows(DOs, LV, dob, [&](int r) { return (rows.query_token(r) * H + head) * (int64_t)V; },
-                  nq, 16 * mq, V, vv8 && ((reinterpret_cast<uintptr_t>(dob) & 15) == 0), spv, tid,
-                  nthr);
+                  nq, 16 * mq, V, vv8 && gdpc_aligned16(dob), spv, tid, nthr);
   gdpc_stage_rows(Ab, LC, ag + slot * C * C, [&](int r) { return (int64_t)r * C; }, C, C, C, true,
                   spc, tid, nthr);
   cp_async_commit();

@@ -228,10 +228,13 @@ __device__ __forceinline__ void gdpc_store_pair(__nv_bfloat16* row, int col, int
 // Kernel 1: WY factors of every chunk.
 
 // Whether the rows of q and k can be copied 16 bytes at a time.
+// Whether p may be read 16 bytes at a time (cp.async): a 16-byte aligned address.
+__device__ __forceinline__ bool gdpc_aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
 __device__ __forceinline__ bool gdpc_qk_vec(const __nv_bfloat16* qb, const __nv_bfloat16* kb,
                                             int K) {
-  return K % 8 == 0 &&
-         ((reinterpret_cast<uintptr_t>(qb) | reinterpret_cast<uintptr_t>(kb)) & 15) == 0;
+  return K % 8 == 0 && gdpc_aligned16(qb) && gdpc_aligned16(kb);
 }
 
 extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
@@ -258,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
   const int KP = (K + 15) & ~15, VP = (V + 15) & ~15;
   const int LK = KP + 8, LV = VP + 8;  // bf16 row strides
   const bool vk = gdpc_qk_vec(qb, kb, K);
-  const bool vvec = (V % 8 == 0) && ((reinterpret_cast<uintptr_t>(vv) & 15) == 0);
+  const bool vvec = (V % 8 == 0) && gdpc_aligned16(vv);
   const GdpcRows rows(tok0, ch, n, rn, H, K, head, split);
 
   constexpr int CS = GDP_INV_LD;  // f32 row stride of A and its inverse
