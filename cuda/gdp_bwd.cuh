@@ -160,6 +160,7 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
                         int K, int V, int n, int ext, int mode, int write_dh0, float scale,
                         int BV) {
   constexpr int C = GDP_CHUNK;
+  static_assert(GDP_THREADS >= GDP_CHUNK, "thread i keeps row i's k·dkbg and v·dvb (P10-P13)");
   using MP = typename MmaFor<T>::type;          // tensor-core operand type (cuda/mma.cuh)
   constexpr bool SI = MmaFor<T>::split_inputs;  // whether input operands need hi + lo
   const int tid = threadIdx.x;
@@ -192,18 +193,20 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
   float* CB = CA + C * C;                           // [C][C] A, ds, dAinv, dM
   float* CC = CB + C * C;                           // [C][C] Ainv
   float* CD = CC + C * C;                           // [C][C] Q Kᵀ -> P, then T1
-  float* Gs = CD + C * C;                           // [C] gate, then its cumsum
+  // The block-wide sums of the gate gradient, in f64: their float atomics would make dg depend
+  // on the order in which the warps arrive (at K = 256 with strong gates, a relative error of
+  // 2e-6 to 1.2e-5 between runs), while f64 sums of f32 products are exact to far below f32.
+  // 8-byte aligned: every buffer above has an even number of floats.
+  double* A2 = reinterpret_cast<double*>(CD + C * C);  // [C] k_i·(dsᵀQ)_i
+  double* A3 = A2 + C;                                 // [C] q_r·dq_r
+  double* MISC = A3 + C;                               // [2] MISC[0]: h·dS
+  float* Gs = reinterpret_cast<float*>(MISC + 2);      // [C] gate, then its cumsum
   float* Eg = Gs + C;                               // [C] e^G
   float* Dl = Eg + C;                               // [C] e^{G_last - G}
   float* Bt = Dl + C;                               // [C] beta
   float* A1 = Bt + C;                               // [C] a1_i = k_i·dk_inter_i
-  float* A2 = A1 + C;                               // [C] k_i·(dsᵀQ)_i
-  float* A3 = A2 + C;                               // [C] q_r·dq_r
-  float* KB = A3 + C;                               // [C] k_i·dkbg_i
-  float* VB = KB + C;                               // [C] v_i·dvb_i
-  float* DG = VB + C;                               // [C] gradient of the gate cumsum
-  float* MISC = DG + C;                             // [4] MISC[0]: h·dS
-  float* Gsl = MISC + 4;                            // [C] rounding error of the cumsum
+  float* DG = A1 + C;                               // [C] gradient of the gate cumsum
+  float* Gsl = DG + C;                              // [C] rounding error of the cumsum
   T* Ks = reinterpret_cast<T*>(Gsl + C);            // [C][KSTR]
   T* Qs = Ks + (size_t)C * KSTR;                    // [C][KSTR]
 
@@ -341,10 +344,10 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
       const int64_t p = p0 + i;
       Gs[i] = (p % n == 0) ? aux[(tok0 + p / n) * H + head] : 0.f;
       Bt[i] = aux[BTH + ((tok0 * n + p) * H + head)];
-      A2[i] = 0.f;
-      A3[i] = 0.f;
+      A2[i] = 0.0;
+      A3[i] = 0.0;
     }
-    if (tid == 0) MISC[0] = 0.f;
+    if (tid == 0) MISC[0] = 0.0;
     if (full) {
       for (int idx = tid; idx < c * bv; idx += nthr) {
         const int i = idx / bv, col = idx % bv, gc = v0 + col;
@@ -421,7 +424,7 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
           acc = fmaf(S[r * SB + col], DS[r * SB + col], acc);
           any = true;
         }
-        if (any) atomicAdd(&MISC[0], acc);
+        if (any) atomicAdd(&MISC[0], (double)acc);
       }
       if (nq > 0) {
         block_mma<MP, true, true>(
@@ -460,7 +463,7 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
             },
             [&](int r, int kk, float acc) {
               atomicAdd(out + q_off(p0 + first + (int64_t)r * n) + kk, acc);
-              atomicAdd(&A3[r], acc * to_f(Qs[r * KSTR + kk]));
+              atomicAdd(&A3[r], (double)acc * to_f(Qs[r * KSTR + kk]));
             });
       }
       // dk_inter (acc1) and dsᵀQ (acc2) apart: their k-dot products enter the gate gradient
@@ -472,25 +475,25 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
           [&](int r, int kk) { return to_f(Qs[r * KSTR + kk]); },
           [&](int i, int kk, float acc1, float acc2) {
             atomicAdd(out + key_off(p0 + i) + kk, acc1 + acc2);
-            atomicAdd(&A2[i], acc2 * to_f(Ks[i * KSTR + kk]));
+            atomicAdd(&A2[i], (double)acc2 * to_f(Ks[i * KSTR + kk]));
           });
     }
     __syncthreads();
-    // ---- P10: dAinv (CB), k·dkbg and v·dvb per row; dS carried to the chunk start.
+    // ---- P10: dAinv (CB), k·dkbg and v·dvb of row tid (kept in registers until P13, where
+    // the same thread reads them: c <= GDP_CHUNK <= blockDim.x); dS carried to the chunk start.
+    float kb_row = 0.f, vb_row = 0.f;
     if (full) {
       block_mma<MP, true, true>(
           c, c, bv, tid, nthr, [&](int i, int col) { return DD[i * SB + col]; },
           [&](int col, int j) { return Bt[j] * (VT[j * SB + col] - Eg[j] * KH[j * SB + col]); },
           [&](int i, int j, float acc) { CB[i * c + j] = j < i ? acc : 0.f; });
-      for (int i = tid; i < c; i += nthr) {
-        float kb = 0.f, vb = 0.f;
+      if (tid < c) {
         for (int col = 0; col < bv; ++col) {
-          const float d = DVB[i * SB + col];
-          kb = fmaf(d, KH[i * SB + col], kb);
-          vb = fmaf(d, VT[i * SB + col], vb);
+          const float d = DVB[tid * SB + col];
+          kb_row = fmaf(d, KH[tid * SB + col], kb_row);
+          vb_row = fmaf(d, VT[tid * SB + col], vb_row);
         }
-        KB[i] = -kb;
-        VB[i] = vb;
+        kb_row = -kb_row;
       }
     }
     {
@@ -537,18 +540,19 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
             return k < bv ? S[kk * SB + k] : to_f(Ks[(k - bv) * KSTR + kk]);
           },
           [&](int i, int kk, float acc) { atomicAdd(out + key_off(p0 + i) + kk, acc); });
-      for (int i = tid; i < c; i += nthr) {
+      if (tid < c) {
+        const int i = tid;
         float mk = 0.f, colsum = 0.f;
         for (int j = 0; j < c; ++j) {
           mk = fmaf(CB[i * c + j], CA[i * c + j], mk);
           colsum = fmaf(CB[j * c + i] * Bt[j], CA[j * c + i], colsum);
         }
         const int64_t p = p0 + i;
-        atomicAdd(out + db_off + (tok0 * n + p) * H + head, Eg[i] * KB[i] + VB[i] + mk);
-        float dg = -A2[i] + Bt[i] * Eg[i] * KB[i] + Bt[i] * mk - colsum;
+        atomicAdd(out + db_off + (tok0 * n + p) * H + head, Eg[i] * kb_row + vb_row + mk);
+        double dg = -A2[i] + (double)(Bt[i] * Eg[i] * kb_row) + (double)(Bt[i] * mk) - colsum;
         if (p % n == n - 1) dg += A3[(i - first) / n];
-        if (i == c - 1) dg += expf(Gs[c - 1] + Gsl[c - 1]) * MISC[0];
-        DG[i] = dg;
+        if (i == c - 1) dg += (double)expf(Gs[c - 1] + Gsl[c - 1]) * MISC[0];
+        DG[i] = (float)dg;
       }
       __syncthreads();
       // ---- P14: reverse chunk-local cumsum; slot 0 of every token gets its gate gradient.

@@ -289,8 +289,8 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     if (step + NS < nch) fill_table(step + NS, sc);
     if (++sc == NS) sc = 0;
 
-    // dS at this chunk's end (bf16) for the gradient kernel.
-    {
+    // dS at this chunk's end (bf16) for the gradient kernel (not for a CP summary: null).
+    if (dhs != nullptr) {
       __nv_bfloat16* dst = dhs + slot * KV + v0;
       if (vu) {
         constexpr int VPR = BV / 8;
@@ -320,7 +320,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
         for (int j = 0; j < NTW; ++j) acc[j][2 * h] *= dl, acc[j][2 * h + 1] *= dl;
       }
       gdpg_mma<NPW, true, false>(acc, st.P, LC, m0, st.DO, LB, nc0, QR, lane);
-      __nv_bfloat16* dd = ddn + slot * C * (int64_t)V + v0;
+      __nv_bfloat16* dd = ddn == nullptr ? nullptr : ddn + slot * C * (int64_t)V + v0;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = m0 + g + 8 * h;
@@ -329,7 +329,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
           const int col = nc0 + 8 * j + 2 * t;
           const float d0 = acc[j][2 * h], d1 = acc[j][2 * h + 1];
           *reinterpret_cast<__nv_bfloat162*>(Dd + r * LB + col) = __floats2bfloat162_rn(-d0, -d1);
-          gdpc_store_pair(dd + (int64_t)r * V, col, bv, d0, d1, vu);
+          if (ddn != nullptr) gdpc_store_pair(dd + (int64_t)r * V, col, bv, d0, d1, vu);
         }
       }
     }

@@ -397,11 +397,18 @@ fn decode_step_matches_cpu_and_the_chunked_op() -> Result<()> {
 }
 
 /// Context parallelism over `R` distinct CUDA devices (one `Device::new_cuda(0)` call each)
-/// equals the single-device CUDA op: outputs, final states and every gradient.
+/// equals the single-device CUDA op: outputs, final states and every gradient (f32, relative
+/// RMS within 1e-5).
 fn cp_check(c: &Case, ranks: &[usize]) -> Result<()> {
+    cp_check_in(c, ranks, DType::F32, 1e-5)
+}
+
+/// [`cp_check`] with the inputs in `dtype` (gates, states and cotangents in f32), within `tol`
+/// of the single-device CUDA op on the same inputs.
+fn cp_check_in(c: &Case, ranks: &[usize], dtype: DType, tol: f64) -> Result<()> {
     let dev = cuda()?;
     let x = inputs(c, DType::F32)?;
-    let want = run_op_on(c, &x, DType::F32, &dev)?;
+    let want = run_op_on(c, &x, dtype, &dev)?;
     let Inputs {
         q,
         k,
@@ -411,7 +418,7 @@ fn cp_check(c: &Case, ranks: &[usize]) -> Result<()> {
         h0,
         dout,
         dht,
-    } = x.cast(DType::F32)?;
+    } = x.cast(dtype)?;
     for &r in ranks {
         let devices = (0..r)
             .map(|_| Device::new_cuda(0))
@@ -456,12 +463,12 @@ fn cp_check(c: &Case, ranks: &[usize]) -> Result<()> {
             let e = rel_rms(&a, &b)?;
             report.push(format!("{name} {e:.0e}"));
             assert!(
-                e.is_finite() && e <= 1e-5,
-                "{} cp={r}: {name} relative RMS {e:.2e}",
+                e.is_finite() && e <= tol,
+                "{} cp={r} {dtype:?}: {name} relative RMS {e:.2e}",
                 c.name
             );
         }
-        println!("{:<26} cuda cp={r} {}", c.name, report.join(" "));
+        println!("{:<26} cuda cp={r} {dtype:?} {}", c.name, report.join(" "));
     }
     Ok(())
 }
@@ -508,6 +515,30 @@ fn context_parallel_packed_on_cuda_equals_single_device() -> Result<()> {
             .h0()
             .seed(43),
         &[2, 4],
+    )?;
+    Ok(())
+}
+
+/// bf16 ranks take the summaries of the chunked bf16 kernels (`[u | 0]` from `[h0 | I]`, and
+/// the state-gradient scan from `[dht | I]`), K + V up to 256.
+#[test]
+fn context_parallel_bf16_on_cuda_matches_single_device() -> Result<()> {
+    let bf = |c: &Case, ranks: &[usize]| cp_check_in(c, ranks, DType::BF16, 1e-2);
+    bf(
+        &Case::new("bf16 dense n2 h0", 2, 300, 2, 64, 48, 2).h0(),
+        &[2, 3],
+    )?;
+    bf(
+        &Case::new("bf16 dense n1 K=V=128", 1, 333, 2, 128, 128, 1).seed(47),
+        &[2, 4],
+    )?;
+    bf(
+        &Case::new("bf16 packed n3 strong h0", 1, 290, 2, 32, 40, 3)
+            .packed(&[0, 5, 140, 141, 290])
+            .strong_gates()
+            .h0()
+            .seed(53),
+        &[2, 3],
     )?;
     Ok(())
 }
@@ -608,5 +639,82 @@ fn timing_backward_bf16_b4_t4096_h16_k128_v128_n2() -> Result<()> {
     println!(
         "timing {note}: forward {fwd:.3} ms, forward + backward (incl. loss ops) {both:.3} ms"
     );
+    Ok(())
+}
+
+#[test]
+#[ignore = "timing; run with --ignored on a GPU"]
+fn timing_context_parallel_bf16_b1_t32768_h16_k128_v128_n2() -> Result<()> {
+    // R ranks share one GPU (each its own stream), each with T / R tokens; the same ranks also
+    // run the plain op on their tokens at the same time (no protocol). The ratio of the two
+    // times is what the protocol costs (summaries, collectives, fold), at this GPU sharing.
+    use candle_gdp::cp::{cp_gated_delta_product, dense_rank_meta, CpRank, ShardPlan};
+    let (t, h, d, n) = (32768usize, 16usize, 128usize, 2usize);
+    for (ranks, summaries) in [(2usize, "auto"), (2, "fused"), (4, "auto")] {
+        std::env::set_var("GDP_CUDA_SUMMARY", summaries);
+        let devices = (0..ranks)
+            .map(|_| Device::new_cuda(0))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let cp = ContextParallel::new(devices)?.with_timeout(std::time::Duration::from_secs(20));
+        let per_rank = cp.run(|comm, dev| {
+            let r = comm.rank();
+            let tl = t / ranks;
+            dev.set_seed(100 + r as u64)?;
+            let unit = |rows: usize| -> candle_core::Result<Var> {
+                let x = Tensor::randn(0f32, 1f32, (1, rows, h, d), dev)?;
+                let norm = x.sqr()?.sum_keepdim(candle_core::D::Minus1)?.sqrt()?;
+                Var::from_tensor(&x.broadcast_div(&norm)?.to_dtype(DType::BF16)?)
+            };
+            let (q, k) = (unit(tl)?, unit(tl * n)?);
+            let v = Var::from_tensor(
+                &Tensor::randn(0f32, 1f32, (1, tl * n, h, d), dev)?.to_dtype(DType::BF16)?,
+            )?;
+            let beta = Var::from_tensor(
+                &candle_nn::ops::sigmoid(&Tensor::randn(0f32, 1f32, (1, tl * n, h), dev)?)?
+                    .to_dtype(DType::BF16)?,
+            )?;
+            let g = Var::from_tensor(&(Tensor::rand(0f32, 1f32, (1, tl, h), dev)? * -0.1)?)?;
+            let dout = Tensor::randn(0f32, 1f32, (1, tl, h, d), dev)?.to_dtype(DType::BF16)?;
+            let rank = CpRank {
+                comm: comm.clone(),
+                meta: dense_rank_meta(&ShardPlan::new(t, ranks)?, r)?,
+                composition: Default::default(),
+            };
+            let opts = GdpOptions::default();
+            let step = |with_cp: bool| -> candle_core::Result<f64> {
+                comm.barrier()?;
+                let t0 = std::time::Instant::now();
+                let o = if with_cp {
+                    cp_gated_delta_product(&q, &k, &v, &g, &beta, &opts, &rank)?.0
+                } else {
+                    gated_delta_product(&q, &k, &v, &g, &beta, &opts)?.0
+                };
+                candle_gdp::backward_with(&[(&o, &dout)])?;
+                dev.synchronize()?;
+                comm.barrier()?;
+                Ok(t0.elapsed().as_secs_f64() * 1e3)
+            };
+            let mut times = vec![];
+            for with_cp in [false, true] {
+                step(with_cp)?;
+                step(with_cp)?;
+                let mut ts = (0..5)
+                    .map(|_| step(with_cp))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                ts.sort_by(f64::total_cmp);
+                times.push(ts[2]);
+            }
+            Ok(times)
+        })?;
+        let (plain, with_cp) = (per_rank[0][0], per_rank[0][1]);
+        println!(
+            "timing B1 T32768 H16 K=V=128 n=2 bf16 fwd+bwd, {ranks} ranks of {} tokens on one GPU: \
+             plain op on every rank {plain:.2} ms, context parallel {with_cp:.2} ms (summaries \
+             {summaries}), ratio {:.2}",
+            t / ranks,
+            plain / with_cp
+        );
+    }
+    std::env::remove_var("GDP_CUDA_SUMMARY");
     Ok(())
 }

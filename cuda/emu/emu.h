@@ -97,6 +97,7 @@ inline float __half2float(__half x) {
 }
 inline __half __ushort_as_half(unsigned short u) { return {u}; }
 inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+inline double atomicAdd(double* p, double v) { return std::atomic_ref<double>(*p).fetch_add(v); }
 using std::max;
 using std::min;
 

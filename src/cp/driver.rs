@@ -324,8 +324,7 @@ impl CpLink {
         let local = if self.bwd_slice.is_empty() {
             vec![0.0; frags.len() * h * sl]
         } else {
-            let h0_dev = dev.clone_htod(&h0)?;
-            cuda::forward_summaries(qk, v, aux, sh, scale, has_h0, &frags, &h0_dev)?
+            cuda::forward_summaries(qk, v, aux, sh, scale, has_h0, &frags, &h0)?
         };
         let all = self.gather(local)?;
         self.fold_into_initial_states(&all, frags.len(), sh, &mut h0);
@@ -363,13 +362,13 @@ impl CpLink {
         let dev = qk.0.device().clone();
         let (h, sl, ns) = (sh.heads, summary_len(sh.dk, sh.dv), sh.num_seqs());
         let frags = self.fragments(ns, false);
+        let mut dht = cuda::dht_to_host(grad, sh)?;
         let local = if self.fwd_slice.is_empty() {
             vec![0.0; frags.len() * h * sl]
         } else {
-            cuda::backward_summaries(qk, v, aux, grad, sh, scale, has_h0, &frags)?
+            cuda::backward_summaries(qk, v, aux, grad, sh, scale, has_h0, &frags, &dht)?
         };
         let all = self.gather(local)?;
-        let mut dht = cuda::dht_to_host(grad, sh)?;
         self.fold_into_final_grads(&all, frags.len(), sh, &mut dht);
         let h0 = self
             .saved_h0

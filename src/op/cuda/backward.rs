@@ -384,7 +384,8 @@ pub fn backward(
 }
 
 /// Forward summaries `[ΔS | M]` (`[K, V + K]` per head, in `(fragment, head)` order) of the
-/// sequences `frags`, from the initial states `h0 [N, H, K, V]` (see `cp::protocol`).
+/// sequences `frags`, from the initial states `h0 [N, H, K, V]` (see `cp::protocol`): on the
+/// bf16 chunked kernels where they serve (`summary.rs`), else on the per-value-tile kernel.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_summaries(
     qk: In,
@@ -394,8 +395,25 @@ pub fn forward_summaries(
     scale: f32,
     has_h0: bool,
     frags: &[usize],
-    h0: &CudaSlice<f32>,
+    h0: &[f32],
 ) -> Result<Vec<f32>> {
+    if frags.is_empty() {
+        return Ok(vec![]);
+    }
+    check_inputs(qk, v, aux, None)?;
+    if h0.len() != sh.state_len() {
+        candle_core::bail!(
+            "gdp cuda: {} initial-state values for the summaries, expected {}",
+            h0.len(),
+            sh.state_len()
+        );
+    }
+    if let Some(s) =
+        super::summary::forward_summaries_bf16(qk, v, aux, sh, scale, has_h0, frags, h0)?
+    {
+        return Ok(s);
+    }
+    let h0 = qk.0.device().clone_htod(h0)?;
     summaries(
         qk,
         v,
@@ -405,13 +423,15 @@ pub fn forward_summaries(
         has_h0,
         frags,
         MODE_FWD_SUM,
-        Some(h0),
+        Some(&h0),
         None,
     )
 }
 
 /// Backward summaries `[γ | Mᵀ]` (`[K, V + K]` per head, in `(fragment, head)` order) of the
-/// sequences `frags`, with the output gradients and end-state gradients of `grad [do | dht]`.
+/// sequences `frags`, with the output gradients and end-state gradients of `grad [do | dht]`
+/// (`dht`, the same end-state gradients on the host): on the bf16 chunked kernels where they
+/// serve (`summary.rs`), else on the per-value-tile kernel.
 #[allow(clippy::too_many_arguments)]
 pub fn backward_summaries(
     qk: In,
@@ -422,7 +442,24 @@ pub fn backward_summaries(
     scale: f32,
     has_h0: bool,
     frags: &[usize],
+    dht: &[f32],
 ) -> Result<Vec<f32>> {
+    if frags.is_empty() {
+        return Ok(vec![]);
+    }
+    check_inputs(qk, v, aux, Some(grad))?;
+    if dht.len() != sh.state_len() {
+        candle_core::bail!(
+            "gdp cuda: {} end-state gradient values for the summaries, expected {}",
+            dht.len(),
+            sh.state_len()
+        );
+    }
+    if let Some(s) =
+        super::summary::backward_summaries_bf16(qk, v, aux, grad, sh, scale, has_h0, frags, dht)?
+    {
+        return Ok(s);
+    }
     summaries(
         qk,
         v,

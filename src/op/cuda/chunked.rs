@@ -454,11 +454,13 @@ impl WyFactors {
     }
 }
 
-/// The forward scan's output: the packed f32 `[o | final state]`, `o` alone in bf16, or none
-/// (the backward's rerun).
+/// The forward scan's output: the packed f32 `[o | final state]`, `o` alone in bf16, the final
+/// states alone (f32 `[N, H, K, V]`, context parallelism's summaries), or none (the backward's
+/// rerun).
 pub(super) enum ScanOut<'a> {
     Packed(&'a mut CudaSlice<f32>),
     Plain(&'a mut CudaSlice<bf16>),
+    Final(&'a mut CudaSlice<f32>),
     None,
 }
 
@@ -579,6 +581,11 @@ pub(super) fn run_scan(
             args.arg(&null);
             args.arg(o);
             args.arg(&null);
+        }
+        ScanOut::Final(fin) => {
+            args.arg(&null);
+            args.arg(&null);
+            args.arg(fin);
         }
         ScanOut::None => {
             for _ in 0..3 {

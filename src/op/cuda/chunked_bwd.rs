@@ -17,7 +17,9 @@ use super::module::load_kernel;
 use crate::op::shape::{GdpShape, CHUNK};
 use crate::op::QueryKeys;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
@@ -120,6 +122,11 @@ fn plan(dev: &CudaDevice, sh: &GdpShape) -> Result<Option<SplitPlan>> {
         ),
         _ => Ok(None),
     }
+}
+
+/// The state-gradient scan's plan for `sh` (`None` where it does not fit).
+pub(super) fn dh_scan_plan(sh: &GdpShape, max_smem: usize, sms: usize) -> Result<Option<ScanPlan>> {
+    scan_plan(&DH_SCAN, sh, max_smem, sms)
 }
 
 /// Whether the split backward serves this shape (what a forward keeps its intermediates for).
@@ -225,63 +232,30 @@ pub fn try_backward_bf16(
     };
 
     // 3. The state-gradient scan.
-    let [b, t, h, k, vd, n] = shape_i32(sh)?;
     // SAFETY (dhs, ddn): the scan writes every element of every slot of the table's chunks
     // before the gradient kernel reads them; slots of no chunk are never read.
     let mut dhs = unsafe { dev.alloc::<bf16>(slots * kv)? };
     let mut ddn = unsafe { dev.alloc::<bf16>(slots * CHUNK * sh.dv)? };
     {
-        let func = load_kernel(dev, &dh.kernel)?;
-        allow_smem(&func, dh.smem)?;
-        let has_dht = i32::from(dht.is_some() || dht_override.is_some());
-        let write_dh0 = i32::from(has_h0);
         let dh0_at = aux_len - if has_h0 { s_len } else { 0 };
         let mut dh0 = match &mut out {
             Grads::Packed(p) => p.slice_mut(sh.qk_len() + sh.v_len() + dh0_at..),
             Grads::Parts { daux, .. } => daux.slice_mut(dh0_at..),
         };
-        let (qr_i, ns) = (qr as i32, dh.stages as i32);
-        let mut args = func.builder();
-        args.arg(&inp.q);
-        args.arg(&inp.k);
-        args.arg(&inp.split);
-        args.arg(&table.table);
-        args.arg(&wy.w);
-        args.arg(&wy.p);
-        args.arg(&wy.coef);
-        args.arg(&dob);
-        match (dht_override, &dht) {
-            (Some(d), _) => args.arg(d),
-            (None, Some(d)) => args.arg(d),
-            // Never read (`has_dht` is 0), but the kernel wants a valid pointer.
-            (None, None) => args.arg(&inp.aux),
+        let dht = match dht_override {
+            Some(d) => Some(d.slice(..)),
+            None => dht,
         };
-        args.arg(&has_dht);
-        args.arg(&mut dhs);
-        args.arg(&mut ddn);
-        args.arg(&mut dh0);
-        args.arg(&write_dh0);
-        for x in [&b, &t, &h, &k, &vd, &n, &qr_i, &ns] {
-            args.arg(x);
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (
-                (sh.num_seqs() * sh.heads) as u32,
-                sh.dv.div_ceil(dh.bv) as u32,
-                1,
-            ),
-            block_dim: (dh.threads, 1, 1),
-            shared_mem_bytes: dh.smem as u32,
+        let dest = DhDest {
+            chunks: Some((&mut dhs, &mut ddn)),
+            dh0: has_h0.then_some(&mut dh0),
         };
-        // SAFETY: the arguments match `gdp_bwd_dh_bf16_impl`: the WY factors and the bf16 dO
-        // come from launches on this stream; dht (read only with `has_dht`) and dh0 hold one
-        // state per (sequence, head) (dh0 is written only with `write_dh0`, then at the end of
-        // the gate gradients); the dynamic shared memory is `dh_smem_bytes`.
-        unsafe { args.launch(cfg) }.w()?;
+        run_dh_scan(dev, &inp, &table, &wy, &dob, dht.as_ref(), sh, &dh, dest)?;
     }
 
     // 4. Every gradient, per (chunk, head).
     if table.chunks > 0 {
+        let [b, t, h, k, vd, n] = shape_i32(sh)?;
         let name = format!("gdp_bwd_grads_bf16_{kp}_{vp}");
         let smem = grads_smem_bytes(kp, vp, qr);
         let func = load_kernel(dev, &name)?;
@@ -350,7 +324,7 @@ pub fn try_backward_bf16(
 }
 
 /// `src` rounded to bf16, in a new buffer.
-fn to_bf16(dev: &CudaDevice, src: &CudaView<f32>) -> Result<CudaSlice<bf16>> {
+pub(super) fn to_bf16(dev: &CudaDevice, src: &CudaView<f32>) -> Result<CudaSlice<bf16>> {
     let len = src.len();
     // SAFETY: the conversion below writes every element.
     let mut dst = unsafe { dev.alloc::<bf16>(len.max(1))? };
@@ -372,6 +346,87 @@ fn to_bf16(dev: &CudaDevice, src: &CudaView<f32>) -> Result<CudaSlice<bf16>> {
     unsafe { args.launch(cfg) }.w()?;
     drop(args);
     Ok(dst)
+}
+
+/// Where the state-gradient scan writes: every chunk's end-state gradient `dhs [slots, K, V]` and
+/// `-dDelta` `ddn [slots, 64, V]` (bf16, for the gradient kernel; none for a CP summary), and
+/// with `dh0` the initial-state gradients (f32 `[N, H, K, V]`).
+pub(super) struct DhDest<'a, 'b> {
+    pub chunks: Option<(&'a mut CudaSlice<bf16>, &'a mut CudaSlice<bf16>)>,
+    pub dh0: Option<&'a mut CudaViewMut<'b, f32>>,
+}
+
+/// Runs the state-gradient scan `plan.kernel` (`gdp_bwd_dh_bf16_<BV>_<KPT>`) over `table`'s
+/// chunks with the WY factors `wy` (W, P and the gate coefficients), the bf16 output gradient
+/// `dob [B, T, H, V]` and the end-state gradients `dht [N, H, K, V]` (zero when `None`).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run_dh_scan(
+    dev: &CudaDevice,
+    inp: &Bf16Inputs,
+    table: &ChunkTable,
+    wy: &WyFactors,
+    dob: &CudaView<bf16>,
+    dht: Option<&CudaView<f32>>,
+    sh: &GdpShape,
+    plan: &ScanPlan,
+    dest: DhDest,
+) -> Result<()> {
+    let [b, t, h, k, vd, n] = shape_i32(sh)?;
+    let func = load_kernel(dev, &plan.kernel)?;
+    allow_smem(&func, plan.smem)?;
+    let has_dht = i32::from(dht.is_some());
+    let write_dh0 = i32::from(dest.dh0.is_some());
+    let (qr, ns) = (query_rows(sh.n) as i32, plan.stages as i32);
+    let null = 0u64;
+    let mut args = func.builder();
+    args.arg(&inp.q);
+    args.arg(&inp.k);
+    args.arg(&inp.split);
+    args.arg(&table.table);
+    args.arg(&wy.w);
+    args.arg(&wy.p);
+    args.arg(&wy.coef);
+    args.arg(dob);
+    match dht {
+        Some(d) => args.arg(d),
+        // Never read (`has_dht` is 0), but the kernel wants a valid pointer.
+        None => args.arg(&inp.aux),
+    };
+    args.arg(&has_dht);
+    match dest.chunks {
+        Some((dhs, ddn)) => {
+            args.arg(dhs);
+            args.arg(ddn);
+        }
+        None => {
+            args.arg(&null);
+            args.arg(&null);
+        }
+    }
+    match dest.dh0 {
+        Some(d) => args.arg(d),
+        None => args.arg(&null),
+    };
+    args.arg(&write_dh0);
+    for x in [&b, &t, &h, &k, &vd, &n, &qr, &ns] {
+        args.arg(x);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (
+            (sh.num_seqs() * sh.heads) as u32,
+            sh.dv.div_ceil(plan.bv) as u32,
+            1,
+        ),
+        block_dim: (plan.threads, 1, 1),
+        shared_mem_bytes: plan.smem as u32,
+    };
+    // SAFETY: the arguments match `gdp_bwd_dh_bf16_impl`: the WY factors and the bf16 dO come
+    // from launches on this stream and are sized from `sh` and `table`; dht (read only with
+    // `has_dht`) and dh0 (written only with `write_dh0`) hold one state per (sequence, head);
+    // dhs and ddn hold every slot of the table, or are null (not written); the dynamic shared
+    // memory is the plan's (`dh_smem_bytes`).
+    unsafe { args.launch(cfg) }.w()?;
+    Ok(())
 }
 
 /// The split bf16 backward on tensors, for the op's `bwd`: the queries and keys (the packed

@@ -6,8 +6,10 @@
 use super::module::load_kernel;
 use crate::op::pack::RowCopy;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::{CudaStorage, DType, Result};
 
 /// Copies `r` from `src` to `dst` (same dtype, same device): `gdp_copy_rows` for 2- and 4-byte
@@ -33,23 +35,37 @@ fn launch<T: CudaDType + DeviceRepr>(
     dst: &mut CudaStorage,
     r: RowCopy,
 ) -> Result<()> {
+    let dev = src.device().clone();
+    copy_rows_slice(
+        &dev,
+        src.as_cuda_slice::<T>()?,
+        dst.as_cuda_slice_mut::<T>()?,
+        r,
+    )
+}
+
+/// [`copy_rows`] between two device buffers of one dtype (`gdp_copy_rows`).
+pub(crate) fn copy_rows_slice<T: DeviceRepr>(
+    dev: &CudaDevice,
+    src: &CudaSlice<T>,
+    dst: &mut CudaSlice<T>,
+    r: RowCopy,
+) -> Result<()> {
     if r.rows == 0 || r.width == 0 {
         return Ok(());
     }
     let last = |off: usize, stride: usize| off + (r.rows - 1) * stride + r.width;
-    let (s, d) = (src.as_cuda_slice::<T>()?, dst.as_cuda_slice::<T>()?);
-    if last(r.src_off, r.src_stride) > s.len() || last(r.dst_off, r.dst_stride) > d.len() {
+    if last(r.src_off, r.src_stride) > src.len() || last(r.dst_off, r.dst_stride) > dst.len() {
         candle_core::bail!(
             "gdp cuda: row copy out of bounds ({r:?}, source {} and destination {} elements)",
-            s.len(),
-            d.len()
+            src.len(),
+            dst.len()
         );
     }
-    let dev = src.device().clone();
-    let func = load_kernel(&dev, "gdp_copy_rows")?;
+    let func = load_kernel(dev, "gdp_copy_rows")?;
     let elem = std::mem::size_of::<T>();
-    let s = s.slice(r.src_off..);
-    let mut d = dst.as_cuda_slice_mut::<T>()?.slice_mut(r.dst_off..);
+    let s = src.slice(r.src_off..);
+    let mut d = dst.slice_mut(r.dst_off..);
     let bytes = |x: usize| (x * elem) as i64;
     let (rows, width) = (r.rows as i64, bytes(r.width));
     let (src_ld, dst_ld) = (bytes(r.src_stride), bytes(r.dst_stride));

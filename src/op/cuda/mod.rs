@@ -11,6 +11,7 @@ mod launch;
 mod memory;
 mod module;
 mod step;
+mod summary;
 
 pub use backward::{
     backward, backward_len, backward_summaries, bwd_smem_bytes, dht_to_host, forward_summaries,

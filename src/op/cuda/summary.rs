@@ -1,0 +1,221 @@
+//! Context parallelism's summaries (`cp::protocol`) on the bf16 chunked kernels: the forward
+//! summary `[ΔS | M]` is the forward scan (`gdp_fwd_scan_bf16_*`) run on the value columns
+//! widened to `[u | 0_K]` from the initial states `[h0 | I_K]`, the backward summary `[γ | Mᵀ]`
+//! the state-gradient scan (`gdp_bwd_dh_bf16_*`) run with `[do | 0_K]` from `[dht | I_K]`. Both
+//! recurrences are separable over value columns, so the `K` extra columns carry the fragment's
+//! transition; the WY factors (which do not depend on the values' width) are computed once for
+//! the real `V`. At small `B·H` the scans are short of blocks, so the extra columns cost little
+//! time; the per-value-tile kernel's summary modes (`backward.rs`), which redo the WY factors in
+//! every value tile, remain for the shapes and dtypes these kernels do not serve, and under
+//! `GDP_CUDA_SUMMARY=fused` (`chunked` makes a shape these kernels do not serve an error).
+
+use super::backward::In;
+use super::chunked::{
+    choice, run_scan, scan_plan, smem_and_sms, wy_smem_bytes, Bf16Inputs, Choice, ChunkTable, QkIn,
+    ScanDest, ScanOut, WyFactors, FWD_SCAN,
+};
+use super::chunked_bwd::{dh_scan_plan, run_dh_scan, DhDest};
+use super::copy::copy_rows_slice;
+use crate::op::pack::RowCopy;
+use crate::op::shape::{GdpShape, CHUNK};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::CudaSlice;
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{DType, Result};
+use half::bf16;
+
+/// `GDP_CUDA_SUMMARY` for bf16 inputs (`None`: the per-value-tile kernel's summaries).
+fn wanted(qk: In) -> Result<Option<Choice>> {
+    if qk.0.dtype() != DType::BF16 {
+        return Ok(None);
+    }
+    let choice = choice("GDP_CUDA_SUMMARY")?;
+    Ok((choice != Choice::Fused).then_some(choice))
+}
+
+/// `Ok(None)` (the per-value-tile kernel), or under `GDP_CUDA_SUMMARY=chunked` an error.
+fn not_served(choice: Choice, sh: &GdpShape) -> Result<Option<Vec<f32>>> {
+    if choice == Choice::Chunked {
+        candle_core::bail!(
+            "gdp cuda: GDP_CUDA_SUMMARY=chunked does not fit K = {}, V = {}, n = {} (needs K <= \
+             128 and the widened scans' shared memory)",
+            sh.dk,
+            sh.dv,
+            sh.n
+        );
+    }
+    Ok(None)
+}
+
+/// The sub-problem of the fragments: `sh` with only the sequences `frags` (in that order), and
+/// the same with `K` more value columns.
+fn fragment_shapes(sh: &GdpShape, frags: &[usize]) -> (GdpShape, GdpShape) {
+    let sub = GdpShape {
+        seqs: frags.iter().map(|&s| sh.seqs[s]).collect(),
+        ..sh.clone()
+    };
+    let wide = GdpShape {
+        dv: sh.dv + sh.dk,
+        ..sub.clone()
+    };
+    (sub, wide)
+}
+
+/// `[x | I_K]` per (fragment, head): the `[K, V]` blocks of `x` (one per sequence and head,
+/// `[N, H, K, V]`, or zeros when `None`) for the sequences `frags`, each widened by an identity.
+fn widened_states(x: Option<&[f32]>, sh: &GdpShape, frags: &[usize]) -> Vec<f32> {
+    let (h, k, v) = (sh.heads, sh.dk, sh.dv);
+    let w = v + k;
+    let mut out = vec![0.0f32; frags.len() * h * k * w];
+    for (f, &s) in frags.iter().enumerate() {
+        for hd in 0..h {
+            let dst = (f * h + hd) * k * w;
+            let src = (s * h + hd) * k * v;
+            for r in 0..k {
+                let row = &mut out[dst + r * w..dst + (r + 1) * w];
+                if let Some(x) = x {
+                    row[..v].copy_from_slice(&x[src + r * v..src + (r + 1) * v]);
+                }
+                row[v + r] = 1.0;
+            }
+        }
+    }
+    out
+}
+
+/// `src` (rows of `width` elements) copied into a zeroed buffer with rows of `width + extra`.
+fn widen_rows(
+    dev: &CudaDevice,
+    src: &CudaSlice<bf16>,
+    rows: usize,
+    width: usize,
+    extra: usize,
+) -> Result<CudaSlice<bf16>> {
+    let mut dst = dev.alloc_zeros::<bf16>((rows * (width + extra)).max(1))?;
+    let r = RowCopy {
+        rows,
+        width,
+        src_stride: width,
+        dst_stride: width + extra,
+        src_off: 0,
+        dst_off: 0,
+    };
+    copy_rows_slice(dev, src, &mut dst, r)?;
+    Ok(dst)
+}
+
+/// Forward summaries `[ΔS | M]` (`[K, V + K]` per head, in `(fragment, head)` order) of the
+/// sequences `frags` from the initial states `h0 [N, H, K, V]` (host), on the bf16 chunked
+/// kernels; `Ok(None)` where they do not serve (not bf16, `GDP_CUDA_SUMMARY=fused`, or the
+/// shape).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_summaries_bf16(
+    qk: In,
+    v: In,
+    aux: In,
+    sh: &GdpShape,
+    scale: f32,
+    has_h0: bool,
+    frags: &[usize],
+    h0: &[f32],
+) -> Result<Option<Vec<f32>>> {
+    let dev = qk.0.device().clone();
+    let Some(choice) = wanted(qk)? else {
+        return Ok(None);
+    };
+    let (sub, wide) = fragment_shapes(sh, frags);
+    let (max_smem, sms) = smem_and_sms(&dev)?;
+    let plan = scan_plan(&FWD_SCAN, &wide, max_smem, sms)?
+        .filter(|_| wy_smem_bytes(sh.dk, sh.dv) <= max_smem);
+    let Some(plan) = plan else {
+        return not_served(choice, sh);
+    };
+    let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
+    let table = ChunkTable::new(&dev, &sub)?;
+    let mut wy = WyFactors::compute(&dev, &inp, &table, &sub, scale, false)?;
+    // U of the widened values [v | 0] is [U | 0].
+    wy.u = widen_rows(&dev, &wy.u, table.slots(&sub) * CHUNK, sh.dv, sh.dk)?;
+    let h0w = dev.clone_htod(&widened_states(Some(h0), sh, frags))?;
+    let mut fin = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
+    let dest = ScanDest {
+        out: ScanOut::Final(&mut fin),
+        states: None,
+    };
+    run_scan(
+        &dev,
+        &inp,
+        &table,
+        &wy,
+        &wide,
+        has_h0,
+        Some(&h0w),
+        &plan,
+        dest,
+    )?;
+    let mut all = dev.clone_dtoh(&fin)?;
+    all.truncate(wide.state_len());
+    Ok(Some(all))
+}
+
+/// Backward summaries `[γ | Mᵀ]` (`[K, V + K]` per head, in `(fragment, head)` order) of the
+/// sequences `frags` with the output gradients `do [B, T, H, V]` (f32, the first part of the
+/// packed gradient `grad`) and the end-state gradients `dht [N, H, K, V]` (host), on the bf16
+/// chunked kernels; `Ok(None)` where they do not serve (not bf16, `GDP_CUDA_SUMMARY=fused`, or
+/// the shape).
+#[allow(clippy::too_many_arguments)]
+pub fn backward_summaries_bf16(
+    qk: In,
+    v: In,
+    aux: In,
+    grad: In,
+    sh: &GdpShape,
+    scale: f32,
+    has_h0: bool,
+    frags: &[usize],
+    dht: &[f32],
+) -> Result<Option<Vec<f32>>> {
+    let dev = qk.0.device().clone();
+    let Some(choice) = wanted(qk)? else {
+        return Ok(None);
+    };
+    let (sub, wide) = fragment_shapes(sh, frags);
+    let (max_smem, sms) = smem_and_sms(&dev)?;
+    let plan =
+        dh_scan_plan(&wide, max_smem, sms)?.filter(|_| wy_smem_bytes(sh.dk, sh.dv) <= max_smem);
+    let Some(plan) = plan else {
+        return not_served(choice, sh);
+    };
+    let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
+    let table = ChunkTable::new(&dev, &sub)?;
+    let wy = WyFactors::compute(&dev, &inp, &table, &sub, scale, false)?;
+    // [do | 0] in bf16, the scan's operand type.
+    let o_len = sh.o_len();
+    let grad = super::launch::view::<f32>(grad.0, grad.1, o_len + sh.state_len(), "grad")?;
+    let dob = super::chunked_bwd::to_bf16(&dev, &grad.slice(..o_len))?;
+    let rows = sh.batch * sh.tokens * sh.heads;
+    let dow = widen_rows(&dev, &dob, rows, sh.dv, sh.dk)?;
+    let dhtw = dev.clone_htod(&widened_states(Some(dht), sh, frags))?;
+    let mut out = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
+    {
+        let mut dh0 = out.slice_mut(..);
+        let dest = DhDest {
+            chunks: None,
+            dh0: Some(&mut dh0),
+        };
+        let (dow, dhtw) = (dow.slice(..), dhtw.slice(..));
+        run_dh_scan(
+            &dev,
+            &inp,
+            &table,
+            &wy,
+            &dow,
+            Some(&dhtw),
+            &wide,
+            &plan,
+            dest,
+        )?;
+    }
+    let mut all = dev.clone_dtoh(&out)?;
+    all.truncate(wide.state_len());
+    Ok(Some(all))
+}
