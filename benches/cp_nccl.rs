@@ -47,6 +47,10 @@ struct Args {
     /// Skip the single-GPU baseline.
     #[arg(long)]
     no_baseline: bool,
+    /// Keep the forward's intermediates for the backward (`save_intermediates`), in the
+    /// baseline and on the ranks.
+    #[arg(long)]
+    save: bool,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -90,8 +94,11 @@ fn inputs(a: &Args, dev: &Device, seed: u64) -> Res<Inputs> {
 }
 
 /// Forward and backward; returns (forward ms, forward + backward ms), the device synchronised.
-fn step(x: &Inputs, dev: &Device, rank: Option<&CpRank>) -> Res<(f64, f64)> {
-    let opts = GdpOptions::default();
+fn step(x: &Inputs, dev: &Device, rank: Option<&CpRank>, save: bool) -> Res<(f64, f64)> {
+    let opts = GdpOptions {
+        save_intermediates: save,
+        ..Default::default()
+    };
     let t0 = Instant::now();
     let (o, _) = match rank {
         Some(rank) => cp_gated_delta_product(&x.q, &x.k, &x.v, &x.g, &x.beta, &opts, rank)?,
@@ -99,8 +106,8 @@ fn step(x: &Inputs, dev: &Device, rank: Option<&CpRank>) -> Res<(f64, f64)> {
     };
     dev.synchronize()?;
     let fwd = t0.elapsed().as_secs_f64() * 1e3;
-    let loss = (o.to_dtype(DType::F32)? * &x.dout)?.sum_all()?;
-    let grads = loss.backward()?;
+    // PyTorch's `o.backward(dout)`: no loss ops around the op.
+    let grads = candle_gdp::backward_with(&[(&o, &x.dout)])?;
     dev.synchronize()?;
     let total = t0.elapsed().as_secs_f64() * 1e3;
     drop(grads);
@@ -127,13 +134,14 @@ fn main() -> Res<()> {
     if r == 0 {
         println!(
             "cp_nccl: {w} rank(s), {} tokens/rank ({} in all), bf16 H{} K=V={} n={}, fwd+bwd, \
-             median of {iters} after {} warm-up",
+             median of {iters} after {} warm-up, save_intermediates {}",
             a.tokens,
             a.tokens * w,
             a.heads,
             a.dim,
             a.n,
-            a.warmup
+            a.warmup,
+            a.save
         );
     }
     // Baseline: the plain op on this GPU's T tokens (all GPUs at once, no communication).
@@ -141,10 +149,10 @@ fn main() -> Res<()> {
         None
     } else {
         for _ in 0..a.warmup {
-            step(&x, &dev, None)?;
+            step(&x, &dev, None, a.save)?;
         }
         let ms: Vec<f64> = (0..iters)
-            .map(|_| step(&x, &dev, None).map(|s| s.1))
+            .map(|_| step(&x, &dev, None, a.save).map(|s| s.1))
             .collect::<Res<_>>()?;
         let mine = median(ms);
         let all = comm.all_gather(&[mine as f32])?;
@@ -159,7 +167,7 @@ fn main() -> Res<()> {
     };
     for _ in 0..a.warmup {
         comm.barrier()?;
-        step(&x, &dev, Some(&rank))?;
+        step(&x, &dev, Some(&rank), a.save)?;
     }
     let mut per_iter = vec![];
     let (mut fwd, mut tot) = (vec![], vec![]);
@@ -167,7 +175,7 @@ fn main() -> Res<()> {
     for _ in 0..iters {
         comm.barrier()?;
         let before = comm.stats();
-        let (f, t) = step(&x, &dev, Some(&rank))?;
+        let (f, t) = step(&x, &dev, Some(&rank), a.save)?;
         let after = comm.stats();
         comm_ms += (after.wait - before.wait).as_secs_f64() * 1e3;
         fwd.push(f);

@@ -400,12 +400,13 @@ fn decode_step_matches_cpu_and_the_chunked_op() -> Result<()> {
 /// equals the single-device CUDA op: outputs, final states and every gradient (f32, relative
 /// RMS within 1e-5).
 fn cp_check(c: &Case, ranks: &[usize]) -> Result<()> {
-    cp_check_in(c, ranks, DType::F32, 1e-5)
+    cp_check_in(c, ranks, DType::F32, 1e-5, false)
 }
 
 /// [`cp_check`] with the inputs in `dtype` (gates, states and cotangents in f32), within `tol`
-/// of the single-device CUDA op on the same inputs.
-fn cp_check_in(c: &Case, ranks: &[usize], dtype: DType, tol: f64) -> Result<()> {
+/// of the single-device CUDA op on the same inputs; with `save`, the ranks keep their forward's
+/// intermediates for the backward (`save_intermediates`).
+fn cp_check_in(c: &Case, ranks: &[usize], dtype: DType, tol: f64, save: bool) -> Result<()> {
     let dev = cuda()?;
     let x = inputs(c, DType::F32)?;
     let want = run_op_on(c, &x, dtype, &dev)?;
@@ -428,6 +429,7 @@ fn cp_check_in(c: &Case, ranks: &[usize], dtype: DType, tol: f64) -> Result<()> 
             initial_state: h0.as_ref(),
             output_final_state: true,
             cu_seqlens: c.cu.as_deref(),
+            save_intermediates: save,
             ..Default::default()
         };
         let got = cp.gated_delta_product(
@@ -523,7 +525,15 @@ fn context_parallel_packed_on_cuda_equals_single_device() -> Result<()> {
 /// the state-gradient scan from `[dht | I]`), K + V up to 256.
 #[test]
 fn context_parallel_bf16_on_cuda_matches_single_device() -> Result<()> {
-    let bf = |c: &Case, ranks: &[usize]| cp_check_in(c, ranks, DType::BF16, 1e-2);
+    let bf = |c: &Case, ranks: &[usize]| cp_check_in(c, ranks, DType::BF16, 1e-2, false);
+    // The ranks' backward on their forward's saved intermediates (of the folded states).
+    cp_check_in(
+        &Case::new("bf16 dense n2 h0 saved", 2, 300, 2, 64, 48, 2).h0(),
+        &[3],
+        DType::BF16,
+        1e-2,
+        true,
+    )?;
     bf(
         &Case::new("bf16 dense n2 h0", 2, 300, 2, 64, 48, 2).h0(),
         &[2, 3],
@@ -650,7 +660,17 @@ fn timing_context_parallel_bf16_b1_t32768_h16_k128_v128_n2() -> Result<()> {
     // times is what the protocol costs (summaries, collectives, fold), at this GPU sharing.
     use candle_gdp::cp::{cp_gated_delta_product, dense_rank_meta, CpRank, ShardPlan};
     let (t, h, d, n) = (32768usize, 16usize, 128usize, 2usize);
-    for (ranks, summaries) in [(2usize, "auto"), (2, "fused"), (4, "auto")] {
+    let mut configs = vec![
+        (2usize, "auto", false),
+        (2, "fused", false),
+        (2, "auto", true),
+        (4, "auto", false),
+    ];
+    // `GDP_TIMING_CP=i` runs configuration i alone (for a profiler).
+    if let Ok(i) = std::env::var("GDP_TIMING_CP") {
+        configs = vec![configs[i.trim().parse::<usize>()?]];
+    }
+    for (ranks, summaries, save) in configs {
         std::env::set_var("GDP_CUDA_SUMMARY", summaries);
         let devices = (0..ranks)
             .map(|_| Device::new_cuda(0))
@@ -680,7 +700,10 @@ fn timing_context_parallel_bf16_b1_t32768_h16_k128_v128_n2() -> Result<()> {
                 meta: dense_rank_meta(&ShardPlan::new(t, ranks)?, r)?,
                 composition: Default::default(),
             };
-            let opts = GdpOptions::default();
+            let opts = GdpOptions {
+                save_intermediates: save,
+                ..Default::default()
+            };
             let step = |with_cp: bool| -> candle_core::Result<f64> {
                 comm.barrier()?;
                 let t0 = std::time::Instant::now();
@@ -710,7 +733,7 @@ fn timing_context_parallel_bf16_b1_t32768_h16_k128_v128_n2() -> Result<()> {
         println!(
             "timing B1 T32768 H16 K=V=128 n=2 bf16 fwd+bwd, {ranks} ranks of {} tokens on one GPU: \
              plain op on every rank {plain:.2} ms, context parallel {with_cp:.2} ms (summaries \
-             {summaries}), ratio {:.2}",
+             {summaries}, save_intermediates {save}), ratio {:.2}",
             t / ranks,
             plain / with_cp
         );

@@ -374,8 +374,9 @@ impl<'a> Problem<'a> {
             initial_state: h0.as_ref().map(|v| v.as_tensor()),
             output_final_state: true,
             cu_seqlens: packed.then_some(meta.local_cu_seqlens.as_slice()),
-            // A rank's op takes overridden initial states: nothing to keep.
-            save_intermediates: false,
+            // The rank's forward keeps its intermediates (of the folded initial states) for its
+            // backward when asked to, as the plain op does.
+            save_intermediates: opts.save_intermediates,
         };
         let rank = CpRank {
             comm,

@@ -290,7 +290,10 @@ fn poisoned() -> candle_core::Error {
 #[cfg(feature = "cuda")]
 impl CpLink {
     /// The forward on this rank, like [`CpLink::forward`], on CUDA storages (with `plain`, `o`
-    /// alone in the inputs' dtype, as [`cuda::forward`](crate::op::cuda::forward)).
+    /// alone in the inputs' dtype, as [`cuda::forward`](crate::op::cuda::forward)); with a
+    /// `cache` slot the bf16 chunked forward keeps its intermediates for
+    /// [`CpLink::backward_cuda`] (they are of the folded initial states, which the backward
+    /// uses too).
     #[allow(clippy::too_many_arguments)]
     pub fn forward_cuda(
         &self,
@@ -301,6 +304,7 @@ impl CpLink {
         scale: f32,
         has_h0: bool,
         plain: bool,
+        cache: Option<&crate::op::cuda::CacheSlot>,
     ) -> Result<candle_core::CudaStorage> {
         use crate::op::cuda;
         use candle_core::backend::BackendStorage;
@@ -338,24 +342,21 @@ impl CpLink {
             has_h0,
             Some(&h0_dev),
             plain,
-            None,
+            cache,
         )?;
         *self.saved_h0.lock().map_err(|_| poisoned())? = Some(h0);
         Ok(out)
     }
 
-    /// The backward on this rank, like [`CpLink::backward`], on CUDA storages; `grad` is
-    /// `[do | dht]`.
-    #[allow(clippy::too_many_arguments)]
+    /// The backward on this rank, like [`CpLink::backward`], on CUDA storages `(qk, v, aux,
+    /// grad)`; `grad` is `[do | dht]`; `cache`, what [`CpLink::forward_cuda`] kept.
     pub fn backward_cuda(
         &self,
-        qk: CudaIn,
-        v: CudaIn,
-        aux: CudaIn,
-        grad: CudaIn,
+        (qk, v, aux, grad): (CudaIn, CudaIn, CudaIn, CudaIn),
         sh: &GdpShape,
         scale: f32,
         has_h0: bool,
+        cache: Option<crate::op::cuda::ForwardCache>,
     ) -> Result<candle_core::CudaStorage> {
         use crate::op::cuda;
         use candle_core::backend::BackendStorage;
@@ -395,6 +396,7 @@ impl CpLink {
             Some(&h0_dev),
             Some(&dht_dev),
             &zero,
+            cache,
         )
     }
 }

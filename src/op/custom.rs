@@ -102,7 +102,8 @@ impl GdpForward {
                 super::cuda::forward(qk, v, aux, sh, scale, has_h0, None, plain, cache)?
             }
             (Some(link), super::cuda::QkIn::Packed(qk)) => {
-                link.forward_cuda(qk, v, aux, sh, scale, has_h0, plain)?
+                let cache = self.cache.as_deref();
+                link.forward_cuda(qk, v, aux, sh, scale, has_h0, plain, cache)?
             }
             (Some(_), super::cuda::QkIn::Split(..)) => {
                 candle_core::bail!("gdp: context parallelism runs on the packed `qk`")
@@ -308,9 +309,12 @@ impl CustomOp3 for GdpBackward {
                 None,
                 None,
                 &[],
+                None,
             )?,
             Some(link) => {
-                link.backward_cuda((s1, l1), (s2, l2), (s3, l3), (grad, gl), sh, scale, has_h0)?
+                let cache = self.fwd.cache.as_ref().and_then(|c| c.take());
+                let ins = ((s1, l1), (s2, l2), (s3, l3), (grad, gl));
+                link.backward_cuda(ins, sh, scale, has_h0, cache)?
             }
         };
         Ok((out, Shape::from(super::cuda::backward_len(sh, has_h0))))

@@ -34,7 +34,8 @@ pub struct GdpOptions<'a> {
     /// Keep the chunked forward's intermediates (the WY factors with `(I + A)^-1`, every chunk's
     /// start state and Delta) for the backward instead of recomputing them there, as FLA does:
     /// a faster backward for about `1548·n` bytes per token and head at K = V = 128 (bf16 on
-    /// CUDA with the split backward; ignored elsewhere, and when no input tracks gradients).
+    /// CUDA with the split backward, context-parallel ranks included; ignored elsewhere, and
+    /// when no input tracks gradients).
     /// The op's backward frees them; they live as long as the output's graph until then.
     /// `GDP_CUDA_SAVE=1` / `0` overrides it.
     pub save_intermediates: bool,
@@ -141,7 +142,7 @@ pub(crate) fn apply(
         } || v.track_op()
             || aux.track_op();
         let wanted = save_intermediates(opts.save_intermediates)?;
-        (wanted && tracked && cp.is_none() && v.device().is_cuda())
+        (wanted && tracked && v.device().is_cuda())
             .then(|| std::sync::Arc::new(cuda::CacheSlot::default()))
     };
     let (v, dtype, pack) = (v.contiguous()?, v.dtype(), pack::PackQk::of(&sh));

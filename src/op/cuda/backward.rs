@@ -309,7 +309,9 @@ pub fn backward_len(sh: &GdpShape, has_h0: bool) -> usize {
 /// split backward of `chunked_bwd.rs` where it fits (`GDP_CUDA_BWD`), everything else the
 /// per-value-tile kernel `gdp_bwd_*`. `h0_override` replaces the
 /// initial states and `dht_override` the `dht` part of `grad` (context parallelism); the
-/// initial-state gradients of the sequences in `zero_dh0` are set to zero.
+/// initial-state gradients of the sequences in `zero_dh0` are set to zero. `cache`, what the
+/// bf16 chunked forward of these inputs (and initial states) kept, spares the split backward
+/// its rerun of the WY kernel and the forward scan.
 #[allow(clippy::too_many_arguments)]
 pub fn backward(
     qk: In,
@@ -322,6 +324,7 @@ pub fn backward(
     h0_override: Option<&CudaSlice<f32>>,
     dht_override: Option<&CudaSlice<f32>>,
     zero_dh0: &[usize],
+    cache: Option<super::chunked::ForwardCache>,
 ) -> Result<CudaStorage> {
     let dev = check_inputs(qk, v, aux, Some(grad))?;
     super::memory::default_pool_policy(&dev)?;
@@ -343,7 +346,7 @@ pub fn backward(
             h0_override,
             dht_override,
             layout,
-            None,
+            cache,
         )? {
             Some(Grads::Packed(out)) => Some(out),
             Some(Grads::Parts { .. }) => candle_core::bail!("gdp cuda: packed gradients expected"),
