@@ -401,6 +401,61 @@ impl CpLink {
     }
 }
 
+#[cfg(feature = "cuda")]
+impl CpLink {
+    /// What this rank's direct bf16 backward (the split backward straight into bf16 gradients)
+    /// needs from the protocol: the backward summaries of its leading fragment on the chunked
+    /// kernels (from the output gradient `cot`: the bf16 `do`, or the packed f32 `[do | dht]`),
+    /// all-gathered and folded into its final-state gradients; the initial states its forward
+    /// folded; the sequences whose initial-state gradient went to earlier ranks. The caller
+    /// checked [`crate::op::cuda::backward_summaries_served`].
+    pub(crate) fn backward_overrides_cuda(
+        &self,
+        (qk, v, aux): (CudaIn, CudaIn, CudaIn),
+        cot: crate::op::cuda::Cotangent,
+        sh: &GdpShape,
+        scale: f32,
+        has_h0: bool,
+    ) -> Result<crate::op::cuda::CpOverrides> {
+        use crate::op::cuda::{self, Cotangent};
+        use candle_core::backend::BackendStorage;
+        let dev = qk.0.device().clone();
+        let (h, sl, ns) = (sh.heads, summary_len(sh.dk, sh.dv), sh.num_seqs());
+        let frags = self.fragments(ns, false);
+        let mut dht = match cot {
+            Cotangent::Packed(g) => cuda::dht_to_host(g, sh)?,
+            Cotangent::Plain(_) => vec![0.0; sh.state_len()],
+        };
+        let local = if self.fwd_slice.is_empty() || frags.is_empty() {
+            vec![0.0; frags.len() * h * sl]
+        } else {
+            cuda::backward_summaries_bf16(qk, v, aux, cot, sh, scale, has_h0, &frags, &dht)?
+                .ok_or_else(|| {
+                    candle_core::Error::Msg(
+                        "gdp cp: the bf16 backward summaries do not run on this shape".into(),
+                    )
+                })?
+        };
+        let all = self.gather(local)?;
+        self.fold_into_final_grads(&all, frags.len(), sh, &mut dht);
+        let h0 = self
+            .saved_h0
+            .lock()
+            .map_err(|_| poisoned())?
+            .clone()
+            .ok_or_else(|| candle_core::Error::Msg("gdp cp: backward before forward".into()))?;
+        Ok(cuda::CpOverrides {
+            h0: dev.clone_htod(&h0)?,
+            dht: dev.clone_htod(&dht)?,
+            zero_dh0: if has_h0 {
+                self.continuing_in(ns)
+            } else {
+                vec![]
+            },
+        })
+    }
+}
+
 /// A CUDA storage and its layout.
 #[cfg(feature = "cuda")]
 type CudaIn<'a> = (&'a candle_core::CudaStorage, &'a candle_core::Layout);

@@ -112,7 +112,8 @@ impl GdpForward {
         Ok((out, self.output_shape()))
     }
 
-    /// The split bf16 backward straight into bf16 gradients (CUDA, no context parallelism):
+    /// The split bf16 backward straight into bf16 gradients (CUDA; on a context-parallel rank
+    /// after the protocol's backward step, whose summaries then run on the chunked kernels):
     /// the gradients of the query/key inputs (one or two), of `v` and of the gate buffer, or
     /// `Ok(None)` where it does not apply.
     #[cfg(feature = "cuda")]
@@ -123,13 +124,83 @@ impl GdpForward {
         aux: &Tensor,
         grad_res: &Tensor,
     ) -> Result<Option<(Vec<Tensor>, Tensor, Tensor)>> {
-        if self.cp.is_some() {
-            return Ok(None);
-        }
         let (sh, scale, plain) = (&self.shape, self.scale, !self.with_final_state);
         let grad = grad_res.contiguous()?;
+        let cp = match &self.cp {
+            None => None,
+            Some(link) => match self.cp_overrides(link, qk, v, aux, &grad)? {
+                Some(o) => Some(o),
+                None => return Ok(None),
+            },
+        };
         let cache = self.cache.as_ref().and_then(|c| c.take());
-        super::cuda::try_backward_tensors(qk, v, aux, &grad, sh, scale, self.has_h0, plain, cache)
+        let has_h0 = self.has_h0;
+        let out = super::cuda::try_backward_tensors(
+            qk,
+            v,
+            aux,
+            &grad,
+            sh,
+            scale,
+            has_h0,
+            plain,
+            cache,
+            cp.as_ref(),
+        )?;
+        if cp.is_some() && out.is_none() {
+            // The summaries were exchanged already: no other backward may run now.
+            candle_core::bail!("gdp cp: the split bf16 backward did not run after the summaries");
+        }
+        Ok(out)
+    }
+
+    /// A context-parallel rank's overrides for [`Self::direct_backward`] (the protocol's
+    /// backward step), or `Ok(None)` where that path does not serve this rank, which then
+    /// takes the packed f32 backward; decided before any collective, from the dtype, the shape
+    /// and the environment only, so every rank takes one all-gather either way.
+    #[cfg(feature = "cuda")]
+    fn cp_overrides(
+        &self,
+        link: &CpLink,
+        qk: QueryKeys,
+        v: &Tensor,
+        aux: &Tensor,
+        grad: &Tensor,
+    ) -> Result<Option<super::cuda::CpOverrides>> {
+        use super::cuda::{backward_summaries_served, split_backward_fits, Cotangent};
+        use candle_core::Storage;
+        let sh = &self.shape;
+        let QueryKeys::Packed(qk) = qk else {
+            return Ok(None);
+        };
+        let candle_core::Device::Cuda(dev) = qk.device() else {
+            return Ok(None);
+        };
+        if qk.dtype() != DType::BF16
+            || v.dtype() != DType::BF16
+            || !split_backward_fits(dev, sh)?
+            || !backward_summaries_served(dev, sh)?
+        {
+            return Ok(None);
+        }
+        let (qs, ql) = qk.storage_and_layout();
+        let (vs, vl) = v.storage_and_layout();
+        let (xs, xl) = aux.storage_and_layout();
+        let (gs, gl) = grad.storage_and_layout();
+        let (Storage::Cuda(qs), Storage::Cuda(vs), Storage::Cuda(xs), Storage::Cuda(gs)) =
+            (&*qs, &*vs, &*xs, &*gs)
+        else {
+            candle_core::bail!("gdp cp: the backward's inputs are not all on the CUDA device");
+        };
+        let cot = if self.with_final_state {
+            Cotangent::Packed((gs, gl))
+        } else {
+            Cotangent::Plain((gs, gl))
+        };
+        let (scale, has_h0) = (self.scale, self.has_h0);
+        let ins = ((qs, ql), (vs, vl), (xs, xl));
+        link.backward_overrides_cuda(ins, cot, sh, scale, has_h0)
+            .map(Some)
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -458,8 +458,9 @@ pub fn backward_summaries(
             sh.state_len()
         );
     }
+    let cot = super::chunked_bwd::Cotangent::Packed(grad);
     if let Some(s) =
-        super::summary::backward_summaries_bf16(qk, v, aux, grad, sh, scale, has_h0, frags, dht)?
+        super::summary::backward_summaries_bf16(qk, v, aux, cot, sh, scale, has_h0, frags, dht)?
     {
         return Ok(s);
     }

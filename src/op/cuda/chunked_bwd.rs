@@ -63,6 +63,7 @@ fn grad_tile(d: usize) -> Option<usize> {
 
 /// The gradient of the forward's output: the packed f32 `[do | dht]`, or `do [B, T, H, V]` alone
 /// in bf16 (the op's plain output; `dht` is then zero unless overridden).
+#[derive(Clone, Copy)]
 pub enum Cotangent<'a> {
     Packed((&'a CudaStorage, &'a Layout)),
     Plain((&'a CudaStorage, &'a Layout)),
@@ -130,7 +131,7 @@ pub(super) fn dh_scan_plan(sh: &GdpShape, max_smem: usize, sms: usize) -> Result
 }
 
 /// Whether the split backward serves this shape (what a forward keeps its intermediates for).
-pub(super) fn split_backward_fits(dev: &CudaDevice, sh: &GdpShape) -> Result<bool> {
+pub(crate) fn split_backward_fits(dev: &CudaDevice, sh: &GdpShape) -> Result<bool> {
     Ok(plan(dev, sh)?.is_some())
 }
 
@@ -429,13 +430,22 @@ pub(super) fn run_dh_scan(
     Ok(())
 }
 
+/// Context parallelism's replacements in a rank's backward: the folded initial states and
+/// final-state gradients (f32 `[N, H, K, V]`, on the device), and the sequences whose
+/// initial-state gradient went to earlier ranks as γ (their `dh0` rows are zeroed).
+pub(crate) struct CpOverrides {
+    pub h0: CudaSlice<f32>,
+    pub dht: CudaSlice<f32>,
+    pub zero_dh0: Vec<usize>,
+}
+
 /// The split bf16 backward on tensors, for the op's `bwd`: the queries and keys (the packed
 /// `qk`, or FLA's `q`, `k`), `v` (bf16), the gate buffer and the output's gradient `grad` (the
 /// packed f32 `[do | dht]`, or with `plain` the bf16 `do [B, T, H, V]`) on one CUDA device;
 /// returns the gradients of the query/key inputs (one or two, in their shapes) and of `v`
 /// (bf16) and of the gate buffer (f32), without the packed f32 detour of
 /// [`super::backward`]. `Ok(None)` where this path does not apply (not CUDA, not bf16, or the
-/// split backward does not fit).
+/// split backward does not fit). `cp`: a context-parallel rank's overrides.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn try_backward_tensors(
     qk: QueryKeys,
@@ -447,6 +457,7 @@ pub(crate) fn try_backward_tensors(
     has_h0: bool,
     plain: bool,
     cache: Option<ForwardCache>,
+    cp: Option<&CpOverrides>,
 ) -> Result<Option<(Vec<Tensor>, Tensor, Tensor)>> {
     let inputs: Vec<&Tensor> = match qk {
         QueryKeys::Packed(qk) => vec![qk],
@@ -491,14 +502,23 @@ pub(crate) fn try_backward_tensors(
         sh,
         scale,
         has_h0,
-        None,
-        None,
+        cp.map(|c| &c.h0),
+        cp.map(|c| &c.dht),
         GradLayout::Parts,
         cache,
     )?;
-    let Some(Grads::Parts { dqk, dv, daux }) = grads else {
+    let Some(Grads::Parts { dqk, dv, mut daux }) = grads else {
         return Ok(None);
     };
+    if let (Some(cp), true) = (cp, has_h0) {
+        let kv = sh.dk * sh.dv;
+        let dh0 = sh.aux_len(true) - sh.state_len();
+        for &s in &cp.zero_dh0 {
+            let at = dh0 + s * sh.heads * kv;
+            let mut part = daux.slice_mut(at..at + sh.heads * kv);
+            dev.cuda_stream().memset_zeros(&mut part).w()?;
+        }
+    }
     let tensor = |s: CudaStorage, shape: &Shape| {
         Tensor::from_storage(Storage::Cuda(s), shape.clone(), BackpropOp::none(), false)
     };

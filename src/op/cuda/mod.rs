@@ -18,8 +18,9 @@ pub use backward::{
     initial_states_to_host, BwdPlan,
 };
 pub use chunked::{reads_qk_in_place, CacheSlot, ForwardCache, QkIn};
-pub(crate) use chunked_bwd::try_backward_tensors;
+pub(crate) use chunked_bwd::{split_backward_fits, try_backward_tensors, Cotangent, CpOverrides};
 pub(crate) use copy::copy_rows;
 pub use launch::{forward, smem_bytes, LaunchPlan, THREADS};
 pub use memory::retain_freed_memory;
 pub use step::step;
+pub(crate) use summary::{backward_summaries_bf16, backward_summaries_served};

@@ -14,7 +14,7 @@ use super::chunked::{
     choice, run_scan, scan_plan, smem_and_sms, wy_smem_bytes, Bf16Inputs, Choice, ChunkTable, QkIn,
     ScanDest, ScanOut, WyFactors, FWD_SCAN,
 };
-use super::chunked_bwd::{dh_scan_plan, run_dh_scan, DhDest};
+use super::chunked_bwd::{dh_scan_plan, run_dh_scan, Cotangent, DhDest};
 use super::copy::copy_rows_slice;
 use crate::op::pack::RowCopy;
 use crate::op::shape::{GdpShape, CHUNK};
@@ -45,6 +45,20 @@ fn not_served(choice: Choice, sh: &GdpShape) -> Result<Option<Vec<f32>>> {
         );
     }
     Ok(None)
+}
+
+/// Whether the backward summaries of bf16 inputs of shape `sh` run on the chunked kernels here
+/// (what a rank's direct bf16 backward needs, since it has no packed f32 `do`).
+pub(crate) fn backward_summaries_served(dev: &CudaDevice, sh: &GdpShape) -> Result<bool> {
+    if choice("GDP_CUDA_SUMMARY")? == Choice::Fused {
+        return Ok(false);
+    }
+    let wide = GdpShape {
+        dv: sh.dv + sh.dk,
+        ..sh.clone()
+    };
+    let (max_smem, sms) = smem_and_sms(dev)?;
+    Ok(wy_smem_bytes(sh.dk, sh.dv) <= max_smem && dh_scan_plan(&wide, max_smem, sms)?.is_some())
 }
 
 /// The sub-problem of the fragments: `sh` with only the sequences `frags` (in that order), and
@@ -83,10 +97,12 @@ fn widened_states(x: Option<&[f32]>, sh: &GdpShape, frags: &[usize]) -> Vec<f32>
     out
 }
 
-/// `src` (rows of `width` elements) copied into a zeroed buffer with rows of `width + extra`.
+/// `rows` rows of `width` elements of `src` from element `at` on, copied into a zeroed buffer
+/// with rows of `width + extra`.
 fn widen_rows(
     dev: &CudaDevice,
     src: &CudaSlice<bf16>,
+    at: usize,
     rows: usize,
     width: usize,
     extra: usize,
@@ -97,7 +113,7 @@ fn widen_rows(
         width,
         src_stride: width,
         dst_stride: width + extra,
-        src_off: 0,
+        src_off: at,
         dst_off: 0,
     };
     copy_rows_slice(dev, src, &mut dst, r)?;
@@ -134,7 +150,7 @@ pub fn forward_summaries_bf16(
     let table = ChunkTable::new(&dev, &sub)?;
     let mut wy = WyFactors::compute(&dev, &inp, &table, &sub, scale, false)?;
     // U of the widened values [v | 0] is [U | 0].
-    wy.u = widen_rows(&dev, &wy.u, table.slots(&sub) * CHUNK, sh.dv, sh.dk)?;
+    wy.u = widen_rows(&dev, &wy.u, 0, table.slots(&sub) * CHUNK, sh.dv, sh.dk)?;
     let h0w = dev.clone_htod(&widened_states(Some(h0), sh, frags))?;
     let mut fin = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
     let dest = ScanDest {
@@ -158,16 +174,16 @@ pub fn forward_summaries_bf16(
 }
 
 /// Backward summaries `[γ | Mᵀ]` (`[K, V + K]` per head, in `(fragment, head)` order) of the
-/// sequences `frags` with the output gradients `do [B, T, H, V]` (f32, the first part of the
-/// packed gradient `grad`) and the end-state gradients `dht [N, H, K, V]` (host), on the bf16
-/// chunked kernels; `Ok(None)` where they do not serve (not bf16, `GDP_CUDA_SUMMARY=fused`, or
+/// sequences `frags` with the output gradients `do [B, T, H, V]` of `cot` (the first part of
+/// the packed f32 `[do | dht]`, or the bf16 `do` alone) and the end-state gradients
+/// `dht [N, H, K, V]` (host), on the bf16 chunked kernels; `Ok(None)` where they do not serve (not bf16, `GDP_CUDA_SUMMARY=fused`, or
 /// the shape).
 #[allow(clippy::too_many_arguments)]
 pub fn backward_summaries_bf16(
     qk: In,
     v: In,
     aux: In,
-    grad: In,
+    cot: Cotangent,
     sh: &GdpShape,
     scale: f32,
     has_h0: bool,
@@ -190,10 +206,20 @@ pub fn backward_summaries_bf16(
     let wy = WyFactors::compute(&dev, &inp, &table, &sub, scale, false)?;
     // [do | 0] in bf16, the scan's operand type.
     let o_len = sh.o_len();
-    let grad = super::launch::view::<f32>(grad.0, grad.1, o_len + sh.state_len(), "grad")?;
-    let dob = super::chunked_bwd::to_bf16(&dev, &grad.slice(..o_len))?;
+    let converted;
+    let (dob, at) = match cot {
+        Cotangent::Packed(g) => {
+            let g = super::launch::view::<f32>(g.0, g.1, o_len + sh.state_len(), "grad")?;
+            converted = super::chunked_bwd::to_bf16(&dev, &g.slice(..o_len))?;
+            (&converted, 0)
+        }
+        Cotangent::Plain(d) => {
+            super::launch::view::<bf16>(d.0, d.1, o_len, "do")?;
+            (d.0.as_cuda_slice::<bf16>()?, d.1.start_offset())
+        }
+    };
     let rows = sh.batch * sh.tokens * sh.heads;
-    let dow = widen_rows(&dev, &dob, rows, sh.dv, sh.dk)?;
+    let dow = widen_rows(&dev, dob, at, rows, sh.dv, sh.dk)?;
     let dhtw = dev.clone_htod(&widened_states(Some(dht), sh, frags))?;
     let mut out = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
     {
