@@ -283,10 +283,10 @@ fn poisoned() -> candle_core::Error {
 }
 
 /// The same protocol on CUDA storages (feature `cuda`): the summaries of the boundary fragments
-/// come from the CUDA backward kernel's summary modes (the forward run on `[v | 0_K]` from
-/// `[h0 | I_K]`, the backward run with `[do | 0_K]`, `[dht | I_K]`), go to the host for the
-/// all-gather and the fold, and the folded states come back as the initial-state override /
-/// are added to the final-state gradient.
+/// (the forward run on `[v | 0_K]` from `[h0 | I_K]`, the backward run with `[do | 0_K]`,
+/// `[dht | I_K]`; on the chunked bf16 scans for bf16, else the per-value-tile backward kernel's
+/// summary modes) go to the host for the all-gather and the fold, and the folded states come
+/// back as the initial-state override / are added to the final-state gradient.
 #[cfg(feature = "cuda")]
 impl CpLink {
     /// The forward on this rank, like [`CpLink::forward`], on CUDA storages (with `plain`, `o`

@@ -1,7 +1,8 @@
 //! CUDA kernels of the operator (feature `cuda`): the chunked forward and backward of
 //! `cuda/gdp.cu` (`cuda/gdp_bwd.cuh`, `cuda/gdp_fwd_chunked.cuh`, `cuda/gdp_bwd_chunked.cuh`), compiled to a fat binary by
-//! `build.rs` and loaded lazily per device (`module.rs`), the context-parallel summaries built
-//! on the backward kernel, and the fused decode step.
+//! `build.rs` and loaded lazily per device (`module.rs`), the context-parallel summaries (on the
+//! chunked bf16 scans, `summary.rs`, else the per-value-tile backward kernel), and the fused
+//! decode step.
 
 mod backward;
 mod chunked;
