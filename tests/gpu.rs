@@ -704,7 +704,8 @@ fn timing_context_parallel_bf16_b1_t32768_h16_k128_v128_n2() -> Result<()> {
                 save_intermediates: save,
                 ..Default::default()
             };
-            let step = |with_cp: bool| -> candle_core::Result<f64> {
+            // (forward ms on this rank, forward + backward ms until every rank is done)
+            let step = |with_cp: bool| -> candle_core::Result<(f64, f64)> {
                 comm.barrier()?;
                 let t0 = std::time::Instant::now();
                 let o = if with_cp {
@@ -712,28 +713,37 @@ fn timing_context_parallel_bf16_b1_t32768_h16_k128_v128_n2() -> Result<()> {
                 } else {
                     gated_delta_product(&q, &k, &v, &g, &beta, &opts)?.0
                 };
+                dev.synchronize()?;
+                let fwd = t0.elapsed().as_secs_f64() * 1e3;
                 candle_gdp::backward_with(&[(&o, &dout)])?;
                 dev.synchronize()?;
                 comm.barrier()?;
-                Ok(t0.elapsed().as_secs_f64() * 1e3)
+                Ok((fwd, t0.elapsed().as_secs_f64() * 1e3))
+            };
+            let median = |mut xs: Vec<f64>| {
+                xs.sort_by(f64::total_cmp);
+                xs[xs.len() / 2]
             };
             let mut times = vec![];
             for with_cp in [false, true] {
                 step(with_cp)?;
                 step(with_cp)?;
-                let mut ts = (0..5)
+                let ts = (0..5)
                     .map(|_| step(with_cp))
                     .collect::<candle_core::Result<Vec<_>>>()?;
-                ts.sort_by(f64::total_cmp);
-                times.push(ts[2]);
+                times.push(median(ts.iter().map(|t| t.0).collect()));
+                times.push(median(ts.iter().map(|t| t.1).collect()));
             }
             Ok(times)
         })?;
-        let (plain, with_cp) = (per_rank[0][0], per_rank[0][1]);
+        let [pf, plain, cf, with_cp] = per_rank[0][..] else {
+            anyhow::bail!("four timings per rank expected");
+        };
         println!(
-            "timing B1 T32768 H16 K=V=128 n=2 bf16 fwd+bwd, {ranks} ranks of {} tokens on one GPU: \
-             plain op on every rank {plain:.2} ms, context parallel {with_cp:.2} ms (summaries \
-             {summaries}, save_intermediates {save}), ratio {:.2}",
+            "timing B1 T32768 H16 K=V=128 n=2 bf16, {ranks} ranks of {} tokens on one GPU \
+             (summaries {summaries}, save_intermediates {save}): plain op on every rank fwd \
+             {pf:.2} ms, fwd+bwd {plain:.2} ms; context parallel fwd {cf:.2} ms, fwd+bwd \
+             {with_cp:.2} ms; ratio {:.2}",
             t / ranks,
             plain / with_cp
         );
