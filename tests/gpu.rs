@@ -749,5 +749,37 @@ fn timing_context_parallel_bf16_b1_t32768_h16_k128_v128_n2() -> Result<()> {
         );
     }
     std::env::remove_var("GDP_CUDA_SUMMARY");
+    // The whole-problem wrapper (shards, runs the ranks, gathers on `q`'s device).
+    let dev = cuda()?;
+    let unit = |rows: usize| -> Result<Tensor> {
+        let x = Tensor::randn(0f32, 1f32, (1, rows, h, d), &dev)?;
+        let norm = x.sqr()?.sum_keepdim(candle_core::D::Minus1)?.sqrt()?;
+        Ok(x.broadcast_div(&norm)?.to_dtype(DType::BF16)?)
+    };
+    let (q, k) = (unit(t)?, unit(t * n)?);
+    let v = Tensor::randn(0f32, 1f32, (1, t * n, h, d), &dev)?.to_dtype(DType::BF16)?;
+    let beta = candle_nn::ops::sigmoid(&Tensor::randn(0f32, 1f32, (1, t * n, h), &dev)?)?
+        .to_dtype(DType::BF16)?;
+    let g = (Tensor::rand(0f32, 1f32, (1, t, h), &dev)? * -0.1)?;
+    let dout = Tensor::randn(0f32, 1f32, (1, t, h, d), &dev)?.to_dtype(DType::BF16)?;
+    for ranks in [1usize, 2] {
+        let devices = (0..ranks)
+            .map(|_| Device::new_cuda(0))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let cp = ContextParallel::new(devices)?.with_timeout(std::time::Duration::from_secs(20));
+        let ms = median_ms(&dev, 1, 3, || {
+            let cot = Cotangents {
+                dout: &dout,
+                dht: None,
+            };
+            let opts = GdpOptions::default();
+            cp.gated_delta_product(&q, &k, &v, &g, &beta, &opts, Some(cot))?;
+            Ok(())
+        })?;
+        println!(
+            "timing ContextParallel::gated_delta_product, B1 T32768 H16 K=V=128 n=2 bf16, \
+             {ranks} rank(s) on one GPU, outputs and all gradients gathered: {ms:.1} ms"
+        );
+    }
     Ok(())
 }

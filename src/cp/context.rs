@@ -144,7 +144,8 @@ pub struct ContextParallel {
     composition: Composition,
 }
 
-/// What one rank returns to the gatherer: local outputs and gradients on the CPU.
+/// What one rank returns to the gatherer: local outputs and gradients, on the rank's device
+/// (its work finished), or on the CPU when they came through [`Problem::exchange`].
 struct RankOut {
     o: Tensor,
     ht: Tensor,
@@ -328,7 +329,7 @@ impl<'a> Problem<'a> {
     }
 
     /// One rank's part: its shard on `dev`, the op (forward and, with cotangents, backward)
-    /// through `comm`; local outputs and gradients on the CPU.
+    /// through `comm`; local outputs and gradients on `dev`.
     fn run_rank(
         &self,
         comm: Arc<dyn Communicator>,
@@ -410,8 +411,8 @@ impl<'a> Problem<'a> {
                 let gs = crate::autograd::backward_with(&pairs)?;
                 let get = |v: &Var| -> Result<Tensor> {
                     match gs.get(v.as_tensor()) {
-                        Some(g) => g.to_device(&Device::Cpu),
-                        None => v.as_tensor().zeros_like()?.to_device(&Device::Cpu),
+                        Some(g) => Ok(g.clone()),
+                        None => v.as_tensor().zeros_like(),
                     }
                 };
                 let grads = vec![get(&qv)?, get(&kv)?, get(&vv)?, get(&gv)?, get(&bv)?];
@@ -422,12 +423,9 @@ impl<'a> Problem<'a> {
                 (Some(grads), dh0)
             }
         };
-        Ok(RankOut {
-            o: o.to_device(&Device::Cpu)?,
-            ht: ht.to_device(&Device::Cpu)?,
-            grads,
-            dh0,
-        })
+        // The gatherer copies these on another thread and stream.
+        dev.synchronize()?;
+        Ok(RankOut { o, ht, grads, dh0 })
     }
 
     /// Shapes of rank `r`'s [`RankOut`] tensors, in [`RankOut::tensors`] order.
@@ -507,7 +505,14 @@ impl<'a> Problem<'a> {
         let (q, opts, cotangents, plan) = (self.q, self.opts, self.cotangents, &self.plan);
         let cu = self.cu.as_deref();
         let dev = q.device();
-        let cat = |xs: Vec<&Tensor>| -> Result<Tensor> { Tensor::cat(&xs, 1)?.to_device(dev) };
+        // Every piece goes to `q`'s device first (device to device where both are GPUs).
+        let cat = |xs: Vec<&Tensor>| -> Result<Tensor> {
+            let xs = xs
+                .into_iter()
+                .map(|x| x.to_device(dev))
+                .collect::<Result<Vec<_>>>()?;
+            Tensor::cat(&xs, 1)
+        };
         let o = cat(outs.iter().map(|r| &r.o).collect())?;
         let last = outs.len() - 1;
         // Per global sequence: (rank, local index) where it starts and where it ends.
@@ -546,21 +551,18 @@ impl<'a> Problem<'a> {
                 .iter()
                 .enumerate()
                 .map(|(j, loc)| match loc {
-                    Some((r, i)) => src(*r).expect("present").narrow(0, *i, 1),
+                    Some((r, i)) => src(*r).expect("present").narrow(0, *i, 1)?.to_device(dev),
                     None => empty(j),
                 })
                 .collect::<Result<_>>()?;
-            Tensor::cat(&rows, 0)?.to_device(dev)
+            Tensor::cat(&rows, 0)
         };
         let h0_row = |j: usize| -> Result<Tensor> {
             match opts.initial_state {
-                Some(h0) => h0
-                    .narrow(0, j, 1)?
-                    .to_dtype(DType::F32)?
-                    .to_device(&Device::Cpu),
+                Some(h0) => h0.narrow(0, j, 1)?.to_dtype(DType::F32)?.to_device(dev),
                 None => {
                     let (_, h, k, v) = outs[0].ht.dims4()?;
-                    Tensor::zeros((1, h, k, v), DType::F32, &Device::Cpu)
+                    Tensor::zeros((1, h, k, v), DType::F32, dev)
                 }
             }
         };
@@ -583,11 +585,8 @@ impl<'a> Problem<'a> {
                         // An empty sequence passes its state through: dh0 = dht.
                         let dht_row = |j: usize| -> Result<Tensor> {
                             match ct.dht {
-                                Some(d) => d
-                                    .narrow(0, j, 1)?
-                                    .to_dtype(h0.dtype())?
-                                    .to_device(&Device::Cpu),
-                                None => h0.narrow(0, j, 1)?.zeros_like()?.to_device(&Device::Cpu),
+                                Some(d) => d.narrow(0, j, 1)?.to_dtype(h0.dtype())?.to_device(dev),
+                                None => h0.narrow(0, j, 1)?.zeros_like()?.to_device(dev),
                             }
                         };
                         Some(pick(&|r| outs[r].dh0.clone(), &starts, &dht_row)?)
