@@ -76,8 +76,8 @@ fn fragment_shapes(sh: &GdpShape, frags: &[usize]) -> (GdpShape, GdpShape) {
 }
 
 /// `[x | I_K]` per (fragment, head): the `[K, V]` blocks of `x` (one per sequence and head,
-/// `[N, H, K, V]`, or zeros when `None`) for the sequences `frags`, each widened by an identity.
-fn widened_states(x: Option<&[f32]>, sh: &GdpShape, frags: &[usize]) -> Vec<f32> {
+/// `[N, H, K, V]`) for the sequences `frags`, each widened by an identity.
+fn widened_states(x: &[f32], sh: &GdpShape, frags: &[usize]) -> Vec<f32> {
     let (h, k, v) = (sh.heads, sh.dk, sh.dv);
     let w = v + k;
     let mut out = vec![0.0f32; frags.len() * h * k * w];
@@ -87,9 +87,7 @@ fn widened_states(x: Option<&[f32]>, sh: &GdpShape, frags: &[usize]) -> Vec<f32>
             let src = (s * h + hd) * k * v;
             for r in 0..k {
                 let row = &mut out[dst + r * w..dst + (r + 1) * w];
-                if let Some(x) = x {
-                    row[..v].copy_from_slice(&x[src + r * v..src + (r + 1) * v]);
-                }
+                row[..v].copy_from_slice(&x[src + r * v..src + (r + 1) * v]);
                 row[v + r] = 1.0;
             }
         }
@@ -151,7 +149,7 @@ pub fn forward_summaries_bf16(
     let mut wy = WyFactors::compute(&dev, &inp, &table, &sub, scale, false)?;
     // U of the widened values [v | 0] is [U | 0].
     wy.u = widen_rows(&dev, &wy.u, 0, table.slots(&sub) * CHUNK, sh.dv, sh.dk)?;
-    let h0w = dev.clone_htod(&widened_states(Some(h0), sh, frags))?;
+    let h0w = dev.clone_htod(&widened_states(h0, sh, frags))?;
     let mut fin = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
     let dest = ScanDest {
         out: ScanOut::Final(&mut fin),
@@ -220,7 +218,7 @@ pub fn backward_summaries_bf16(
     };
     let rows = sh.batch * sh.tokens * sh.heads;
     let dow = widen_rows(&dev, dob, at, rows, sh.dv, sh.dk)?;
-    let dhtw = dev.clone_htod(&widened_states(Some(dht), sh, frags))?;
+    let dhtw = dev.clone_htod(&widened_states(dht, sh, frags))?;
     let mut out = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
     {
         let mut dh0 = out.slice_mut(..);
