@@ -150,6 +150,15 @@ impl CpLink {
         }
     }
 
+    /// The initial states this rank's forward folded (what its backward runs from).
+    fn saved_initial_states(&self) -> Result<Vec<f32>> {
+        self.saved_h0
+            .lock()
+            .map_err(|_| poisoned())?
+            .clone()
+            .ok_or_else(|| candle_core::Error::Msg("gdp cp: backward before forward".into()))
+    }
+
     /// All-gathers `local` (`frags · H` summaries); a group of one skips the collective.
     fn gather(&self, local: Vec<f32>) -> Result<Vec<f32>> {
         if self.comm.world_size() == 1 {
@@ -243,12 +252,7 @@ impl CpLink {
         let all = self.gather(local)?;
         let mut grad = grad.to_vec();
         self.fold_into_final_grads(&all, frags.len(), sh, &mut grad[o_len..]);
-        let h0 = self
-            .saved_h0
-            .lock()
-            .map_err(|_| poisoned())?
-            .clone()
-            .ok_or_else(|| candle_core::Error::Msg("gdp cp: backward before forward".into()))?;
+        let h0 = self.saved_initial_states()?;
         let mut out = cpu::backward(x, sh, scale, &grad, Some(&h0));
         if x.has_h0 {
             // The initial state of a continuing sequence came from earlier ranks; its gradient
@@ -363,28 +367,13 @@ impl CpLink {
         let dev = qk.0.device().clone();
         let (h, sl, ns) = (sh.heads, summary_len(sh.dk, sh.dv), sh.num_seqs());
         let frags = self.fragments(ns, false);
-        let mut dht = cuda::dht_to_host(grad, sh)?;
+        let dht = cuda::dht_to_host(grad, sh)?;
         let local = if self.fwd_slice.is_empty() {
             vec![0.0; frags.len() * h * sl]
         } else {
             cuda::backward_summaries(qk, v, aux, grad, sh, scale, has_h0, &frags, &dht)?
         };
-        let all = self.gather(local)?;
-        self.fold_into_final_grads(&all, frags.len(), sh, &mut dht);
-        let h0 = self
-            .saved_h0
-            .lock()
-            .map_err(|_| poisoned())?
-            .clone()
-            .ok_or_else(|| candle_core::Error::Msg("gdp cp: backward before forward".into()))?;
-        let (h0_dev, dht_dev) = (dev.clone_htod(&h0)?, dev.clone_htod(&dht)?);
-        // The initial state of a continuing sequence came from earlier ranks; its gradient
-        // travelled there as γ, so the given initial-state row gets none.
-        let zero = if has_h0 {
-            self.continuing_in(ns)
-        } else {
-            vec![]
-        };
+        let o = self.cuda_overrides(local, frags.len(), dht, sh, has_h0, &dev)?;
         cuda::backward(
             qk,
             v,
@@ -393,9 +382,9 @@ impl CpLink {
             sh,
             scale,
             has_h0,
-            Some(&h0_dev),
-            Some(&dht_dev),
-            &zero,
+            Some(&o.h0),
+            Some(&o.dht),
+            &o.zero_dh0,
             cache,
         )
     }
@@ -422,7 +411,7 @@ impl CpLink {
         let dev = qk.0.device().clone();
         let (h, sl, ns) = (sh.heads, summary_len(sh.dk, sh.dv), sh.num_seqs());
         let frags = self.fragments(ns, false);
-        let mut dht = match cot {
+        let dht = match cot {
             Cotangent::Packed(g) => cuda::dht_to_host(g, sh)?,
             Cotangent::Plain(_) => vec![0.0; sh.state_len()],
         };
@@ -436,19 +425,31 @@ impl CpLink {
                     )
                 })?
         };
+        self.cuda_overrides(local, frags.len(), dht, sh, has_h0, &dev)
+    }
+
+    /// The backward step after the summaries, on CUDA: all-gathers this rank's `local`
+    /// summaries (of `frags` fragments), folds the following ranks' into the final-state
+    /// gradients `dht` (host), and puts them and the initial states the forward folded on the
+    /// device, with the sequences whose initial-state gradient went to earlier ranks as γ (so
+    /// the given initial-state rows get none).
+    fn cuda_overrides(
+        &self,
+        local: Vec<f32>,
+        frags: usize,
+        mut dht: Vec<f32>,
+        sh: &GdpShape,
+        has_h0: bool,
+        dev: &candle_core::CudaDevice,
+    ) -> Result<crate::op::cuda::CpOverrides> {
         let all = self.gather(local)?;
-        self.fold_into_final_grads(&all, frags.len(), sh, &mut dht);
-        let h0 = self
-            .saved_h0
-            .lock()
-            .map_err(|_| poisoned())?
-            .clone()
-            .ok_or_else(|| candle_core::Error::Msg("gdp cp: backward before forward".into()))?;
-        Ok(cuda::CpOverrides {
+        self.fold_into_final_grads(&all, frags, sh, &mut dht);
+        let h0 = self.saved_initial_states()?;
+        Ok(crate::op::cuda::CpOverrides {
             h0: dev.clone_htod(&h0)?,
             dht: dev.clone_htod(&dht)?,
             zero_dh0: if has_h0 {
-                self.continuing_in(ns)
+                self.continuing_in(sh.num_seqs())
             } else {
                 vec![]
             },

@@ -42,7 +42,7 @@ pub fn dh_smem_bytes(kpt: usize, n: usize, bv: usize, ns: usize) -> usize {
 }
 
 /// The state-gradient scan (`gdp_bwd_dh_bf16_<BV>_<KPT>`, K up to 128).
-const DH_SCAN: ScanKind = ScanKind {
+pub(super) const DH_SCAN: ScanKind = ScanKind {
     prefix: "gdp_bwd_dh_bf16",
     smem: dh_smem_bytes,
     max_kpt: 128,
@@ -123,11 +123,6 @@ fn plan(dev: &CudaDevice, sh: &GdpShape) -> Result<Option<SplitPlan>> {
         ),
         _ => Ok(None),
     }
-}
-
-/// The state-gradient scan's plan for `sh` (`None` where it does not fit).
-pub(super) fn dh_scan_plan(sh: &GdpShape, max_smem: usize, sms: usize) -> Result<Option<ScanPlan>> {
-    scan_plan(&DH_SCAN, sh, max_smem, sms)
 }
 
 /// Whether the split backward serves this shape (what a forward keeps its intermediates for).

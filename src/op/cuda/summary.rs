@@ -12,9 +12,9 @@
 use super::backward::In;
 use super::chunked::{
     choice, run_scan, scan_plan, smem_and_sms, wy_smem_bytes, Bf16Inputs, Choice, ChunkTable, QkIn,
-    ScanDest, ScanOut, WyFactors, FWD_SCAN,
+    ScanDest, ScanKind, ScanOut, ScanPlan, WyFactors, FWD_SCAN,
 };
-use super::chunked_bwd::{dh_scan_plan, run_dh_scan, Cotangent, DhDest};
+use super::chunked_bwd::{run_dh_scan, Cotangent, DhDest, DH_SCAN};
 use super::copy::copy_rows_slice;
 use crate::op::pack::RowCopy;
 use crate::op::shape::{GdpShape, CHUNK};
@@ -53,26 +53,40 @@ pub(crate) fn backward_summaries_served(dev: &CudaDevice, sh: &GdpShape) -> Resu
     if choice("GDP_CUDA_SUMMARY")? == Choice::Fused {
         return Ok(false);
     }
-    let wide = GdpShape {
-        dv: sh.dv + sh.dk,
-        ..sh.clone()
-    };
-    let (max_smem, sms) = smem_and_sms(dev)?;
-    Ok(wy_smem_bytes(sh.dk, sh.dv) <= max_smem && dh_scan_plan(&wide, max_smem, sms)?.is_some())
+    let every: Vec<usize> = (0..sh.num_seqs()).collect();
+    Ok(Widened::plan(dev, sh, &every, &DH_SCAN)?.is_some())
 }
 
-/// The sub-problem of the fragments: `sh` with only the sequences `frags` (in that order), and
-/// the same with `K` more value columns.
-fn fragment_shapes(sh: &GdpShape, frags: &[usize]) -> (GdpShape, GdpShape) {
-    let sub = GdpShape {
-        seqs: frags.iter().map(|&s| sh.seqs[s]).collect(),
-        ..sh.clone()
-    };
-    let wide = GdpShape {
-        dv: sh.dv + sh.dk,
-        ..sub.clone()
-    };
-    (sub, wide)
+/// A summary's sub-problem: `sh` with only the sequences `frags` (in that order), the same with
+/// `K` more value columns, and the plan of the scan of `kind` over those.
+struct Widened {
+    sub: GdpShape,
+    wide: GdpShape,
+    plan: ScanPlan,
+}
+
+impl Widened {
+    /// `None` where the widened scan or the WY kernel does not fit.
+    fn plan(
+        dev: &CudaDevice,
+        sh: &GdpShape,
+        frags: &[usize],
+        kind: &ScanKind,
+    ) -> Result<Option<Self>> {
+        let sub = GdpShape {
+            seqs: frags.iter().map(|&s| sh.seqs[s]).collect(),
+            ..sh.clone()
+        };
+        let wide = GdpShape {
+            dv: sh.dv + sh.dk,
+            ..sub.clone()
+        };
+        let (max_smem, sms) = smem_and_sms(dev)?;
+        if wy_smem_bytes(sh.dk, sh.dv) > max_smem {
+            return Ok(None);
+        }
+        Ok(scan_plan(kind, &wide, max_smem, sms)?.map(|plan| Self { sub, wide, plan }))
+    }
 }
 
 /// `[x | I_K]` per (fragment, head): the `[K, V]` blocks of `x` (one per sequence and head,
@@ -137,11 +151,7 @@ pub fn forward_summaries_bf16(
     let Some(choice) = wanted(qk)? else {
         return Ok(None);
     };
-    let (sub, wide) = fragment_shapes(sh, frags);
-    let (max_smem, sms) = smem_and_sms(&dev)?;
-    let plan = scan_plan(&FWD_SCAN, &wide, max_smem, sms)?
-        .filter(|_| wy_smem_bytes(sh.dk, sh.dv) <= max_smem);
-    let Some(plan) = plan else {
+    let Some(Widened { sub, wide, plan }) = Widened::plan(&dev, sh, frags, &FWD_SCAN)? else {
         return not_served(choice, sh);
     };
     let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
@@ -174,8 +184,8 @@ pub fn forward_summaries_bf16(
 /// Backward summaries `[γ | Mᵀ]` (`[K, V + K]` per head, in `(fragment, head)` order) of the
 /// sequences `frags` with the output gradients `do [B, T, H, V]` of `cot` (the first part of
 /// the packed f32 `[do | dht]`, or the bf16 `do` alone) and the end-state gradients
-/// `dht [N, H, K, V]` (host), on the bf16 chunked kernels; `Ok(None)` where they do not serve (not bf16, `GDP_CUDA_SUMMARY=fused`, or
-/// the shape).
+/// `dht [N, H, K, V]` (host), on the bf16 chunked kernels; `Ok(None)` where they do not serve
+/// (not bf16, `GDP_CUDA_SUMMARY=fused`, or the shape).
 #[allow(clippy::too_many_arguments)]
 pub fn backward_summaries_bf16(
     qk: In,
@@ -192,11 +202,7 @@ pub fn backward_summaries_bf16(
     let Some(choice) = wanted(qk)? else {
         return Ok(None);
     };
-    let (sub, wide) = fragment_shapes(sh, frags);
-    let (max_smem, sms) = smem_and_sms(&dev)?;
-    let plan =
-        dh_scan_plan(&wide, max_smem, sms)?.filter(|_| wy_smem_bytes(sh.dk, sh.dv) <= max_smem);
-    let Some(plan) = plan else {
+    let Some(Widened { sub, wide, plan }) = Widened::plan(&dev, sh, frags, &DH_SCAN)? else {
         return not_served(choice, sh);
     };
     let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
