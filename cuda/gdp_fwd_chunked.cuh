@@ -1,7 +1,10 @@
 // Gated DeltaProduct forward for bf16 inputs in two launches (FLA's split, with the output fused
 // into the state scan). Included by gdp.cu after gdp_bwd.cuh (uses its gate-cumsum helpers).
 //
-// 1. gdp_fwd_wy_bf16, grid (chunks, H), fully parallel: per interleaved chunk of c <= 64 rows
+// 1. gdp_fwd_wy_bf16, grid (chunks, H), fully parallel (block x is chunk x, or order[x] where an
+//    order is given, then a 1-D grid; where `ready` is given, each block counts its chunk as
+//    ready once its outputs are written (gdpc_signal_ready), for a scan running at the same
+//    time): per interleaved chunk of c <= 64 rows
 //    (compensated gate cumsum G, dec(i, j) = e^{G_i - G_j} for j <= i),
 //      A  = strict_lower(β_i k_i·k_j dec),  Ainv = (I + A)^-1          (f32, cuda/inverse.cuh)
 //      W  = Ainv bf16(β e^G ⊙ K)   [64, K]     U = Ainv bf16(β ⊙ V)   [64, V]
@@ -21,7 +24,9 @@
 //    (FLA rounds the same operands to bf16.) The chunk's operands (W, K and Q rows, P, the U
 //    slice, coef) are copied with cp.async into one of NS = 2 or 3 stage buffers, NS - 1 chunks
 //    ahead of the one computing (from per-chunk row tables built ahead, no per-element index
-//    arithmetic); products read their fragments with ldmatrix (cuda/ldsm.cuh).
+//    arithmetic); products read their fragments with ldmatrix (cuda/ldsm.cuh). Where `ready` is
+//    given, the scan runs beside the WY kernel (`src/op/cuda/pipeline.rs`) and waits for a
+//    chunk's group to be ready before it copies the chunk's operands (gdpc_wait_ready).
 //
 // Table (int): per sequence (batch row, first token, tokens, first chunk) at 4 s, then per chunk
 // (sequence, chunk index within it) at 4 N + 2 c. Scratch per (chunk, head) at
@@ -224,6 +229,48 @@ __device__ __forceinline__ void gdpc_store_pair(__nv_bfloat16* row, int col, int
   }
 }
 
+// Readiness of the WY factors for a scan running beside the WY kernel, counted per group of
+// GDPC_READY_GROUP consecutive chunks of one sequence and one head: counter
+// gdpc_ready_index(cbase, s, ci) * H + head (cbase: the sequence's first chunk, s: its index,
+// ci: the chunk's index within it; unique per group, below (chunks / G + N + 1) * H). The
+// writer: every thread's global stores fenced at device scope, the block's barrier, then one
+// release add. The reader (one thread, before the block's barrier that precedes the copies, once
+// per group): acquire loads until the group is complete, with a back-off; after 10 s it traps
+// (an error instead of a hang: the launcher runs the two side by side only where the scan
+// leaves most multiprocessors to the WY kernel). One acquire per chunk cost the scan ~0.3 us per
+// step at B1 T32768 (docs/perf.md v15), one per group an eighth of it.
+#define GDPC_READY_GROUP 8
+__host__ __device__ __forceinline__ int64_t gdpc_ready_index(int cbase, int s, int ci) {
+  return (int64_t)(cbase / GDPC_READY_GROUP) + s + ci / GDPC_READY_GROUP;
+}
+__device__ __forceinline__ void gdpc_signal_ready(int* counter, int tid) {
+#ifdef GDP_EMU
+  if (tid == 0) __atomic_fetch_add(counter, 1, __ATOMIC_RELEASE);
+#else
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
+#endif
+}
+__device__ __forceinline__ void gdpc_wait_ready(const int* counter, int count) {
+#ifdef GDP_EMU
+  assert(__atomic_load_n(counter, __ATOMIC_ACQUIRE) == count);  // the emulation runs WY first
+#else
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
+  if (v >= count) return;
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  for (unsigned ns = 32;; ns = min(2 * ns, 1024u)) {
+    __nanosleep(ns);
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
+    if (v >= count) return;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t - t0 > 10000000000ull) __trap();
+  }
+#endif
+}
+
 // ----------------------------------------------------------------------------------------------
 // Kernel 1: WY factors of every chunk.
 
@@ -244,10 +291,13 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
                     __nv_bfloat16* __restrict__ wg, __nv_bfloat16* __restrict__ ug,
                     __nv_bfloat16* __restrict__ pg, float* __restrict__ cg,
                     __nv_bfloat16* __restrict__ ag, int B, int TT, int H, int K, int V, int n,
-                    int N, float scale) {
+                    int N, float scale, const int* __restrict__ order, int* __restrict__ ready) {
   constexpr int C = GDP_CHUNK;
   const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31, warp = tid >> 5;
-  const int chunk = blockIdx.x, head = blockIdx.y;
+  // With an order: a 1-D grid, block x = (order[x / H], x mod H), so that the blocks (started in
+  // the order of x) take the chunks time-major across heads too.
+  const int chunk = order != nullptr ? order[blockIdx.x / H] : blockIdx.x;
+  const int head = order != nullptr ? blockIdx.x % H : blockIdx.y;
   const int sidx = table[4 * N + 2 * chunk], ci = table[4 * N + 2 * chunk + 1];
   const int seq_b = table[4 * sidx], seq_start = table[4 * sidx + 1], seq_len = table[4 * sidx + 2];
   const int64_t tok0 = (int64_t)seq_b * TT + seq_start;
@@ -453,6 +503,8 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
     cf[C + i] = i < c ? expf(gdpb_gdiff(G, Gl, c - 1, i)) : 0.f;
     cf[2 * C + i] = i == 0 ? Eg[c - 1] : 0.f;
   }
+  if (ready != nullptr)
+    gdpc_signal_ready(ready + gdpc_ready_index(table[4 * sidx + 3], sidx, ci) * H + head, tid);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -495,7 +547,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const float* __restrict__ cg, const float* __restrict__ h0_override, int use_h0_override,
     float* __restrict__ out, __nv_bfloat16* __restrict__ outb, float* __restrict__ fin,
     __nv_bfloat16* __restrict__ hs, __nv_bfloat16* __restrict__ dn, int B, int TT, int H, int K,
-    int V, int n, int has_h0, int QR, int NS) {
+    int V, int n, int has_h0, int QR, int NS, const int* __restrict__ ready) {
   constexpr int C = GDP_CHUNK, NT = BV / 8, LB = BV + 8, LC = C + 8, LK = KPT + 8;
   constexpr int NTW = NT * 4 / NW, NPW = NTW / 2;  // n8 tiles / pairs of a warp's column half
   constexpr int MT = KPT / 16, STW = (MT + NW - 1) / NW;  // state tiles, per warp
@@ -626,6 +678,17 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
   };
   store_sb(Sb);
   for (int ci = 0; ci < min(NS, nch); ++ci) fill_table(ci, ci);
+  // The WY factors of chunk ci, when a WY kernel computes them at the same time.
+  // (thread 0: chunks below ready_to are known to be ready)
+  int ready_to = 0;
+  auto wait_ready = [&](int ci) {
+    if (ready == nullptr || tid != 0 || ci < ready_to) return;
+    const int group = ci / GDPC_READY_GROUP;
+    ready_to = min(nch, (group + 1) * GDPC_READY_GROUP);
+    gdpc_wait_ready(ready + gdpc_ready_index(cbase, sidx, ci) * H + head,
+                    ready_to - group * GDPC_READY_GROUP);
+  };
+  for (int ci = 0; ci < min(NS - 1, nch); ++ci) wait_ready(ci);
   __syncthreads();
   for (int ci = 0; ci < min(NS - 1, nch); ++ci) prefetch(ci, ci);
 
@@ -642,6 +705,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
       cp_async_wait<1>();
     else
       cp_async_wait<0>();
+    if (ci + NS - 1 < nch) wait_ready(ci + NS - 1);
     __syncthreads();  // chunk ci staged; chunk ci - 1 done with its stage and with Dn / Dk
     // Chunk ci + NS - 1 into the stage chunk ci - 1 used.
     const int s_prev = sc == 0 ? NS - 1 : sc - 1;
@@ -772,10 +836,10 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
       const __nv_bfloat16* pg, const float* cg,                                                 \
       const float* h0_override, int use_h0_override, float* out, __nv_bfloat16* outb,            \
       float* fin, __nv_bfloat16* hs, __nv_bfloat16* dn, int B, int TT, int H, int K, int V, int n, \
-      int has_h0, int QR, int NS) {                                                              \
+      int has_h0, int QR, int NS, const int* ready) {                                            \
     gdp_fwd_scan_bf16_impl<BV, KPT, NW>(qb, kb, split, aux, table, wg, ug, pg, cg, h0_override, \
                                         use_h0_override, out, outb, fin, hs, dn, B, TT, H, K, V, \
-                                        n, has_h0, QR, NS);                                      \
+                                        n, has_h0, QR, NS, ready);                               \
   }
 GDPC_SCAN_ENTRY(16, 64, 4)
 GDPC_SCAN_ENTRY(16, 128, 4)

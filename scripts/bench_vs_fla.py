@@ -1,7 +1,7 @@
 """Side-by-side GPU benchmark: candle-gdp's CUDA op (through `gdp run --repeat`) against
 flash-linear-attention's `chunk_gated_delta_product` on the same inputs, in the same run.
 
-    python3 scripts/bench_vs_fla.py --gdp ./gdp [--reps 20] [--shapes all|small]
+    python3 scripts/bench_vs_fla.py --gdp ./gdp [--reps 20] [--shapes all|small|long]
                                     [--variant "NAME VAR=VALUE ..."]...
 
 Needs a CUDA build of `gdp` (`cargo build --release --features cuda --bin gdp`) and the
@@ -77,10 +77,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gdp", required=True)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--shapes", default="all")
+    ap.add_argument("--shapes", default="all", choices=["all", "small", "long"])
     ap.add_argument("--variant", action="append", default=[], help='"NAME VAR=VALUE ..."')
     args = ap.parse_args()
-    shapes = SHAPES if args.shapes == "all" else SHAPES[:1]
+    shapes = {"all": SHAPES, "small": SHAPES[:1], "long": SHAPES[3:]}[args.shapes]
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, bf16, K=V=128, medians")
     print(f"{'B,T,H,n':<16} {'FLA fwd':>9} {'gdp fwd':>9} {'ratio':>6} {'FLA f+b':>9} {'gdp f+b':>9} {'ratio':>6}  o rel RMS, worst grad")
     tmp = tempfile.mkdtemp()

@@ -309,6 +309,63 @@ fn saved_intermediates_give_the_same_results() -> Result<()> {
 }
 
 #[test]
+fn overlapped_forward_is_bit_identical_and_matches_f64_reference() -> Result<()> {
+    // Sequences of 35, 13 and 25 chunks with 6 scan blocks: the bf16 forward runs its WY
+    // kernel and its scan side by side, the scan waiting for each group of chunks
+    // (`src/op/cuda/pipeline.rs`). Outputs, final states and (through the saved intermediates)
+    // every gradient must be bit-identical to those of the two kernels one after the other
+    // (GDP_CUDA_OVERLAP=0), and within the bf16 tolerance of the f64 reference; so must the
+    // overlapped launches queued on one stream (GDP_CUDA_STREAMS=1). The small shapes of the
+    // other tests take the overlapped path too. Tests running meanwhile may see the variables:
+    // they then take the other path, which must give their results as well.
+    let dev = cuda()?;
+    let dtype = DType::BF16;
+    let c = Case::new("packed n2 long overlapped", 1, 2300, 2, 64, 48, 2)
+        .packed(&[0, 1100, 1500, 2300])
+        .strong_gates()
+        .h0()
+        .seed(31);
+    let x = inputs(&c, dtype)?;
+    let want = run_reference(&c, &x)?;
+    let run = |var: &str, value: &str| -> Result<_> {
+        std::env::set_var(var, value);
+        let out = (
+            run_on(&c, &x, dtype, &dev),
+            run_op_saving_on(&c, &x, dtype, &dev, false),
+            run_op_saving_on(&c, &x, dtype, &dev, true),
+        );
+        std::env::remove_var(var);
+        Ok((out.0?, out.1?, out.2?))
+    };
+    let (off, off_saved, off_plain) = run("GDP_CUDA_OVERLAP", "0")?;
+    for (var, value) in [("GDP_CUDA_OVERLAP", "auto"), ("GDP_CUDA_STREAMS", "1")] {
+        let ((o, ht), saved, plain) = run(var, value)?;
+        let what = format!("{var}={value}");
+        check(&c, &format!("o {value}"), &o, &want.o, 1e-2)?;
+        check(&c, &format!("ht {value}"), &ht, &want.ht, 1e-2)?;
+        assert_eq!(rel_rms(&o, &off.0)?, 0.0, "o with {what}");
+        assert_eq!(rel_rms(&ht, &off.1)?, 0.0, "ht with {what}");
+        assert_eq!(rel_rms(&saved.o, &off_saved.o)?, 0.0, "saved o with {what}");
+        assert_eq!(rel_rms(&plain.o, &off_plain.o)?, 0.0, "plain o with {what}");
+        let pairs = saved.grads.iter().zip(&off_saved.grads);
+        for (((name, a), (_, b)), (_, w)) in pairs.zip(&want.grads) {
+            check(&c, &format!("{name} {value}"), a, w, 1e-2)?;
+            // dg and dbeta sum float atomics in any order; the rest is exact.
+            let diff = rel_rms(a, b)?;
+            assert!(diff <= 1e-6, "{name} with {what} differs by {diff:.2e}");
+        }
+        for ((name, a), (_, b)) in plain.grads.iter().zip(&off_plain.grads) {
+            let diff = rel_rms(a, b)?;
+            assert!(
+                diff <= 1e-6,
+                "plain {name} with {what} differs by {diff:.2e}"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
 fn fla_layout_in_place_matches_the_packed_entry() -> Result<()> {
     // In bf16 where the chunked kernels serve both ways, `gated_delta_product` hands them `q`
     // and `k` in place; the packed entry point reads `qk` built by Candle's `cat`. The kernels

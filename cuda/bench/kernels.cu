@@ -92,7 +92,7 @@ static void forward(int B, int T, int H, int n) {
   CK(cudaFuncSetAttribute(gdp_fwd_wy_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize, wy_smem));
   const float t_wy = median_ms([&] {
     gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf, nullptr,
-                                                       B, T, H, K, V, n, B, scale);
+                                                       B, T, H, K, V, n, B, scale, nullptr, nullptr);
   });
   const int QR = 16 * (((C + n - 1) / n + 15) / 16);
   printf("B%d T%d H%d n%d: wy %.3f ms", B, T, H, n, t_wy);
@@ -111,7 +111,7 @@ static void forward(int B, int T, int H, int n) {
     return median_ms([&] {
       kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
           dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, o_out, nullptr, hs_out, dn_out, B, T, H,
-          K, V, n, 0, QR, NS);
+          K, V, n, 0, QR, NS, nullptr);
     });
   };
   auto scan = [&](auto kern, int bv) {
@@ -145,7 +145,7 @@ static void forward(int B, int T, int H, int n) {
   CK(cudaMalloc(&gout, BTH * (1 + n) * 4));
   const float t_wya = median_ms([&] {
     gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf, ag, B, T,
-                                                       H, K, V, n, B, scale);
+                                                       H, K, V, n, B, scale, nullptr, nullptr);
   });
   printf("  bwd: wy+Ainv %.3f ms", t_wya);
   float best_states = 1e9, best_dh = 1e9;

@@ -320,7 +320,7 @@ void run_bf16(const Case& c) {
       launch(total, H, 128, [&] {
         gdp_fwd_wy_bf16(a.q, a.k, a.split, vb.data(), P.aux.data(), tab.data(), wg.data(),
                         ug.data(), pg.data(), cg.data(), nullptr, c.B, c.T, c.H, c.K, c.V, c.n,
-                        N, scale);
+                        N, scale, nullptr, nullptr);
       });
   };
   wy_factors(true);
@@ -348,7 +348,8 @@ void run_bf16(const Case& c) {
     launch(N * H, (V + bv - 1) / bv, bv == 16 ? 128 : 256, [&] {
 #define ARGS a.q, a.k, a.split, P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(), cg.data(), \
              P.aux.data(), 0, plain ? nullptr : out.data(), plain ? ob.data() : nullptr,        \
-             out.data() + BTH * V, nullptr, nullptr, c.B, c.T, c.H, c.K, c.V, c.n, c.h0, QR, NS
+             out.data() + BTH * V, nullptr, nullptr, c.B, c.T, c.H, c.K, c.V, c.n, c.h0, QR, NS, \
+             nullptr
       if (bv == 16 && KPT == 64) gdp_fwd_scan_bf16_16_64(ARGS);
       if (bv == 16 && KPT == 128) gdp_fwd_scan_bf16_16_128(ARGS);
       if (bv == 16 && KPT == 256) gdp_fwd_scan_bf16_16_256(ARGS);
@@ -365,6 +366,47 @@ void run_bf16(const Case& c) {
     report(c.name, what, rel(out.data(), R.o.data(), BTH * V), 1e-2);
     snprintf(what, sizeof what, "bf16 2k%d/%d ht", bv, NS);
     report(c.name, what, rel(out.data() + BTH * V, R.fin.data(), sl), 1e-2);
+  }
+
+  // The overlapped forward (src/op/cuda/pipeline.rs): the WY kernel over the chunks in the
+  // time-major order the op builds (a 1-D grid), counting each group of chunks as ready, and
+  // the scan checking the counts (the emulation runs the WY kernel first, so this checks the
+  // order's indexing and that every group is complete when the scan asks, not the timing).
+  // Bit-identical to the plain launches.
+  {
+    if (KPT == 256 || total == 0) return;
+    const QkArgs a = qk_args(qkb, sq, true, H, K);
+    auto scan = [&](std::vector<float>& out, const int* ready) {
+      launch(N * H, (V + 31) / 32, 256, [&] {
+        (KPT == 64 ? gdp_fwd_scan_bf16_32_64 : gdp_fwd_scan_bf16_32_128)(
+            a.q, a.k, a.split, P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(),
+            cg.data(), P.aux.data(), 0, out.data(), nullptr, out.data() + BTH * V, nullptr,
+            nullptr, c.B, c.T, c.H, c.K, c.V, c.n, c.h0, QR, 3, ready);
+      });
+    };
+    wy_factors(true);
+    std::vector<float> plain(BTH * V + sl, 0.f), overlapped(BTH * V + sl, 0.f);
+    scan(plain, nullptr);
+    std::vector<int> order;
+    int most = 0;
+    for (int si = 0; si < N; ++si) most = std::max(most, (P.seqs[si].len * c.n + 63) / 64);
+    for (int ci = 0; ci < most; ++ci)
+      for (int si = 0; si < N; ++si)
+        if (ci < (P.seqs[si].len * c.n + 63) / 64) order.push_back(tab[4 * si + 3] + ci);
+    std::fill(wg.begin(), wg.end(), __nv_bfloat16{0x7f7f});
+    std::fill(ug.begin(), ug.end(), __nv_bfloat16{0x7f7f});
+    std::vector<int> ready((total / GDPC_READY_GROUP + N + 1) * H, 0);
+    launch((long)order.size() * H, 1, 128, [&] {
+      gdp_fwd_wy_bf16(a.q, a.k, a.split, vb.data(), P.aux.data(), tab.data(), wg.data(),
+                      ug.data(), pg.data(), cg.data(), nullptr, c.B, c.T, c.H, c.K, c.V, c.n, N,
+                      scale, order.data(), ready.data());
+    });
+    const bool all_set = (long)order.size() == total;
+    scan(overlapped, ready.data());  // asserts each group's count
+    const bool same = memcmp(plain.data(), overlapped.data(), plain.size() * sizeof(float)) == 0;
+    printf("%-26s %-8s %s\n", c.name, "bf16 ovl",
+           same && all_set ? "groups ready, identical" : "order or results DIFFERENT");
+    if (!same || !all_set) ++fails;
   }
 }
 
@@ -409,13 +451,13 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
     launch(total, H, 128, [&] {
       gdp_fwd_wy_bf16(a.q, a.k, a.split, vb.data(), P.aux.data(), tab.data(), wg.data(),
                       ug.data(), pg.data(), cg.data(), ag.data(), c.B, c.T, c.H, c.K, c.V, c.n,
-                      N, scale);
+                      N, scale, nullptr, nullptr);
     });
   const int nthr = bv == 16 ? 128 : 256;
   launch(N * H, (V + bv - 1) / bv, nthr, [&] {
 #define ARGS a.q, a.k, a.split, P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(), cg.data(), \
              P.aux.data(), 0, nullptr, nullptr, nullptr, hs.data(), dn.data(), c.B, c.T, c.H, c.K, \
-             c.V, c.n, c.h0, QR, NS
+             c.V, c.n, c.h0, QR, NS, nullptr
     if (bv == 16 && KPT == 64) gdp_fwd_scan_bf16_16_64(ARGS);
     if (bv == 16 && KPT == 128) gdp_fwd_scan_bf16_16_128(ARGS);
     if (bv == 32 && KPT == 64) gdp_fwd_scan_bf16_32_64(ARGS);

@@ -12,12 +12,16 @@
 use super::backward::In;
 use super::launch::{allow_smem, check_states, device_attr, shape_i32, to_i32, view};
 use super::module::load_kernel;
+use super::pipeline::Pipeline;
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, DevicePtr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{CudaStorage, DType, Device, Layout, Result, Tensor};
 use half::bf16;
+use std::sync::Arc;
 
 /// Threads per block of the WY kernel (`GDPC_THREADS`).
 const THREADS: u32 = 128;
@@ -254,13 +258,32 @@ pub fn try_forward_bf16(
                 Some(slot) if super::chunked_bwd::split_backward_fits(dev, sh)? => Some(slot),
                 _ => None,
             };
-            let wy = WyFactors::compute(dev, &inp, &table, sh, scale, cache.is_some())?;
+            let pipeline = Pipeline::plan(dev, sh, &table, &plan, sms)?;
+            let mut wy = WyFactors::alloc(dev, &table, sh, cache.is_some())?;
             let mut states = cache
                 .map(|_| ChunkStates::alloc(dev, &table, sh))
                 .transpose()?;
-            let scan = |out: ScanOut, states: Option<&mut ChunkStates>| {
+            let mut scan = |out: ScanOut, states: Option<&mut ChunkStates>| {
                 let dest = ScanDest { out, states };
-                run_scan(dev, &inp, &table, &wy, sh, has_h0, h0_override, &plan, dest)
+                match &pipeline {
+                    Some(p) => p.run(
+                        dev,
+                        &inp,
+                        &table,
+                        &mut wy,
+                        sh,
+                        scale,
+                        has_h0,
+                        h0_override,
+                        &plan,
+                        dest,
+                    ),
+                    None => {
+                        wy.launch(dev, &inp, &table, sh, scale, None)?;
+                        let h0o = h0_override;
+                        run_scan(dev, &inp, &table, &wy, sh, has_h0, h0o, &plan, dest, None)
+                    }
+                }
             };
             let out = if plain {
                 // SAFETY: the scan writes o for every query row (`cu_seqlens` covers every
@@ -387,7 +410,8 @@ pub(super) struct WyFactors {
 }
 
 impl WyFactors {
-    /// Runs `gdp_fwd_wy_bf16` over every chunk (skipped when there is none).
+    /// Runs `gdp_fwd_wy_bf16` over every chunk on the device's stream (skipped when there is
+    /// none).
     pub fn compute(
         dev: &CudaDevice,
         inp: &Bf16Inputs,
@@ -396,13 +420,23 @@ impl WyFactors {
         scale: f32,
         with_ainv: bool,
     ) -> Result<Self> {
-        let [b, t, h, k, vd, n] = shape_i32(sh)?;
-        let nseq = to_i32(sh.num_seqs(), "N")?;
+        let mut f = Self::alloc(dev, table, sh, with_ainv)?;
+        f.launch(dev, inp, table, sh, scale, None)?;
+        Ok(f)
+    }
+
+    /// Buffers for every slot of `table`, to be filled by [`WyFactors::launch`].
+    pub fn alloc(
+        dev: &CudaDevice,
+        table: &ChunkTable,
+        sh: &GdpShape,
+        with_ainv: bool,
+    ) -> Result<Self> {
         let slots = table.slots(sh);
         // SAFETY (all allocations): every element is written by the WY kernel before the
         // scans read it (rows past a chunk's end as zeros).
-        let mut f = unsafe {
-            Self {
+        unsafe {
+            Ok(Self {
                 w: dev.alloc::<bf16>(slots * CHUNK * sh.dk)?,
                 u: dev.alloc::<bf16>(slots * CHUNK * sh.dv)?,
                 p: dev.alloc::<bf16>(slots * CHUNK * CHUNK)?,
@@ -412,14 +446,50 @@ impl WyFactors {
                 } else {
                     None
                 },
-            }
-        };
-        if table.chunks == 0 {
-            return Ok(f);
+            })
         }
+    }
+
+    /// Runs `gdp_fwd_wy_bf16` over every chunk of `table` on the device's stream; with
+    /// `signal`, in its order of chunks (time-major across heads), counting each (chunk, head)
+    /// in its readiness counters for a scan running beside it ([`super::pipeline::Pipeline`]).
+    /// The outputs and counters are [`untracked`].
+    pub fn launch(
+        &mut self,
+        dev: &CudaDevice,
+        inp: &Bf16Inputs,
+        table: &ChunkTable,
+        sh: &GdpShape,
+        scale: f32,
+        signal: Option<Signal>,
+    ) -> Result<()> {
+        let [b, t, h, k, vd, n] = shape_i32(sh)?;
+        let nseq = to_i32(sh.num_seqs(), "N")?;
+        if table.chunks == 0 {
+            return Ok(());
+        }
+        let (order, counters) = match signal {
+            Some(Signal { order, ready }) => {
+                if order.len() != table.chunks || ready.len() < ready_counters(table, sh) {
+                    candle_core::bail!(
+                        "gdp cuda: a chunk order of {} and {} counters for {} chunks x {} heads",
+                        order.len(),
+                        ready.len(),
+                        table.chunks,
+                        sh.heads
+                    );
+                }
+                (Some(order), Some(untracked(dev, ready)))
+            }
+            None => (None, None),
+        };
         let smem = wy_smem_bytes(sh.dk, sh.dv);
         let wy = load_kernel(dev, "gdp_fwd_wy_bf16")?;
         allow_smem(&wy, smem)?;
+        let [w, u, p] = [&self.w, &self.u, &self.p].map(|x| untracked(dev, x));
+        let coef = untracked(dev, &self.coef);
+        let ainv = self.ainv.as_ref().map_or(0, |a| untracked(dev, a));
+        let ready = counters.unwrap_or(0);
         let null = 0u64;
         let mut args = wy.builder();
         args.arg(&inp.q);
@@ -428,30 +498,81 @@ impl WyFactors {
         args.arg(&inp.v);
         args.arg(&inp.aux);
         args.arg(&table.table);
-        args.arg(&mut f.w);
-        args.arg(&mut f.u);
-        args.arg(&mut f.p);
-        args.arg(&mut f.coef);
-        match f.ainv.as_mut() {
-            Some(a) => args.arg(a),
-            None => args.arg(&null),
-        };
+        for x in [&w, &u, &p, &coef, &ainv] {
+            args.arg(x);
+        }
         for x in [&b, &t, &h, &k, &vd, &n, &nseq] {
             args.arg(x);
         }
         args.arg(&scale);
+        match order {
+            Some(o) => args.arg(o),
+            None => args.arg(&null),
+        };
+        args.arg(&ready);
+        // With an order, a 1-D grid of (chunk, head) pairs (time-major across heads).
+        let grid_dim = if ready == 0 {
+            (table.chunks as u32, sh.heads as u32, 1)
+        } else {
+            let blocks = table.chunks * sh.heads;
+            (u32::try_from(blocks).ok().filter(|&b| b <= i32::MAX as u32))
+                .map(|b| (b, 1, 1))
+                .ok_or_else(|| {
+                    candle_core::Error::Msg(format!("gdp cuda: {blocks} WY blocks in one launch"))
+                })?
+        };
         let cfg = LaunchConfig {
-            grid_dim: (table.chunks as u32, sh.heads as u32, 1),
+            grid_dim,
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        // SAFETY: the arguments match `gdp_fwd_wy_bf16` (buffers sized above from the same
-        // shape and chunk table the kernel indexes with; a null `ag` when Ainv is not wanted);
-        // the dynamic shared memory is `wy_smem_bytes`.
+        // SAFETY: the arguments match `gdp_fwd_wy_bf16` (buffers sized in `alloc` from the
+        // same shape and chunk table the kernel indexes with, alive for the call; a null `ag`
+        // when Ainv is not wanted; with a signal, an order of the table's chunk ids, checked
+        // to have one per chunk, and `ready_counters` counters); the dynamic shared memory is
+        // `wy_smem_bytes`.
         unsafe { args.launch(cfg) }.w()?;
-        drop(args);
-        Ok(f)
+        Ok(())
     }
+}
+
+/// Chunks per readiness counter (`GDPC_READY_GROUP`).
+const READY_GROUP: usize = 8;
+
+/// The readiness counters a WY launch with a [`Signal`] needs: one per (group of
+/// [`READY_GROUP`] chunks of a sequence, head), indexed as `gdpc_ready_index` does (below
+/// `(chunks / G + N + 1) · H`).
+pub(super) fn ready_counters(table: &ChunkTable, sh: &GdpShape) -> usize {
+    (table.chunks / READY_GROUP + sh.num_seqs() + 1) * sh.heads
+}
+
+/// What a WY launch tells a scan running beside it: the order in which it takes the chunks
+/// (ids of the table, one per chunk) and its readiness counters (zeroed, [`ready_counters`]).
+pub(super) struct Signal<'a> {
+    pub order: &'a CudaSlice<i32>,
+    pub ready: &'a CudaSlice<i32>,
+}
+
+/// The device address of `s` as a kernel argument outside cudarc's event tracking, which is
+/// active where the context has several streams (context parallelism's ranks' devices) and
+/// keeps one pair of events per buffer: the WY factors and counters are written by the WY
+/// kernel while a scan beside it reads them on another stream (`pipeline.rs`), which those
+/// events would serialise. Every use of the WY buffers is ordered by the streams it is queued
+/// on instead (one stream, or the fork and join of `side.rs`).
+pub(super) fn untracked<T>(dev: &CudaDevice, s: &CudaSlice<T>) -> u64 {
+    // The pointer's guard records a read on the device's stream at once, after the work queued
+    // there so far: it orders nothing that the streams do not order already.
+    let main = dev.cuda_stream();
+    let (ptr, _sync) = s.device_ptr(&main);
+    ptr
+}
+
+/// Where a scan runs beside the WY kernel ([`super::pipeline::Pipeline`]): its stream and the
+/// WY kernel's readiness counters it waits for.
+#[derive(Clone, Copy)]
+pub(super) struct Beside<'a> {
+    pub stream: &'a Arc<CudaStream>,
+    pub ready: &'a CudaSlice<i32>,
 }
 
 /// The forward scan's output: the packed f32 `[o | final state]`, `o` alone in bf16, the final
@@ -543,6 +664,7 @@ pub(super) fn run_scan(
     h0_override: Option<&CudaSlice<f32>>,
     plan: &ScanPlan,
     dest: ScanDest,
+    beside: Option<Beside>,
 ) -> Result<()> {
     let [b, t, h, k, vd, n] = shape_i32(sh)?;
     let scan = load_kernel(dev, &plan.kernel)?;
@@ -552,16 +674,25 @@ pub(super) fn run_scan(
     let qr = query_rows(sh.n) as i32;
     let stages = plan.stages as i32;
     let null = 0u64;
-    let mut args = scan.builder();
+    let wy_in = [
+        untracked(dev, &wy.w),
+        untracked(dev, &wy.u),
+        untracked(dev, &wy.p),
+        untracked(dev, &wy.coef),
+    ];
+    let ready = beside.map_or(0, |b| untracked(dev, b.ready));
+    let mut args = match beside {
+        Some(b) => scan.builder_on(b.stream),
+        None => scan.builder(),
+    };
     args.arg(&inp.q);
     args.arg(&inp.k);
     args.arg(&inp.split);
     args.arg(&inp.aux);
     args.arg(&table.table);
-    args.arg(&wy.w);
-    args.arg(&wy.u);
-    args.arg(&wy.p);
-    args.arg(&wy.coef);
+    for x in &wy_in {
+        args.arg(x);
+    }
     match h0_override {
         Some(h0) => args.arg(h0),
         // Never read (the flag is 0), but the kernel wants a valid pointer.
@@ -606,6 +737,7 @@ pub(super) fn run_scan(
     for x in [&b, &t, &h, &k, &vd, &n, &has_h0, &qr, &stages] {
         args.arg(x);
     }
+    args.arg(&ready);
     let rows = sh.num_seqs() * sh.heads;
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, sh.dv.div_ceil(plan.bv) as u32, 1),
@@ -613,8 +745,10 @@ pub(super) fn run_scan(
         shared_mem_bytes: plan.smem as u32,
     };
     // SAFETY: the arguments match `gdp_fwd_scan_bf16_impl` (a null pointer for each output not
-    // wanted: it writes what is not null); the scratch buffers were filled by the WY launch on
-    // the same stream; the dynamic shared memory is the plan's.
+    // wanted: it writes what is not null); the scratch buffers were filled by the WY launch
+    // before this one on the same stream, or (`beside`) are filled by one running beside it,
+    // whose readiness counters the kernel waits for before reading a chunk's; the dynamic
+    // shared memory is the plan's.
     unsafe { args.launch(cfg) }.w()?;
     drop(args);
     Ok(())

@@ -14,16 +14,18 @@ use super::chunked::{
 };
 use super::launch::{allow_smem, check_states, shape_i32, to_i32, view};
 use super::module::load_kernel;
+use super::side::SideStream;
 use crate::op::shape::{GdpShape, CHUNK};
 use crate::op::QueryKeys;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 use half::bf16;
+use std::sync::Arc;
 
 /// Threads per block of the gradient kernel (`GDPG_THREADS`) and its column groups
 /// (`GDPG_GROUPS`).
@@ -200,20 +202,15 @@ pub fn try_backward_bf16(
         return Ok(Some(out));
     }
 
-    // 1-2. WY factors with Ainv; every chunk's start state and Delta (kept by the forward, or
-    // computed again).
-    let (wy, states) = match cache {
+    // 1. WY factors with Ainv, and the buffers of every chunk's start state and Delta (kept by
+    // the forward, or computed again in 3).
+    let rerun = cache.is_none();
+    let (wy, mut states) = match cache {
         Some(cache) => cache.into_parts(),
-        None => {
-            let wy = WyFactors::compute(dev, &inp, &table, sh, scale, true)?;
-            let mut states = ChunkStates::alloc(dev, &table, sh)?;
-            let dest = ScanDest {
-                out: ScanOut::None,
-                states: Some(&mut states),
-            };
-            run_scan(dev, &inp, &table, &wy, sh, has_h0, h0_override, &fwd, dest)?;
-            (wy, states)
-        }
+        None => (
+            WyFactors::compute(dev, &inp, &table, sh, scale, true)?,
+            ChunkStates::alloc(dev, &table, sh)?,
+        ),
     };
 
     // dO in bf16 (the tensor cores' operand type), and dht (f32) when given.
@@ -227,7 +224,10 @@ pub fn try_backward_bf16(
         }
     };
 
-    // 3. The state-gradient scan.
+    // 3. The state-gradient scan on a side stream, beside the forward's rerun (when the forward
+    // kept no states) on the device's stream: the two are independent, each sequential over the
+    // chunks with a block per (sequence, head, value tile), and at small B·H (B1 H16: 64 blocks
+    // each on 132 multiprocessors) one alone leaves half the GPU idle.
     // SAFETY (dhs, ddn): the scan writes every element of every slot of the table's chunks
     // before the gradient kernel reads them; slots of no chunk are never read.
     let mut dhs = unsafe { dev.alloc::<bf16>(slots * kv)? };
@@ -246,7 +246,39 @@ pub fn try_backward_bf16(
             chunks: Some((&mut dhs, &mut ddn)),
             dh0: has_h0.then_some(&mut dh0),
         };
-        run_dh_scan(dev, &inp, &table, &wy, &dob, dht.as_ref(), sh, &dh, dest)?;
+        let side = SideStream::fork(dev)?;
+        let dht = dht.as_ref();
+        run_dh_scan(
+            dev,
+            side.stream(),
+            &inp,
+            &table,
+            &wy,
+            &dob,
+            dht,
+            sh,
+            &dh,
+            dest,
+        )?;
+        if rerun {
+            let dest = ScanDest {
+                out: ScanOut::None,
+                states: Some(&mut states),
+            };
+            run_scan(
+                dev,
+                &inp,
+                &table,
+                &wy,
+                sh,
+                has_h0,
+                h0_override,
+                &fwd,
+                dest,
+                None,
+            )?;
+        }
+        side.join()?;
     }
 
     // 4. Every gradient, per (chunk, head).
@@ -354,10 +386,12 @@ pub(super) struct DhDest<'a, 'b> {
 
 /// Runs the state-gradient scan `plan.kernel` (`gdp_bwd_dh_bf16_<BV>_<KPT>`) over `table`'s
 /// chunks with the WY factors `wy` (W, P and the gate coefficients), the bf16 output gradient
-/// `dob [B, T, H, V]` and the end-state gradients `dht [N, H, K, V]` (zero when `None`).
+/// `dob [B, T, H, V]` and the end-state gradients `dht [N, H, K, V]` (zero when `None`), on
+/// `stream` (the device's, or a [`SideStream`]'s).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run_dh_scan(
     dev: &CudaDevice,
+    stream: &Arc<CudaStream>,
     inp: &Bf16Inputs,
     table: &ChunkTable,
     wy: &WyFactors,
@@ -374,7 +408,7 @@ pub(super) fn run_dh_scan(
     let write_dh0 = i32::from(dest.dh0.is_some());
     let (qr, ns) = (query_rows(sh.n) as i32, plan.stages as i32);
     let null = 0u64;
-    let mut args = func.builder();
+    let mut args = func.builder_on(stream);
     args.arg(&inp.q);
     args.arg(&inp.k);
     args.arg(&inp.split);
@@ -417,8 +451,9 @@ pub(super) fn run_dh_scan(
         shared_mem_bytes: plan.smem as u32,
     };
     // SAFETY: the arguments match `gdp_bwd_dh_bf16_impl`: the WY factors and the bf16 dO come
-    // from launches on this stream and are sized from `sh` and `table`; dht (read only with
-    // `has_dht`) and dh0 (written only with `write_dh0`) hold one state per (sequence, head);
+    // from launches on this stream (or on the device's stream, which it was forked from after
+    // them) and are sized from `sh` and `table`; dht (read only with `has_dht`) and dh0
+    // (written only with `write_dh0`) hold one state per (sequence, head);
     // dhs and ddn hold every slot of the table, or are null (not written); the dynamic shared
     // memory is the plan's (`dh_smem_bytes`).
     unsafe { args.launch(cfg) }.w()?;

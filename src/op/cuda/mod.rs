@@ -11,6 +11,8 @@ mod copy;
 mod launch;
 mod memory;
 mod module;
+mod pipeline;
+mod side;
 mod step;
 mod summary;
 

@@ -27,6 +27,12 @@ impl GdpFunc {
     pub fn builder(&self) -> LaunchArgs<'_> {
         self.stream.launch_builder(&self.func)
     }
+
+    /// Argument builder of one launch on `stream`, a stream of the device's context (see
+    /// [`super::side::SideStream`]).
+    pub fn builder_on<'a>(&'a self, stream: &'a Arc<CudaStream>) -> LaunchArgs<'a> {
+        stream.launch_builder(&self.func)
+    }
 }
 
 impl std::ops::Deref for GdpFunc {

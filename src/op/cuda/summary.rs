@@ -175,6 +175,7 @@ pub fn forward_summaries_bf16(
         Some(&h0w),
         &plan,
         dest,
+        None,
     )?;
     let mut all = dev.clone_dtoh(&fin)?;
     all.truncate(wide.state_len());
@@ -235,6 +236,7 @@ pub fn backward_summaries_bf16(
         let (dow, dhtw) = (dow.slice(..), dhtw.slice(..));
         run_dh_scan(
             &dev,
+            &dev.cuda_stream(),
             &inp,
             &table,
             &wy,
