@@ -77,8 +77,9 @@ impl SideStream {
 
     /// Makes the device's stream wait for everything queued on the side stream.
     pub fn join(mut self) -> Result<()> {
+        self.main.join(&self.side).w()?;
         self.joined = true;
-        self.main.join(&self.side).w()
+        Ok(())
     }
 }
 
