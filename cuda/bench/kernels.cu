@@ -1,7 +1,8 @@
 // Kernel-only timings (CUDA events, median of repeated launches) of the bf16 two-kernel forward
 // (gdp_fwd_wy_bf16, gdp_fwd_scan_bf16_<BV>_128), of the split bf16 backward (the same two with
 // the states kept, gdp_bwd_dh_bf16_<BV>_128, gdp_bwd_grads_bf16_128_128) at the benchmark shapes
-// of docs/perf.md and of the fused decode step (gdp_step_f32_k128) at B64 H16 K=V=128 n = 1..3, with achieved bandwidth. No Rust
+// of docs/perf.md (with the WY kernel beside the scan where the op overlaps them), and of the
+// fused decode step (gdp_step_f32_k128) at B64 H16 K=V=128 n = 1..3, with achieved bandwidth. No Rust
 // needed, so it separates kernel time from the op's host-side work:
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icuda cuda/bench/kernels.cu -o kbench && ./kbench
 #include "gdp.cu"
@@ -123,6 +124,54 @@ static void forward(int B, int T, int H, int n) {
   scan(gdp_fwd_scan_bf16_32_128, 32);
   scan(gdp_fwd_scan_bf16_64_128, 64);
   printf("\n");
+
+  // The WY kernel beside the scan (src/op/cuda/pipeline.rs) where the scan's blocks (BV 32)
+  // fill fewer than half the multiprocessors: the counters zeroed, the WY kernel over the
+  // chunks time-major on the default stream, the scan on a high-priority stream waiting for
+  // them; timed from before the zeroing to the scan's end.
+  int sms;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  if (2 * B * H * (V / 32) < sms) {
+    const int nch = (T * n + C - 1) / C;
+    std::vector<int> order;
+    for (int c = 0; c < nch; ++c)
+      for (int s = 0; s < B; ++s) order.push_back(s * nch + c);
+    int* dorder = upload(order);
+    const size_t counters = (total / GDPC_READY_GROUP + B + 1) * H;
+    int* ready;
+    CK(cudaMalloc(&ready, counters * sizeof(int)));
+    int least, greatest;
+    CK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    cudaStream_t urgent;
+    CK(cudaStreamCreateWithPriority(&urgent, cudaStreamNonBlocking, greatest));
+    cudaEvent_t zeroed, done;
+    CK(cudaEventCreateWithFlags(&zeroed, cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    auto smem_of = [&](int ns) {  // as in time_scan
+      return ns * gdpc_stage_bytes(KP, QR, 32) + 2 * 2 * KP * 40 + 2 * 2 * C * 40 + 8 * ns * 2 * C +
+             12 * ns;
+    };
+    const int NS = smem_of(3) <= 232448 ? 3 : 2, smem = smem_of(NS);
+    CK(cudaFuncSetAttribute(gdp_fwd_scan_bf16_32_128, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            smem));
+    const float t = median_ms([&] {
+      CK(cudaMemsetAsync(ready, 0, counters * sizeof(int), 0));
+      CK(cudaEventRecord(zeroed, 0));
+      CK(cudaStreamWaitEvent(urgent, zeroed, 0));
+      gdp_fwd_wy_bf16<<<total * H, 128, wy_smem, 0>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf,
+                                                       nullptr, B, T, H, K, V, n, B, scale,
+                                                       dorder, ready);
+      gdp_fwd_scan_bf16_32_128<<<dim3(B * H, V / 32), 256, smem, urgent>>>(
+          dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, ob, nullptr, nullptr, nullptr, B,
+          T, H, K, V, n, 0, QR, NS, ready);
+      CK(cudaEventRecord(done, urgent));
+      CK(cudaStreamWaitEvent(0, done, 0));
+    });
+    printf("  overlapped wy + scan BV32/%d %.3f ms (wy %.3f + scan alone, above)\n", NS, t, t_wy);
+    CK(cudaStreamDestroy(urgent));
+    CK(cudaFree(dorder));
+    CK(cudaFree(ready));
+  }
 
   // ---- The split backward (with dO random, dht zero).
   __nv_bfloat16 *ag, *hs, *dn, *dhs, *ddn, *dob;
