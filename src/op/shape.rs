@@ -114,6 +114,38 @@ impl GdpShape {
     pub fn aux_len(&self, has_h0: bool) -> usize {
         self.token_heads() * (1 + self.n) + if has_h0 { self.state_len() } else { 0 }
     }
+
+    /// [`CHUNK`]-row chunks of each sequence's `len · n` interleaved rows.
+    pub fn chunks_per_seq(&self) -> Vec<usize> {
+        self.seqs
+            .iter()
+            .map(|s| (s.len * self.n).div_ceil(CHUNK))
+            .collect()
+    }
+
+    /// Every chunk once, numbered sequence by sequence (chunk `i` of sequence `s` is the
+    /// chunks of sequences `0..s` plus `i`, as the CUDA kernels' chunk table numbers them),
+    /// listed time-major: chunk 0 of every sequence, then chunk 1 of every sequence that has
+    /// one, and so on (the order in which a scan over all sequences at once needs them).
+    pub fn chunks_time_major(&self) -> Vec<usize> {
+        let per_seq = self.chunks_per_seq();
+        let mut first = Vec::with_capacity(per_seq.len());
+        let mut next = 0;
+        for &c in &per_seq {
+            first.push(next);
+            next += c;
+        }
+        let most = per_seq.iter().copied().max().unwrap_or(0);
+        let mut order = Vec::with_capacity(next);
+        for i in 0..most {
+            for (&c, &f) in per_seq.iter().zip(&first) {
+                if i < c {
+                    order.push(f + i);
+                }
+            }
+        }
+        order
+    }
 }
 
 /// Checks packed-sequence offsets: at least two entries, starting at 0, non-decreasing, ending
@@ -189,5 +221,18 @@ mod tests {
             }
         );
         assert_eq!(s.aux_len(true), 10 * 2 * 3 + 3 * 2 * 4 * 3);
+    }
+
+    #[test]
+    fn chunks_time_major_lists_each_chunk_once_in_time_order() {
+        // n = 2: sequences of 100, 0, 20 and 40 tokens have 4, 0, 1 and 2 chunks, numbered
+        // 0..4, -, 4 and 5..7.
+        let s = GdpShape::new(1, 160, 2, 4, 3, 2, Some(&[0, 100, 100, 120, 160]));
+        assert_eq!(s.chunks_per_seq(), vec![4, 0, 1, 2]);
+        assert_eq!(s.chunks_time_major(), vec![0, 4, 5, 1, 6, 2, 3]);
+        let dense = GdpShape::new(2, 64, 1, 4, 3, 1, None);
+        assert_eq!(dense.chunks_time_major(), vec![0, 1]);
+        let empty = GdpShape::new(1, 0, 1, 4, 3, 1, Some(&[0, 0]));
+        assert!(empty.chunks_time_major().is_empty());
     }
 }

@@ -29,7 +29,7 @@ use super::chunked::{
     ready_counters, run_scan, Beside, Bf16Inputs, ChunkTable, ScanDest, ScanPlan, Signal, WyFactors,
 };
 use super::side::SideStream;
-use crate::op::shape::{GdpShape, CHUNK};
+use crate::op::shape::GdpShape;
 use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaSlice};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::Result;
@@ -67,27 +67,12 @@ impl Pipeline {
         if !wanted || table.chunks == 0 || 2 * blocks >= sms {
             return Ok(None);
         }
-        let chunks: Vec<usize> = sh
-            .seqs
-            .iter()
-            .map(|s| (s.len * sh.n).div_ceil(CHUNK))
+        // The table holds at most i32::MAX chunks (`ChunkTable::new`).
+        let order: Vec<i32> = sh
+            .chunks_time_major()
+            .into_iter()
+            .map(|c| c as i32)
             .collect();
-        let mut bases = Vec::with_capacity(chunks.len());
-        let mut next = 0;
-        for &c in &chunks {
-            bases.push(next);
-            next += c;
-        }
-        let most = chunks.iter().copied().max().unwrap_or(0);
-        let mut order = Vec::with_capacity(table.chunks);
-        for ci in 0..most {
-            for (&nch, &base) in chunks.iter().zip(&bases) {
-                if ci < nch {
-                    // The table holds at most i32::MAX chunks (`ChunkTable::new`).
-                    order.push((base + ci) as i32);
-                }
-            }
-        }
         if order.len() != table.chunks {
             candle_core::bail!(
                 "gdp cuda: the chunk order has {} chunks, the table {}",
