@@ -12,7 +12,7 @@
 use super::backward::In;
 use super::launch::{allow_smem, check_states, device_attr, shape_i32, to_i32, view};
 use super::module::load_kernel;
-use super::pipeline::Pipeline;
+use super::pipeline::{wy_then_scan, Pipeline};
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -265,25 +265,10 @@ pub fn try_forward_bf16(
                 .transpose()?;
             let mut scan = |out: ScanOut, states: Option<&mut ChunkStates>| {
                 let dest = ScanDest { out, states };
-                match &pipeline {
-                    Some(p) => p.run(
-                        dev,
-                        &inp,
-                        &table,
-                        &mut wy,
-                        sh,
-                        scale,
-                        has_h0,
-                        h0_override,
-                        &plan,
-                        dest,
-                    ),
-                    None => {
-                        wy.launch(dev, &inp, &table, sh, scale, None)?;
-                        let h0o = h0_override;
-                        run_scan(dev, &inp, &table, &wy, sh, has_h0, h0o, &plan, dest, None)
-                    }
-                }
+                let (pipe, h0o) = (pipeline.as_ref(), h0_override);
+                wy_then_scan(
+                    pipe, dev, &inp, &table, &mut wy, sh, scale, has_h0, h0o, &plan, dest,
+                )
             };
             let out = if plain {
                 // SAFETY: the scan writes o for every query row (`cu_seqlens` covers every
@@ -369,8 +354,7 @@ impl ChunkTable {
     pub fn new(dev: &CudaDevice, sh: &GdpShape) -> Result<Self> {
         let mut table = Vec::with_capacity(4 * sh.num_seqs());
         let mut chunks = vec![];
-        for (si, s) in sh.seqs.iter().enumerate() {
-            let nch = (s.len * sh.n).div_ceil(CHUNK);
+        for (si, (s, nch)) in sh.seqs.iter().zip(sh.chunks_per_seq()).enumerate() {
             table.extend([
                 to_i32(s.batch, "batch")?,
                 to_i32(s.start, "start")?,

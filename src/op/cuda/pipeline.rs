@@ -85,12 +85,13 @@ impl Pipeline {
         }))
     }
 
-    /// Computes `wy` (allocated for `table`) and runs the scan `plan` into `dest`, the two
-    /// side by side, or one after the other while this GPU's previous overlapped forward may
-    /// still run.
+    /// Queues the WY kernel and the scan side by side (the registry of this GPU's overlapped
+    /// forwards, `running`, locked by the caller, gets this one's completion).
     #[allow(clippy::too_many_arguments)]
-    pub fn run(
+    fn run_beside(
         &self,
+        running: &mut HashMap<usize, CudaEvent>,
+        ordinal: usize,
         dev: &CudaDevice,
         inp: &Bf16Inputs,
         table: &ChunkTable,
@@ -102,31 +103,6 @@ impl Pipeline {
         plan: &ScanPlan,
         dest: ScanDest,
     ) -> Result<()> {
-        let main = dev.cuda_stream();
-        let ordinal = main.context().ordinal();
-        let mut running = in_flight()
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("gdp cuda: overlap registry poisoned".into()))?;
-        main.context().bind_to_thread().w()?;
-        if running
-            .get(&ordinal)
-            .is_some_and(|done| !done.is_complete())
-        {
-            drop(running);
-            wy.launch(dev, inp, table, sh, scale, None)?;
-            return run_scan(
-                dev,
-                inp,
-                table,
-                wy,
-                sh,
-                has_h0,
-                h0_override,
-                plan,
-                dest,
-                None,
-            );
-        }
         let ready = dev.alloc_zeros::<i32>(ready_counters(table, sh))?;
         // The side stream starts after the counters are zeroed; the WY kernel is queued first, so
         // that with GDP_CUDA_STREAMS=1 (one stream) the scan finds every chunk ready.
@@ -140,6 +116,7 @@ impl Pipeline {
             stream: side.stream(),
             ready: &ready,
         };
+        let h0o = h0_override;
         run_scan(
             dev,
             inp,
@@ -147,15 +124,70 @@ impl Pipeline {
             wy,
             sh,
             has_h0,
-            h0_override,
+            h0o,
             plan,
             dest,
             Some(beside),
         )?;
         running.insert(ordinal, side.stream().record_event(None).w()?);
-        drop(running);
         side.join()
     }
+}
+
+/// Computes `wy` (allocated for `table`) and runs the scan `plan` into `dest`: side by side
+/// with `pipeline` where there is one and this GPU's previous overlapped forward has finished,
+/// else one after the other on the device's stream.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn wy_then_scan(
+    pipeline: Option<&Pipeline>,
+    dev: &CudaDevice,
+    inp: &Bf16Inputs,
+    table: &ChunkTable,
+    wy: &mut WyFactors,
+    sh: &GdpShape,
+    scale: f32,
+    has_h0: bool,
+    h0_override: Option<&CudaSlice<f32>>,
+    plan: &ScanPlan,
+    dest: ScanDest,
+) -> Result<()> {
+    if let Some(p) = pipeline {
+        let main = dev.cuda_stream();
+        let ordinal = main.context().ordinal();
+        let mut running = in_flight()
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("gdp cuda: overlap registry poisoned".into()))?;
+        main.context().bind_to_thread().w()?;
+        if running.get(&ordinal).is_none_or(CudaEvent::is_complete) {
+            return p.run_beside(
+                &mut running,
+                ordinal,
+                dev,
+                inp,
+                table,
+                wy,
+                sh,
+                scale,
+                has_h0,
+                h0_override,
+                plan,
+                dest,
+            );
+        }
+    }
+    wy.launch(dev, inp, table, sh, scale, None)?;
+    run_scan(
+        dev,
+        inp,
+        table,
+        wy,
+        sh,
+        has_h0,
+        h0_override,
+        plan,
+        dest,
+        None,
+    )
 }
 
 /// Per GPU (ordinal), the completion of the last overlapped forward queued in this process.
