@@ -416,6 +416,36 @@ __device__ __forceinline__ void gdpg_store_pair(float* row, int col, int ncols, 
   }
 }
 
+// Stages rows [0, rows) of `len` bf16 values (row r at src + off(r)) into a shared tile of row
+// stride LD and zeros rows [rows, zrows) (zrows <= MAXROWS): through gdpc_stage_tile, whose
+// offsets are fixed at compile time, where the rows are exactly LEN wide and 16-byte aligned
+// (`vec`), else through gdpc_stage_rows. The general copy's index arithmetic was a quarter of
+// this kernel's instructions.
+template <int LEN, int LD, int MAXROWS, typename Off>
+__device__ __forceinline__ void gdpg_stage(__nv_bfloat16* __restrict__ dst,
+                                           const __nv_bfloat16* __restrict__ src, Off off,
+                                           int rows, int zrows, int len, bool vec, int tid) {
+  if (vec && len == LEN) {
+    gdpc_stage_tile<LEN, LD, MAXROWS, GDPG_THREADS>(dst, src, off, rows, zrows, tid);
+  } else {
+    const GdpcSplit sp(len, tid, GDPG_THREADS);
+    gdpc_stage_rows(dst, LD, src, off, rows, zrows, len, vec, sp, tid, GDPG_THREADS);
+  }
+}
+
+// Σ a_i b_i over eight bf16 pairs (16 bytes of each operand), in f32.
+__device__ __forceinline__ float gdpg_dot8(const uint4& a, const uint4& b) {
+  const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
+  const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&b);
+  float s = 0.f;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 u = __bfloat1622float2(x[e]), v = __bfloat1622float2(y[e]);
+    s += u.x * v.x + u.y * v.y;
+  }
+  return s;
+}
+
 template <int KP, int VP>
 __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
     const __nv_bfloat16* __restrict__ qb, const __nv_bfloat16* __restrict__ kb, int split,
@@ -432,7 +462,9 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   // 16-column pairs of a warp's column group in products with K, V and 64 columns.
   constexpr int NPK = KP / (16 * NG), NPV = VP / (16 * NG), NPC = C / (16 * NG);
   static_assert(NPK >= 1 && NPV >= 1 && NPC >= 1, "a column group holds a pair of n8 tiles");
-  const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31, warp = tid >> 5;
+  // Launched with GDPG_THREADS threads: loops over the block's threads unroll at compile time.
+  constexpr int nthr = GDPG_THREADS;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int mi = warp & 3, hf = warp >> 2;  // row tile, column group
   const int m0 = 16 * mi;
@@ -507,23 +539,20 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
 
   // ---- Stage everything but dS (one cp.async group; dS goes where dDelta and V were, after
   // phase 1); gates meanwhile.
-  const GdpcSplit spk(K, tid, nthr), spv(V, tid, nthr), spc(C, tid, nthr);
-  gdpc_stage_rows(Ks, LK, kb, [&](int i) { return rows.key(i); }, c, C, K, vk, spk, tid, nthr);
-  gdpc_stage_rows(Qs, LK, qb, [&](int r) { return rows.query(r); }, nq, 16 * mq, K, vk, spk, tid,
-                  nthr);
-  gdpc_stage_rows(HB, LV, hs + slot * KV, [&](int r) { return (int64_t)r * V; }, K, KP, V, vv8,
-                  spv, tid, nthr);
-  gdpc_stage_rows(Dn, LV, dn + slot * C * V, [&](int r) { return (int64_t)r * V; }, C, C, V, vv8,
-                  spv, tid, nthr);
-  gdpc_stage_rows(Dd, LV, ddn + slot * C * V, [&](int r) { return (int64_t)r * V; }, C, C, V,
-                  vv8, spv, tid, nthr);
-  gdpc_stage_rows(
-      Vs, LV, vv, [&](int i) { return ((tok0 * n + p0 + i) * H + head) * (int64_t)V; }, c, C, V,
-      vv8 && gdpc_aligned16(vv), spv, tid, nthr);
-  gdpc_stage_rows(DOs, LV, dob, [&](int r) { return (rows.query_token(r) * H + head) * (int64_t)V; },
-                  nq, 16 * mq, V, vv8 && gdpc_aligned16(dob), spv, tid, nthr);
-  gdpc_stage_rows(Ab, LC, ag + slot * C * C, [&](int r) { return (int64_t)r * C; }, C, C, C, true,
-                  spc, tid, nthr);
+  const auto by_v = [&](int r) { return (int64_t)r * V; };
+  gdpg_stage<KP, LK, C>(Ks, kb, [&](int i) { return rows.key(i); }, c, C, K, vk, tid);
+  gdpg_stage<KP, LK, C>(Qs, qb, [&](int r) { return rows.query(r); }, nq, 16 * mq, K, vk, tid);
+  gdpg_stage<VP, LV, KP>(HB, hs + slot * KV, by_v, K, KP, V, vv8, tid);
+  gdpg_stage<VP, LV, C>(Dn, dn + slot * C * V, by_v, C, C, V, vv8, tid);
+  gdpg_stage<VP, LV, C>(Dd, ddn + slot * C * V, by_v, C, C, V, vv8, tid);
+  gdpg_stage<VP, LV, C>(
+      Vs, vv, [&](int i) { return ((tok0 * n + p0 + i) * H + head) * (int64_t)V; }, c, C, V,
+      vv8 && gdpc_aligned16(vv), tid);
+  gdpg_stage<VP, LV, C>(
+      DOs, dob, [&](int r) { return (rows.query_token(r) * H + head) * (int64_t)V; }, nq, 16 * mq,
+      V, vv8 && gdpc_aligned16(dob), tid);
+  gdpg_stage<C, LC, C>(Ab, ag + slot * C * C, [&](int r) { return (int64_t)r * C; }, C, C, C, true,
+                       tid);
   cp_async_commit();
   gdpc_zero_cols(Ks, LK, C, K, KP, tid, nthr);
   gdpc_zero_cols(Qs, LK, 16 * mq, K, KP, tid, nthr);
@@ -578,50 +607,89 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
     const int n0 = hf * (C / NG);
     float acc[2 * NPC][4] = {};
     gdpg_mma<NPC, false, true>(acc, DOs, LV, m0, Dn, LV, n0, VP, lane);
+    // This thread's two query rows: their chunk row and gate cumsum in registers (gdpb_dec's
+    // arithmetic, without reloading the row's values for every element).
+    int ri[2];
+    float gi[2], gli[2];
 #pragma unroll
-    for (int j = 0; j < 2 * NPC; ++j)
+    for (int h = 0; h < 2; ++h) {
+      ri[h] = min(first + (m0 + g + 8 * h) * n, C - 1);
+      gi[h] = G[ri[h]];
+      gli[h] = Gl[ri[h]];
+    }
+#pragma unroll
+    for (int j = 0; j < 2 * NPC; ++j) {
+      const int col = n0 + 8 * j + 2 * t;
+      const float2 gj = *reinterpret_cast<const float2*>(G + col);
+      const float2 glj = *reinterpret_cast<const float2*>(Gl + col);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int r = m0 + g + 8 * h, col = n0 + 8 * j + 2 * t;
+        const int r = m0 + g + 8 * h;
         float x[2];
 #pragma unroll
-        for (int e = 0; e < 2; ++e)
-          x[e] = (r < nq && col + e < c)
-                     ? acc[j][2 * h + e] * (scale * gdpb_dec(G, Gl, first + r * n, col + e))
+        for (int e = 0; e < 2; ++e) {
+          const int jj = col + e;
+          // Select before exponentiating (pitfall P4): the argument is <= 0 for jj <= ri.
+          x[e] = (r < nq && jj < c && jj <= ri[h])
+                     ? acc[j][2 * h + e] *
+                           (scale * expf((gi[h] - (e ? gj.y : gj.x)) + (gli[h] - (e ? glj.y : glj.x))))
                      : 0.f;
+        }
         *reinterpret_cast<__nv_bfloat162*>(DSb + r * LC + col) = __floats2bfloat162_rn(x[0], x[1]);
       }
+    }
   }
   __syncthreads();
   // dS (chunk end) into the space of dDelta and V (rows past K zero; columns past V are).
-  gdpc_stage_rows(DHB, LV, dhs + slot * KV, [&](int r) { return (int64_t)r * V; }, K, KP, V, vv8,
-                  spv, tid, nthr);
+  gdpg_stage<VP, LV, KP>(DHB, dhs + slot * KV, by_v, K, KP, V, vv8, tid);
   cp_async_commit();
 
   // ---- Phase 2: dq; dM (and its row / column sums against β k·k); dk from dvb hᵀ and dsᵀ Q.
   const int nk0 = hf * (KP / NG);
-  if (mi < mq) {
-    float acc[2 * NPK][4] = {};
-    gdpg_mma<NPK, false, true>(acc, DOs, LV, m0, HB, LV, nk0, VP, lane);
+  // dq for the query rows, 16-row tiles by the column groups. Where the query rows fill at most
+  // two tiles (n >= 2) and a group's columns split in two, the warps of the other row tiles take
+  // half of them: otherwise half the warps do these products (40% of the phase's) while the
+  // others wait at the next barrier. A half's q·dq partial sums go to rows 32.. of R_A3.
+  const bool split_dq = NPK % 2 == 0 && mq <= 2;
+  const int dq_tile = split_dq ? (mi & 1) : mi, dq_half = split_dq ? (mi >> 1) : 0;
+  auto dq_part = [&](auto np) {
+    constexpr int NP = decltype(np)::value;
+    const int r0 = 16 * dq_tile, c0 = nk0 + dq_half * (16 * NP);
+    float acc[2 * NP][4] = {};
+    gdpg_mma<NP, false, true>(acc, DOs, LV, r0, HB, LV, c0, VP, lane);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = m0 + g + 8 * h;
+      const int r = r0 + g + 8 * h;
       const float cq = r < nq ? scale * Eg[first + r * n] : 0.f;
 #pragma unroll
-      for (int j = 0; j < 2 * NPK; ++j) acc[j][2 * h] *= cq, acc[j][2 * h + 1] *= cq;
+      for (int j = 0; j < 2 * NP; ++j) acc[j][2 * h] *= cq, acc[j][2 * h + 1] *= cq;
     }
-    gdpg_mma<NPK, false, false>(acc, DSb, LC, m0, Ks, LK, nk0, C, lane);
+    gdpg_mma<NP, false, false>(acc, DSb, LC, r0, Ks, LK, c0, C, lane);
     float a3[2] = {0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < 2 * NPK; ++j)
+    for (int j = 0; j < 2 * NP; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int r = m0 + g + 8 * h, col = nk0 + 8 * j + 2 * t;
+        const int r = r0 + g + 8 * h, col = c0 + 8 * j + 2 * t;
         const float2 qx = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Qs + r * LK + col));
         a3[h] += acc[j][2 * h] * qx.x + acc[j][2 * h + 1] * qx.y;
         if (r < nq) put_pair(kDq, rows.query(r), col, K, acc[j][2 * h], acc[j][2 * h + 1]);
       }
-    put_rows(R_A3, a3);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float sum = gdpg_quad_sum(a3[h]);
+      if (t == 0) red(R_A3, hf, r0 + g + 8 * h + 32 * dq_half) = sum;
+    }
+  };
+  if (dq_tile < mq) {
+    if constexpr (NPK % 2 == 0) {
+      if (split_dq)
+        dq_part(std::integral_constant<int, NPK / 2>{});
+      else
+        dq_part(std::integral_constant<int, NPK>{});
+    } else {
+      dq_part(std::integral_constant<int, NPK>{});
+    }
   }
   {
     const int n0 = hf * (C / NG);
@@ -629,20 +697,38 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
     gdpg_mma<NPC, false, true>(da, DVB, LV, m0, Dn, LV, n0, VP, lane);
     gdpg_mma<NPC, false, true>(kk, Ks, LK, m0, Ks, LK, n0, KP, lane);
     float mk[2] = {0.f, 0.f};
+    float gi[2], gli[2], bi[2];  // this thread's rows' gate cumsum and beta
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = m0 + g + 8 * h;
+      gi[h] = G[i];
+      gli[h] = Gl[i];
+      bi[h] = Bt[i];
+    }
 #pragma unroll
     for (int j = 0; j < 2 * NPC; ++j) {
       float cs[2] = {0.f, 0.f};
+      const int col = n0 + 8 * j + 2 * t;
+      const float2 gj = *reinterpret_cast<const float2*>(G + col);
+      const float2 glj = *reinterpret_cast<const float2*>(Gl + col);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = m0 + g + 8 * h;
+        float dmp[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int jj = n0 + 8 * j + 2 * t + e;
-          const float dm = (jj < i && i < c) ? -da[j][2 * h + e] * gdpb_dec(G, Gl, i, jj) : 0.f;
-          DM[i * LF + jj] = dm;
+          const int jj = col + e;
+          // gdpb_dec(G, Gl, i, jj) for jj < i (selected before exponentiating, pitfall P4).
+          const float dm =
+              (jj < i && i < c)
+                  ? -da[j][2 * h + e] *
+                        expf((gi[h] - (e ? gj.y : gj.x)) + (gli[h] - (e ? glj.y : glj.x)))
+                  : 0.f;
+          dmp[e] = dm;
           mk[h] += dm * kk[j][2 * h + e];
-          cs[e] += dm * Bt[i] * kk[j][2 * h + e];
+          cs[e] += dm * bi[h] * kk[j][2 * h + e];
         }
+        *reinterpret_cast<float2*>(DM + i * LF + col) = make_float2(dmp[0], dmp[1]);
       }
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
@@ -681,19 +767,21 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   __syncthreads();
 
   // ---- Phase 3: Z = β_i dM_ij + β_j dM_ji into Ab (Ainv is no longer read); h·dS.
-  for (int idx = tid; idx < C * C; idx += nthr) {
-    const int i = idx >> 6, j = idx & 63;
+  static_assert(C * C % nthr == 0 && KP * VP % (8 * nthr) == 0, "whole loop steps");
+#pragma unroll
+  for (int step = 0; step < C * C / nthr; ++step) {
+    const int idx = step * nthr + tid, i = idx >> 6, j = idx & 63;
     Ab[i * LC + j] = __float2bfloat16_rn(Bt[i] * DM[i * LF + j] + Bt[j] * DM[j * LF + i]);
   }
   {
-    // Padded rows and columns of both tiles are zero.
-    constexpr int PPR = VP / 2;  // bf16 pairs per row
+    // Padded rows and columns of both tiles are zero; 16 bytes of each per step.
+    constexpr int BPR = VP / 8;  // 16-byte blocks per row
     float s = 0.f;
-    for (int idx = tid; idx < KP * PPR; idx += nthr) {
-      const int r = idx / PPR, col = 2 * (idx % PPR);
-      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(HB + r * LV + col));
-      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(DHB + r * LV + col));
-      s += a.x * b.x + a.y * b.y;
+#pragma unroll
+    for (int step = 0; step < KP * BPR / nthr; ++step) {
+      const int idx = step * nthr + tid, r = idx / BPR, col = 8 * (idx % BPR);
+      s += gdpg_dot8(*reinterpret_cast<const uint4*>(HB + r * LV + col),
+                     *reinterpret_cast<const uint4*>(DHB + r * LV + col));
     }
     s = gdpg_warp_sum(s);  // one shared-memory atomic per warp, not per thread
     if (lane == 0) atomicAdd(&MISC[0], s);
@@ -738,7 +826,8 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
     float dg = -sum2(R_A2) + Bt[i] * Eg[i] * kb + Bt[i] * mk - CS[i];
     if ((rows.r0 + i) % n == n - 1) {
       const int r = (i - first) / n;  // the query row of this token
-      for (int grp = 0; grp < NG; ++grp) dg += red(R_A3, grp, r);
+      for (int grp = 0; grp < NG; ++grp)
+        dg += split_dq ? red(R_A3, grp, r) + red(R_A3, grp, r + 32) : red(R_A3, grp, r);
     }
     if (i == c - 1) dg += Eg[c - 1] * MISC[0];
     DG[i] = dg;

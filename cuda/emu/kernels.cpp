@@ -623,6 +623,11 @@ int main(int argc, char** argv) {
     run_bf16_bwd(cases[i], 16 << cfg, 2 + (int)(i % 2));
   }
   run_bf16_bwd(cases.back(), 32, 3, true);
+  // Rows exactly as wide as the kernels' tiles (K = 64, V = 128), packed and as q, k parts: the
+  // gradient kernel stages them through the compile-time tile copies.
+  const Case tiles{"n3 T100 K64 V128 strong", 1, 100, 2, 64, 128, 3, false, {0, 37, 100}, 20.f, 32};
+  run_bf16_bwd(tiles, 16, 2);
+  run_bf16_bwd(tiles, 32, 3);
   if (only_bwd) {
     printf("fails: %d\n", fails);
     return fails != 0;
