@@ -284,6 +284,26 @@ __device__ __forceinline__ bool gdpc_qk_vec(const __nv_bfloat16* qb, const __nv_
   return K % 8 == 0 && gdpc_aligned16(qb) && gdpc_aligned16(kb);
 }
 
+// Stages rows [0, rows) of `len` bf16 values (row r at src + off(r)) into a shared tile of row
+// stride ld and zeros rows [rows, zrows) (at most GDP_CHUNK) for the WY kernel: through
+// gdpc_stage_tile, whose offsets are fixed at compile time, where the rows are 64 or 128 values
+// exactly and 16-byte aligned (`vec`) and ld is that plus 8; else through gdpc_stage_rows.
+template <typename Off>
+__device__ __forceinline__ void gdpc_stage_wy(__nv_bfloat16* __restrict__ dst, int ld,
+                                              const __nv_bfloat16* __restrict__ src, Off off,
+                                              int rows, int zrows, int len, bool vec,
+                                              int tid) {
+  constexpr int C = GDP_CHUNK, NT = GDPC_THREADS;
+  if (vec && len == 128 && ld == 136) {
+    gdpc_stage_tile<128, 136, C, NT>(dst, src, off, rows, zrows, tid);
+  } else if (vec && len == 64 && ld == 72) {
+    gdpc_stage_tile<64, 72, C, NT>(dst, src, off, rows, zrows, tid);
+  } else {
+    const GdpcSplit sp(len, tid, NT);
+    gdpc_stage_rows(dst, ld, src, off, rows, zrows, len, vec, sp, tid, NT);
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
     gdp_fwd_wy_bf16(const __nv_bfloat16* __restrict__ qb, const __nv_bfloat16* __restrict__ kb,
                     int split, const __nv_bfloat16* __restrict__ vv,
@@ -326,13 +346,10 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
   float* sv = sk + C;                                // [C]     β (0 past c): U's column scale
   __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(sv + C);  // [C][LK] K
   __nv_bfloat16* QV = Ks + C * LK;  // [C][max(LK, LV)] Q (query rows), then V
-  const GdpcSplit sk_split(K, tid, nthr), sv_split(V, tid, nthr);
 
   // ---- Stage K and Q; gates and betas meanwhile.
-  gdpc_stage_rows(Ks, LK, kb, [&](int i) { return rows.key(i); }, c, C, K, vk, sk_split, tid,
-                  nthr);
-  gdpc_stage_rows(QV, LK, qb, [&](int r) { return rows.query(r); }, nq, 16 * mq, K, vk,
-                  sk_split, tid, nthr);
+  gdpc_stage_wy(Ks, LK, kb, [&](int i) { return rows.key(i); }, c, C, K, vk, tid);
+  gdpc_stage_wy(QV, LK, qb, [&](int r) { return rows.query(r); }, nq, 16 * mq, K, vk, tid);
   cp_async_commit();
   gdpc_zero_cols(Ks, LK, C, K, KP, tid, nthr);
   gdpc_zero_cols(QV, LK, 16 * mq, K, KP, tid, nthr);
@@ -432,9 +449,9 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
   __syncthreads();
 
   // ---- V into QV (Q is no longer read) while the inverse runs.
-  gdpc_stage_rows(
+  gdpc_stage_wy(
       QV, LV, vv, [&](int i) { return ((tok0 * n + p0 + i) * H + head) * (int64_t)V; }, c, C, V,
-      vvec, sv_split, tid, nthr);
+      vvec, tid);
   cp_async_commit();
   gdpc_zero_cols(QV, LV, C, V, VP, tid, nthr);
   tri_inverse64(A, tid);
