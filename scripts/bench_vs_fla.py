@@ -2,16 +2,19 @@
 flash-linear-attention's `chunk_gated_delta_product` on the same inputs, in the same run.
 
     python3 scripts/bench_vs_fla.py --gdp ./gdp [--reps 20] [--shapes all|small|long]
-                                    [--variant "NAME VAR=VALUE ..."]...
+                                    [--timing events|host] [--variant "NAME VAR=VALUE ..."]...
 
 Needs a CUDA build of `gdp` (`cargo build --release --features cuda --bin gdp`) and the
 flash-linear-attention + fla-core wheels on PYTHONPATH. For each shape it writes q k v g beta do
-to a safetensors file, times FLA (triton.testing.do_bench median; forward, and forward+backward
+to a safetensors file, times FLA (triton.testing.do_bench: its default mean; forward, and forward+backward
 through torch autograd), runs `gdp run --device cuda:0 --dtype bf16 --repeat N` on the same
-file, checks that both outputs agree, and prints the ratio FLA time / gdp time (> 1 means gdp
+file with `--timing events` (timed the way do_bench times FLA: CUDA events around each call,
+calls back to back, L2 cleared before each; `--timing host`: host-clocked calls, synchronised
+one at a time), checks that both outputs agree, and prints the ratio FLA time / gdp time (> 1 means gdp
 is faster), with the largest relative RMS difference of the gradients (dq dk dv dg dbeta)
 from FLA's. Each `--variant` adds a row per shape: gdp run again on the same inputs with
-those environment variables set (e.g. `--variant "chunked GDP_CUDA_FWD=chunked"`).
+those environment variables set and `gdp run` flags added (e.g.
+`--variant "chunked GDP_CUDA_FWD=chunked"`, `--variant "host --timing host"`).
 """
 import argparse
 import os
@@ -64,8 +67,10 @@ def fla_times(q, k, v, g, beta, do, n):
     return o.float(), t_fwd, t_fb, grads
 
 
-def gdp_times(gdp, path, out, reps, env=None):
-    cmd = [gdp, "run", "--input", path, "--output", out, "--dtype", "bf16", "--device", "cuda:0", "--repeat", str(reps)]
+def gdp_times(gdp, path, out, reps, timing, env=None, extra=()):
+    timing = [] if "--timing" in extra else ["--timing", timing]
+    cmd = [gdp, "run", "--input", path, "--output", out, "--dtype", "bf16", "--device", "cuda:0",
+           "--repeat", str(reps), *timing, *extra]
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if res.returncode != 0:
         return None, None, res.stderr.strip().splitlines()[-1] if res.stderr else f"exit {res.returncode}"
@@ -73,15 +78,26 @@ def gdp_times(gdp, path, out, reps, env=None):
     return get("fwd_ms"), get("fwd_bwd_ms"), None
 
 
+def parse_variant(text):
+    """`NAME VAR=VALUE ... --flag VALUE ...` -> (name, environment, extra `gdp run` arguments)."""
+    name, *rest = text.split()
+    env = dict(kv.split("=", 1) for kv in rest if "=" in kv and not kv.startswith("--"))
+    extra = [x for x in rest if x.startswith("--") or "=" not in x]
+    return name, env, extra
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gdp", required=True)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default="all", choices=["all", "small", "long"])
-    ap.add_argument("--variant", action="append", default=[], help='"NAME VAR=VALUE ..."')
+    ap.add_argument("--variant", action="append", default=[],
+                    help='"NAME VAR=VALUE ... [--gdp-run-flag VALUE ...]"')
+    ap.add_argument("--timing", default="events", choices=["events", "host"],
+                    help="gdp run's timing: events (as do_bench times FLA) or host")
     args = ap.parse_args()
     shapes = {"all": SHAPES, "small": SHAPES[:1], "long": SHAPES[3:]}[args.shapes]
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, bf16, K=V=128, medians")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, bf16, K=V=128, ms (FLA: do_bench mean; gdp: --timing {args.timing})")
     print(f"{'B,T,H,n':<16} {'FLA fwd':>9} {'gdp fwd':>9} {'ratio':>6} {'FLA f+b':>9} {'gdp f+b':>9} {'ratio':>6}  o rel RMS, worst grad")
     tmp = tempfile.mkdtemp()
     for B, T, H, D, n in shapes:
@@ -90,12 +106,10 @@ def main():
         path, out = os.path.join(tmp, "in.safetensors"), os.path.join(tmp, "out.safetensors")
         cpu = lambda x: x.detach().cpu().contiguous()
         save_file({"q": cpu(q), "k": cpu(k), "v": cpu(v), "g": cpu(g), "beta": cpu(beta), "do": cpu(do)}, path)
-        variants = [("", {})] + [
-            (v.split()[0], dict(kv.split("=", 1) for kv in v.split()[1:])) for v in args.variant
-        ]
-        for name, env in variants:
+        variants = [("", {}, [])] + [parse_variant(v) for v in args.variant]
+        for name, env, extra in variants:
             label = f"{B},{T},{H},{n}" + (f" {name}" if name else "")
-            g_fwd, g_fb, err = gdp_times(args.gdp, path, out, args.reps, env)
+            g_fwd, g_fb, err = gdp_times(args.gdp, path, out, args.reps, args.timing, env, extra)
             if g_fwd is None:
                 print(f"{label:<16} {f_fwd:9.3f} {'-':>9} {'-':>6} {f_fb:9.3f}  gdp failed: {err}")
                 continue

@@ -547,6 +547,40 @@ fn bad_inputs_give_one_line_naming_the_culprit() -> Result<()> {
             "--repeat",
         ),
         (
+            "events on cpu",
+            vec![
+                "run", "--input", g, "--output", o, "--repeat", "1", "--timing", "events",
+            ],
+            1,
+            "--timing events",
+        ),
+        (
+            "events with cp",
+            vec![
+                "run",
+                "--input",
+                g,
+                "--output",
+                o,
+                "--cp-size",
+                "2",
+                "--repeat",
+                "1",
+                "--timing",
+                "events",
+            ],
+            1,
+            "--timing events",
+        ),
+        (
+            "timing text",
+            vec![
+                "run", "--input", g, "--output", o, "--repeat", "1", "--timing", "gpu",
+            ],
+            2,
+            "--timing",
+        ),
+        (
             "scale nan",
             vec!["run", "--input", g, "--output", o, "--scale", "nan"],
             1,

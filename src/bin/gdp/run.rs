@@ -97,6 +97,19 @@ impl DeviceArg {
     }
 }
 
+/// How `--repeat` times a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum TimingArg {
+    /// Host clock from the call until the device has finished it, one call at a time.
+    #[default]
+    Host,
+    /// CUDA events on the device's stream around each call, the calls queued back to back
+    /// with 256 MiB of device memory cleared before each, the mean of the calls: how
+    /// `triton.testing.do_bench` times FLA (GPU time; the host's work overlaps the previous
+    /// call). One CUDA device only.
+    Events,
+}
+
 /// Arguments of `gdp run`.
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
@@ -115,10 +128,14 @@ pub struct RunArgs {
     /// Output scale (default K^-0.5).
     #[arg(long, value_name = "S", allow_negative_numbers = true)]
     pub scale: Option<f64>,
-    /// Time the op: one warm-up then N runs; prints `fwd_ms=` (and `fwd_bwd_ms=`) medians.
+    /// Time the op: one warm-up then N runs; prints `fwd_ms=` (and `fwd_bwd_ms=`): medians, or
+    /// means with `--timing events`.
     #[arg(long, value_name = "N",
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
     pub repeat: Option<usize>,
+    /// How `--repeat` times a call.
+    #[arg(long, value_enum, default_value_t = TimingArg::Host)]
+    pub timing: TimingArg,
     /// Context-parallel ranks: the time axis is sharded over R ranks (R devices); 1 runs the
     /// plain op.
     #[arg(
@@ -135,7 +152,7 @@ pub struct RunArgs {
     pub distributed: bool,
 }
 
-/// Median timings in milliseconds.
+/// Timings in milliseconds: medians, or means with `--timing events`.
 #[derive(Debug, Clone, Default)]
 pub struct Timings {
     pub fwd_ms: f64,
@@ -496,6 +513,73 @@ impl<'a> CpPrepared<'a> {
     }
 }
 
+/// [`bench`] or, with [`TimingArg::Events`], [`bench_events`].
+fn bench_with<T>(
+    timing: TimingArg,
+    device: &Device,
+    repeat: usize,
+    f: impl Fn() -> Result<T, CliError>,
+) -> Result<(T, f64), CliError> {
+    match timing {
+        TimingArg::Host => bench(device, repeat, f),
+        TimingArg::Events => bench_events(device, repeat, f),
+    }
+}
+
+/// Mean GPU time of `repeat` calls after one warm-up, measured as `triton.testing.do_bench`
+/// measures (and averages, its default): an event pair on the device's stream around each
+/// call, the calls queued back to back (one synchronisation at the end), 256 MiB of device
+/// memory cleared before each call so that no input stays in L2. Returns the warm-up's result
+/// too.
+#[cfg(feature = "cuda")]
+fn bench_events<T>(
+    device: &Device,
+    repeat: usize,
+    f: impl Fn() -> Result<T, CliError>,
+) -> Result<(T, f64), CliError> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+    let lib = |e: candle_core::Error| CliError::from_lib(&e);
+    let drv = |e: candle_core::cuda_backend::cudarc::driver::DriverError| {
+        CliError::new(format!("--timing events: {e}"))
+    };
+    let cuda = device.as_cuda_device().map_err(|_| {
+        CliError::new("--timing events needs a CUDA device (use --timing host on the CPU)")
+    })?;
+    let stream = cuda.cuda_stream();
+    let mut flush = stream.alloc_zeros::<u8>(256 << 20).map_err(drv)?;
+    let (first, _) = timed(std::slice::from_ref(device), &f)?;
+    let mut marks = Vec::with_capacity(repeat);
+    for _ in 0..repeat {
+        stream.memset_zeros(&mut flush).map_err(drv)?;
+        let start = stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv)?;
+        drop(f()?);
+        let end = stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv)?;
+        marks.push((start, end));
+    }
+    device.synchronize().map_err(lib)?;
+    let ms = marks
+        .iter()
+        .map(|(a, b)| a.elapsed_ms(b).map(f64::from).map_err(drv))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((first, ms.iter().sum::<f64>() / ms.len() as f64))
+}
+
+/// Without CUDA there is no event timing.
+#[cfg(not(feature = "cuda"))]
+fn bench_events<T>(
+    _: &Device,
+    _: usize,
+    _: impl Fn() -> Result<T, CliError>,
+) -> Result<(T, f64), CliError> {
+    Err(CliError::new(
+        "--timing events needs a CUDA build and device (use --timing host)",
+    ))
+}
+
 /// One call, timed to completion on every device, in milliseconds.
 fn timed<T>(devices: &[Device], f: impl Fn() -> Result<T, CliError>) -> Result<(T, f64), CliError> {
     let t0 = Instant::now();
@@ -556,9 +640,9 @@ pub fn run(args: &RunArgs, input: &LoadedInput) -> Result<RunOutput, CliError> {
         None => (p.outputs()?, None),
         Some(n) => {
             // Timed as FLA's benchmark calls it: no final state unless a gradient needs it.
-            let (_, fwd_ms) = bench(&device, n, || p.forward(false))?;
+            let (_, fwd_ms) = bench_with(args.timing, &device, n, || p.forward(false))?;
             if with_grads {
-                let (all, fb) = bench(&device, n, || p.forward_backward())?;
+                let (all, fb) = bench_with(args.timing, &device, n, || p.forward_backward())?;
                 let t = Timings {
                     fwd_ms,
                     fwd_bwd_ms: Some(fb),
@@ -601,6 +685,12 @@ fn run_prepared_cp(
     input: &LoadedInput,
     p: &CpPrepared,
 ) -> Result<RunOutput, CliError> {
+    if args.timing == TimingArg::Events && args.repeat.is_some() {
+        return Err(CliError::new(
+            "--timing events times the plain op on one device; context-parallel runs are timed \
+             with --timing host",
+        ));
+    }
     let with_grads = input.wants_grads();
     let (tensors, timings) = match args.repeat {
         None => (p.outputs(with_grads)?, None),
