@@ -84,54 +84,6 @@ impl Pipeline {
             order: dev.clone_htod(&order)?,
         }))
     }
-
-    /// Queues the WY kernel and the scan side by side (the registry of this GPU's overlapped
-    /// forwards, `running`, locked by the caller, gets this one's completion).
-    #[allow(clippy::too_many_arguments)]
-    fn run_beside(
-        &self,
-        running: &mut HashMap<usize, CudaEvent>,
-        ordinal: usize,
-        dev: &CudaDevice,
-        inp: &Bf16Inputs,
-        table: &ChunkTable,
-        wy: &mut WyFactors,
-        sh: &GdpShape,
-        scale: f32,
-        has_h0: bool,
-        h0_override: Option<&CudaSlice<f32>>,
-        plan: &ScanPlan,
-        dest: ScanDest,
-    ) -> Result<()> {
-        let ready = dev.alloc_zeros::<i32>(ready_counters(table, sh))?;
-        // The side stream starts after the counters are zeroed; the WY kernel is queued first, so
-        // that with GDP_CUDA_STREAMS=1 (one stream) the scan finds every chunk ready.
-        let side = SideStream::fork_urgent(dev)?;
-        let signal = Signal {
-            order: &self.order,
-            ready: &ready,
-        };
-        wy.launch(dev, inp, table, sh, scale, Some(signal))?;
-        let beside = Beside {
-            stream: side.stream(),
-            ready: &ready,
-        };
-        let h0o = h0_override;
-        run_scan(
-            dev,
-            inp,
-            table,
-            wy,
-            sh,
-            has_h0,
-            h0o,
-            plan,
-            dest,
-            Some(beside),
-        )?;
-        running.insert(ordinal, side.stream().record_event(None).w()?);
-        side.join()
-    }
 }
 
 /// Computes `wy` (allocated for `table`) and runs the scan `plan` into `dest`: side by side
@@ -151,31 +103,37 @@ pub(super) fn wy_then_scan(
     plan: &ScanPlan,
     dest: ScanDest,
 ) -> Result<()> {
-    if let Some(p) = pipeline {
-        let main = dev.cuda_stream();
-        let ordinal = main.context().ordinal();
-        let mut running = in_flight()
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("gdp cuda: overlap registry poisoned".into()))?;
-        main.context().bind_to_thread().w()?;
-        if running.get(&ordinal).is_none_or(CudaEvent::is_complete) {
-            return p.run_beside(
-                &mut running,
-                ordinal,
-                dev,
-                inp,
-                table,
-                wy,
-                sh,
-                scale,
-                has_h0,
-                h0_override,
-                plan,
-                dest,
-            );
+    // Side by side: this GPU's registry of overlapped forwards (locked until this one is
+    // recorded in it), zeroed readiness counters and the side stream. The side stream starts
+    // after the counters are zeroed; the WY kernel is queued first, so that with
+    // GDP_CUDA_STREAMS=1 (one stream) the scan finds every chunk ready.
+    let overlap = match pipeline {
+        Some(p) => {
+            let main = dev.cuda_stream();
+            let ordinal = main.context().ordinal();
+            let running = in_flight().lock().map_err(|_| {
+                candle_core::Error::Msg("gdp cuda: overlap registry poisoned".into())
+            })?;
+            main.context().bind_to_thread().w()?;
+            if running.get(&ordinal).is_none_or(CudaEvent::is_complete) {
+                let ready = dev.alloc_zeros::<i32>(ready_counters(table, sh))?;
+                let side = SideStream::fork_urgent(dev)?;
+                Some((p, running, ordinal, ready, side))
+            } else {
+                None
+            }
         }
-    }
-    wy.launch(dev, inp, table, sh, scale, None)?;
+        None => None,
+    };
+    let signal = overlap.as_ref().map(|(p, _, _, ready, _)| Signal {
+        order: &p.order,
+        ready,
+    });
+    wy.launch(dev, inp, table, sh, scale, signal)?;
+    let beside = overlap.as_ref().map(|(_, _, _, ready, side)| Beside {
+        stream: side.stream(),
+        ready,
+    });
     run_scan(
         dev,
         inp,
@@ -186,8 +144,13 @@ pub(super) fn wy_then_scan(
         h0_override,
         plan,
         dest,
-        None,
-    )
+        beside,
+    )?;
+    if let Some((_, mut running, ordinal, _, side)) = overlap {
+        running.insert(ordinal, side.stream().record_event(None).w()?);
+        side.join()?;
+    }
+    Ok(())
 }
 
 /// Per GPU (ordinal), the completion of the last overlapped forward queued in this process.
