@@ -416,23 +416,6 @@ __device__ __forceinline__ void gdpg_store_pair(float* row, int col, int ncols, 
   }
 }
 
-// Stages rows [0, rows) of `len` bf16 values (row r at src + off(r)) into a shared tile of row
-// stride LD and zeros rows [rows, zrows) (zrows <= MAXROWS): through gdpc_stage_tile, whose
-// offsets are fixed at compile time, where the rows are exactly LEN wide and 16-byte aligned
-// (`vec`), else through gdpc_stage_rows. The general copy's index arithmetic was a quarter of
-// this kernel's instructions.
-template <int LEN, int LD, int MAXROWS, typename Off>
-__device__ __forceinline__ void gdpg_stage(__nv_bfloat16* __restrict__ dst,
-                                           const __nv_bfloat16* __restrict__ src, Off off,
-                                           int rows, int zrows, int len, bool vec, int tid) {
-  if (vec && len == LEN) {
-    gdpc_stage_tile<LEN, LD, MAXROWS, GDPG_THREADS>(dst, src, off, rows, zrows, tid);
-  } else {
-    const GdpcSplit sp(len, tid, GDPG_THREADS);
-    gdpc_stage_rows(dst, LD, src, off, rows, zrows, len, vec, sp, tid, GDPG_THREADS);
-  }
-}
-
 // Σ a_i b_i over eight bf16 pairs (16 bytes of each operand), in f32.
 __device__ __forceinline__ float gdpg_dot8(const uint4& a, const uint4& b) {
   const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
@@ -540,19 +523,21 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   // ---- Stage everything but dS (one cp.async group; dS goes where dDelta and V were, after
   // phase 1); gates meanwhile.
   const auto by_v = [&](int r) { return (int64_t)r * V; };
-  gdpg_stage<KP, LK, C>(Ks, kb, [&](int i) { return rows.key(i); }, c, C, K, vk, tid);
-  gdpg_stage<KP, LK, C>(Qs, qb, [&](int r) { return rows.query(r); }, nq, 16 * mq, K, vk, tid);
-  gdpg_stage<VP, LV, KP>(HB, hs + slot * KV, by_v, K, KP, V, vv8, tid);
-  gdpg_stage<VP, LV, C>(Dn, dn + slot * C * V, by_v, C, C, V, vv8, tid);
-  gdpg_stage<VP, LV, C>(Dd, ddn + slot * C * V, by_v, C, C, V, vv8, tid);
-  gdpg_stage<VP, LV, C>(
+  gdpc_stage_fixed<KP, LK, C, nthr>(Ks, kb, [&](int i) { return rows.key(i); }, c, C, K, vk,
+                                    tid);
+  gdpc_stage_fixed<KP, LK, C, nthr>(Qs, qb, [&](int r) { return rows.query(r); }, nq, 16 * mq, K,
+                                    vk, tid);
+  gdpc_stage_fixed<VP, LV, KP, nthr>(HB, hs + slot * KV, by_v, K, KP, V, vv8, tid);
+  gdpc_stage_fixed<VP, LV, C, nthr>(Dn, dn + slot * C * V, by_v, C, C, V, vv8, tid);
+  gdpc_stage_fixed<VP, LV, C, nthr>(Dd, ddn + slot * C * V, by_v, C, C, V, vv8, tid);
+  gdpc_stage_fixed<VP, LV, C, nthr>(
       Vs, vv, [&](int i) { return ((tok0 * n + p0 + i) * H + head) * (int64_t)V; }, c, C, V,
       vv8 && gdpc_aligned16(vv), tid);
-  gdpg_stage<VP, LV, C>(
+  gdpc_stage_fixed<VP, LV, C, nthr>(
       DOs, dob, [&](int r) { return (rows.query_token(r) * H + head) * (int64_t)V; }, nq, 16 * mq,
       V, vv8 && gdpc_aligned16(dob), tid);
-  gdpg_stage<C, LC, C>(Ab, ag + slot * C * C, [&](int r) { return (int64_t)r * C; }, C, C, C, true,
-                       tid);
+  gdpc_stage_fixed<C, LC, C, nthr>(Ab, ag + slot * C * C, [&](int r) { return (int64_t)r * C; },
+                                   C, C, C, true, tid);
   cp_async_commit();
   gdpc_zero_cols(Ks, LK, C, K, KP, tid, nthr);
   gdpc_zero_cols(Qs, LK, 16 * mq, K, KP, tid, nthr);
@@ -641,7 +626,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   }
   __syncthreads();
   // dS (chunk end) into the space of dDelta and V (rows past K zero; columns past V are).
-  gdpg_stage<VP, LV, KP>(DHB, dhs + slot * KV, by_v, K, KP, V, vv8, tid);
+  gdpc_stage_fixed<VP, LV, KP, nthr>(DHB, dhs + slot * KV, by_v, K, KP, V, vv8, tid);
   cp_async_commit();
 
   // ---- Phase 2: dq; dM (and its row / column sums against β k·k); dk from dvb hᵀ and dsᵀ Q.

@@ -285,19 +285,35 @@ __device__ __forceinline__ bool gdpc_qk_vec(const __nv_bfloat16* qb, const __nv_
 }
 
 // Stages rows [0, rows) of `len` bf16 values (row r at src + off(r)) into a shared tile of row
-// stride ld and zeros rows [rows, zrows) (at most GDP_CHUNK) for the WY kernel: through
-// gdpc_stage_tile, whose offsets are fixed at compile time, where the rows are 64 or 128 values
-// exactly and 16-byte aligned (`vec`) and ld is that plus 8; else through gdpc_stage_rows.
+// stride LD and zeros rows [rows, zrows) (zrows <= MAXROWS), on NT threads (tid < NT): through
+// gdpc_stage_tile, whose offsets are fixed at compile time, where the rows are exactly LEN wide
+// and 16-byte aligned (`vec`), else through gdpc_stage_rows (whose index arithmetic was a
+// quarter of the gradient kernel's instructions).
+template <int LEN, int LD, int MAXROWS, int NT, typename Off>
+__device__ __forceinline__ void gdpc_stage_fixed(__nv_bfloat16* __restrict__ dst,
+                                                 const __nv_bfloat16* __restrict__ src, Off off,
+                                                 int rows, int zrows, int len, bool vec,
+                                                 int tid) {
+  if (vec && len == LEN) {
+    gdpc_stage_tile<LEN, LD, MAXROWS, NT>(dst, src, off, rows, zrows, tid);
+  } else {
+    const GdpcSplit sp(len, tid, NT);
+    gdpc_stage_rows(dst, LD, src, off, rows, zrows, len, vec, sp, tid, NT);
+  }
+}
+
+// gdpc_stage_fixed for the WY kernel, whose row stride ld is known at run time: the tile copies
+// for rows of 64 or 128 values (ld 72 or 136), the general copy otherwise.
 template <typename Off>
 __device__ __forceinline__ void gdpc_stage_wy(__nv_bfloat16* __restrict__ dst, int ld,
                                               const __nv_bfloat16* __restrict__ src, Off off,
                                               int rows, int zrows, int len, bool vec,
                                               int tid) {
   constexpr int C = GDP_CHUNK, NT = GDPC_THREADS;
-  if (vec && len == 128 && ld == 136) {
-    gdpc_stage_tile<128, 136, C, NT>(dst, src, off, rows, zrows, tid);
-  } else if (vec && len == 64 && ld == 72) {
-    gdpc_stage_tile<64, 72, C, NT>(dst, src, off, rows, zrows, tid);
+  if (ld == 136) {
+    gdpc_stage_fixed<128, 136, C, NT>(dst, src, off, rows, zrows, len, vec, tid);
+  } else if (ld == 72) {
+    gdpc_stage_fixed<64, 72, C, NT>(dst, src, off, rows, zrows, len, vec, tid);
   } else {
     const GdpcSplit sp(len, tid, NT);
     gdpc_stage_rows(dst, ld, src, off, rows, zrows, len, vec, sp, tid, NT);
