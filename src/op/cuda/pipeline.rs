@@ -14,10 +14,13 @@
 //!
 //! The WY kernel never waits, so the scan's waits end as long as WY blocks can run: the scan's
 //! blocks, all resident while they wait, must leave multiprocessors to them. The scan may have
-//! blocks for fewer than half the multiprocessors, and at most one overlapped forward per GPU
-//! is in flight in a process (a forward that finds the previous one still running runs its two
-//! kernels one after the other): several at once, from threads sharing a device or context
-//! parallelism's ranks sharing a GPU, could fill every multiprocessor with waiting scan blocks.
+//! blocks for fewer than half the multiprocessors, and overlapped forwards of one GPU run one at
+//! a time in a process: several at once, from threads sharing a device or context
+//! parallelism's ranks sharing a GPU (each rank its own stream), could fill every
+//! multiprocessor with waiting scan blocks. A forward queued on the stream of the previous
+//! overlapped forward overlaps too (stream order starts its scan after the previous one's join,
+//! as in a model's consecutive layers); one on another stream while that one still runs takes
+//! the two kernels one after the other.
 //! Two processes doing this on one GPU still leave multiprocessors free; a block that waits
 //! 10 s traps (an error rather than a hang). The half also keeps the overlap useful: with the scan's
 //! 128 blocks on 132 multiprocessors (B4 T4096 H16) the WY kernel ran on the 4 left and the
@@ -87,8 +90,9 @@ impl Pipeline {
 }
 
 /// Computes `wy` (allocated for `table`) and runs the scan `plan` into `dest`: side by side
-/// with `pipeline` where there is one and this GPU's previous overlapped forward has finished,
-/// else one after the other on the device's stream.
+/// with `pipeline` where there is one and this GPU's previous overlapped forward was queued on
+/// the same stream (stream order keeps the two apart: the next one's scan starts after the
+/// previous one's join) or has finished; else one after the other on the device's stream.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn wy_then_scan(
     pipeline: Option<&Pipeline>,
@@ -115,22 +119,26 @@ pub(super) fn wy_then_scan(
                 candle_core::Error::Msg("gdp cuda: overlap registry poisoned".into())
             })?;
             main.context().bind_to_thread().w()?;
-            if running.get(&ordinal).is_none_or(CudaEvent::is_complete) {
+            let stream = main.cu_stream() as usize;
+            let free = running
+                .get(&ordinal)
+                .is_none_or(|f| f.stream == stream || f.done.is_complete());
+            if free {
                 let ready = dev.alloc_zeros::<i32>(ready_counters(table, sh))?;
                 let side = SideStream::fork_urgent(dev)?;
-                Some((p, running, ordinal, ready, side))
+                Some((p, running, ordinal, stream, ready, side))
             } else {
                 None
             }
         }
         None => None,
     };
-    let signal = overlap.as_ref().map(|(p, _, _, ready, _)| Signal {
+    let signal = overlap.as_ref().map(|(p, _, _, _, ready, _)| Signal {
         order: &p.order,
         ready,
     });
     wy.launch(dev, inp, table, sh, scale, signal)?;
-    let beside = overlap.as_ref().map(|(_, _, _, ready, side)| Beside {
+    let beside = overlap.as_ref().map(|(_, _, _, _, ready, side)| Beside {
         stream: side.stream(),
         ready,
     });
@@ -146,15 +154,23 @@ pub(super) fn wy_then_scan(
         dest,
         beside,
     )?;
-    if let Some((_, mut running, ordinal, _, side)) = overlap {
-        running.insert(ordinal, side.stream().record_event(None).w()?);
+    if let Some((_, mut running, ordinal, stream, _, side)) = overlap {
+        let done = side.stream().record_event(None).w()?;
+        running.insert(ordinal, InFlight { stream, done });
         side.join()?;
     }
     Ok(())
 }
 
-/// Per GPU (ordinal), the completion of the last overlapped forward queued in this process.
-fn in_flight() -> &'static Mutex<HashMap<usize, CudaEvent>> {
-    static IN_FLIGHT: OnceLock<Mutex<HashMap<usize, CudaEvent>>> = OnceLock::new();
+/// The last overlapped forward queued on a GPU: the stream it was queued on (its raw handle)
+/// and the completion of its scan.
+struct InFlight {
+    stream: usize,
+    done: CudaEvent,
+}
+
+/// Per GPU (ordinal), the last overlapped forward queued in this process.
+fn in_flight() -> &'static Mutex<HashMap<usize, InFlight>> {
+    static IN_FLIGHT: OnceLock<Mutex<HashMap<usize, InFlight>>> = OnceLock::new();
     IN_FLIGHT.get_or_init(|| Mutex::new(HashMap::new()))
 }
