@@ -11,6 +11,9 @@
 //       dDelta = diag(Dl) K dS + P^T dO                      (written, bf16)
 //       dS     = e^{G_last} dS + Q^T diag(coef_q) dO - W^T dDelta
 //     and dS at each chunk's end (written, bf16); the initial-state gradient at the end (f32).
+//     Where `ready` is given, it runs beside the WY kernel, which takes the chunks from the
+//     sequences' ends, and waits for a chunk's group of WY factors (gdpc_wait_ready) before it
+//     copies them; the forward scan's rerun then follows the WY kernel on the device's stream.
 //  4. gdp_bwd_grads_bf16_<KP>_<VP>, grid (chunks, H), every gradient of the chunk's rows (the
 //     formulas of gdp_bwd.cuh, with dA = -dvb Delta^T for the strictly lower part):
 //       dvb = Ainv^T dDelta,  dv = diag(β) dvb
@@ -134,7 +137,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     const float* __restrict__ cg, const __nv_bfloat16* __restrict__ dob,
     const float* __restrict__ dht, int has_dht, __nv_bfloat16* __restrict__ dhs,
     __nv_bfloat16* __restrict__ ddn, float* __restrict__ dh0, int write_dh0, int B, int TT,
-    int H, int K, int V, int n, int QR, int NS) {
+    int H, int K, int V, int n, int QR, int NS, const int* __restrict__ ready) {
   constexpr int C = GDP_CHUNK, NT = BV / 8, LB = BV + 8, LC = C + 8, LK = KPT + 8;
   constexpr int NTW = NT * 4 / NW, NPW = NTW / 2;
   constexpr int MT = KPT / 16, STW = (MT + NW - 1) / NW;
@@ -266,6 +269,19 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
   };
   store_sb(Sb);
   for (int st = 0; st < min(NS, nch); ++st) fill_table(st, st);
+  // The WY factors of the chunk of a step, when a WY kernel computes them at the same time
+  // (taking the chunks from the sequences' ends: gdpc_wait_ready as in the forward scan).
+  // (thread 0: chunks from ready_from on are known to be ready)
+  int ready_from = nch;
+  auto wait_ready = [&](int step) {
+    const int ci = nch - 1 - step;
+    if (ready == nullptr || tid != 0 || ci >= ready_from) return;
+    const int group = ci / GDPC_READY_GROUP;
+    ready_from = group * GDPC_READY_GROUP;
+    gdpc_wait_ready(ready + gdpc_ready_index(cbase, sidx, ci) * H + head,
+                    min(nch, (group + 1) * GDPC_READY_GROUP) - ready_from);
+  };
+  for (int st = 0; st < min(NS - 1, nch); ++st) wait_ready(st);
   __syncthreads();
   for (int st = 0; st < min(NS - 1, nch); ++st) prefetch(st, st);
 
@@ -283,6 +299,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
       cp_async_wait<1>();
     else
       cp_async_wait<0>();
+    if (step + NS - 1 < nch) wait_ready(step + NS - 1);
     __syncthreads();
     const int s_prev = sc == 0 ? NS - 1 : sc - 1;
     if (step + NS - 1 < nch) prefetch(step + NS - 1, s_prev);
@@ -379,10 +396,9 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
       const __nv_bfloat16* wg,                                                                \
       const __nv_bfloat16* pg, const float* cg, const __nv_bfloat16* dob, const float* dht,   \
       int has_dht, __nv_bfloat16* dhs, __nv_bfloat16* ddn, float* dh0, int write_dh0, int B,  \
-      int TT, int H, int K, int V, int n, int QR, int NS) {                                   \
+      int TT, int H, int K, int V, int n, int QR, int NS, const int* ready) {                 \
     gdp_bwd_dh_bf16_impl<BV, KPT, NW>(qb, kb, split, table, wg, pg, cg, dob, dht, has_dht, dhs,  \
-                                      ddn, dh0,                                               \
-                                      write_dh0, B, TT, H, K, V, n, QR, NS);                  \
+                                      ddn, dh0, write_dh0, B, TT, H, K, V, n, QR, NS, ready); \
   }
 GDPD_SCAN_ENTRY(16, 64, 4)
 GDPD_SCAN_ENTRY(16, 128, 4)

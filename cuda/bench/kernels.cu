@@ -216,7 +216,8 @@ static void forward(int B, int T, int H, int n) {
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const float t = median_ms([&] {
       kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
-          dq, dk, 1, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, NS);
+          dq, dk, 1, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, NS,
+          nullptr);
     });
     best_dh = std::min(best_dh, t);
     printf(" | dh BV%d/%d %.3f", bv, NS, t);

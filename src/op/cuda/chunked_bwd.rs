@@ -441,6 +441,8 @@ pub(super) fn run_dh_scan(
     for x in [&b, &t, &h, &k, &vd, &n, &qr, &ns] {
         args.arg(x);
     }
+    // No readiness counters: the WY factors were computed before this launch (stream order).
+    args.arg(&null);
     let cfg = LaunchConfig {
         grid_dim: (
             (sh.num_seqs() * sh.heads) as u32,
@@ -454,8 +456,8 @@ pub(super) fn run_dh_scan(
     // from launches on this stream (or on the device's stream, which it was forked from after
     // them) and are sized from `sh` and `table`; dht (read only with `has_dht`) and dh0
     // (written only with `write_dh0`) hold one state per (sequence, head);
-    // dhs and ddn hold every slot of the table, or are null (not written); the dynamic shared
-    // memory is the plan's (`dh_smem_bytes`).
+    // dhs and ddn hold every slot of the table, or are null (not written); `ready` is null (no
+    // wait); the dynamic shared memory is the plan's (`dh_smem_bytes`).
     unsafe { args.launch(cfg) }.w()?;
     Ok(())
 }
