@@ -312,9 +312,11 @@ fn saved_intermediates_give_the_same_results() -> Result<()> {
 fn overlapped_forward_is_bit_identical_and_matches_f64_reference() -> Result<()> {
     // Sequences of 35, 13 and 25 chunks with 6 scan blocks: the bf16 forward runs its WY
     // kernel and its scan side by side, the scan waiting for each group of chunks
-    // (`src/op/cuda/pipeline.rs`). Outputs, final states and (through the saved intermediates)
-    // every gradient must be bit-identical to those of the two kernels one after the other
-    // (GDP_CUDA_OVERLAP=0), and within the bf16 tolerance of the f64 reference; so must the
+    // (`src/op/cuda/pipeline.rs`); the recomputing backward runs its state-gradient scan beside
+    // its WY kernel the same way (`DhBesideWy`). Outputs, final states and (through the saved
+    // intermediates, and recomputed) every gradient must be bit-identical to those of the
+    // kernels one after the other (GDP_CUDA_OVERLAP=0; dg and dβ up to the order of float
+    // atomics), and within the bf16 tolerance of the f64 reference; so must the
     // overlapped launches queued on one stream (GDP_CUDA_STREAMS=1). The small shapes of the
     // other tests take the overlapped path too. Tests running meanwhile may see the variables:
     // they then take the other path, which must give their results as well.

@@ -146,6 +146,29 @@ impl GdpShape {
         }
         order
     }
+
+    /// The chunks' ids as in [`GdpShape::chunks_time_major`], from the sequences' ends: every
+    /// sequence's last chunk, then every second-to-last, and so on (the order in which the
+    /// state-gradient scan, running backwards in time, needs the WY factors).
+    pub fn chunks_from_the_end(&self) -> Vec<usize> {
+        let per_seq = self.chunks_per_seq();
+        let mut end = Vec::with_capacity(per_seq.len());
+        let mut next = 0;
+        for &c in &per_seq {
+            next += c;
+            end.push(next);
+        }
+        let most = per_seq.iter().copied().max().unwrap_or(0);
+        let mut order = Vec::with_capacity(next);
+        for i in 0..most {
+            for (&c, &e) in per_seq.iter().zip(&end) {
+                if i < c {
+                    order.push(e - 1 - i);
+                }
+            }
+        }
+        order
+    }
 }
 
 /// Checks packed-sequence offsets: at least two entries, starting at 0, non-decreasing, ending
@@ -234,5 +257,16 @@ mod tests {
         assert_eq!(dense.chunks_time_major(), vec![0, 1]);
         let empty = GdpShape::new(1, 0, 1, 4, 3, 1, Some(&[0, 0]));
         assert!(empty.chunks_time_major().is_empty());
+    }
+
+    #[test]
+    fn chunks_from_the_end_lists_each_chunk_once_from_the_sequences_ends() {
+        // The sequences of the test above: chunks 0..4, -, 4 and 5..7.
+        let s = GdpShape::new(1, 160, 2, 4, 3, 2, Some(&[0, 100, 100, 120, 160]));
+        assert_eq!(s.chunks_from_the_end(), vec![3, 4, 6, 2, 5, 1, 0]);
+        let dense = GdpShape::new(2, 64, 1, 4, 3, 1, None);
+        assert_eq!(dense.chunks_from_the_end(), vec![0, 1]);
+        let empty = GdpShape::new(1, 0, 1, 4, 3, 1, Some(&[0, 0]));
+        assert!(empty.chunks_from_the_end().is_empty());
     }
 }

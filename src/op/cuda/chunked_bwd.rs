@@ -8,12 +8,13 @@
 //! `GDP_CUDA_BWD=chunked` this one (an error where it does not fit).
 
 use super::chunked::{
-    choice, key_tile, query_rows, run_scan, scan_plan, smem_and_sms, wy_smem_bytes, Bf16Inputs,
-    Choice, ChunkStates, ChunkTable, ForwardCache, QkIn, ScanDest, ScanKind, ScanOut, ScanPlan,
-    WyFactors, FWD_SCAN,
+    choice, key_tile, query_rows, run_scan, scan_plan, smem_and_sms, untracked, wy_smem_bytes,
+    Bf16Inputs, Choice, ChunkStates, ChunkTable, ForwardCache, QkIn, ScanDest, ScanKind, ScanOut,
+    ScanPlan, WyFactors, FWD_SCAN,
 };
 use super::launch::{allow_smem, check_states, shape_i32, to_i32, view};
 use super::module::load_kernel;
+use super::pipeline::{DhBesideRun, DhBesideWy};
 use super::side::SideStream;
 use crate::op::shape::{GdpShape, CHUNK};
 use crate::op::QueryKeys;
@@ -132,6 +133,39 @@ pub(crate) fn split_backward_fits(dev: &CudaDevice, sh: &GdpShape) -> Result<boo
     Ok(plan(dev, sh)?.is_some())
 }
 
+/// The side stream of the backward's state-gradient scan: forked after the WY kernel, or
+/// beside it ([`DhBesideWy`]).
+enum Side {
+    Plain(SideStream),
+    Beside(DhBesideRun<'static>),
+}
+
+impl Side {
+    fn stream(&self) -> &Arc<CudaStream> {
+        match self {
+            Side::Plain(s) => s.stream(),
+            Side::Beside(run) => run.side.stream(),
+        }
+    }
+
+    /// The WY kernel's readiness counters, beside it.
+    fn ready(&self) -> Option<&CudaSlice<i32>> {
+        match self {
+            Side::Plain(_) => None,
+            Side::Beside(run) => Some(&run.ready),
+        }
+    }
+
+    /// Joins the side stream into the device's stream (beside: after recording it in the
+    /// registry of overlapped launches).
+    fn finish(self, dev: &CudaDevice) -> Result<()> {
+        match self {
+            Side::Plain(s) => s.join(),
+            Side::Beside(run) => run.finish(dev),
+        }
+    }
+}
+
 /// The tiles and scan plans of one split backward.
 struct SplitPlan {
     kp: usize,
@@ -202,13 +236,18 @@ pub fn try_backward_bf16(
         return Ok(Some(out));
     }
 
-    // 1. WY factors with Ainv, and the buffers of every chunk's start state and Delta (kept by
-    // the forward, or computed again in 3).
+    // 1. WY factors with Ainv (kept by the forward, or computed again below: before both scans,
+    // or beside the state-gradient scan), and the buffers of every chunk's start state and Delta
+    // (kept by the forward, or computed again in 3).
     let rerun = cache.is_none();
-    let (wy, mut states) = match cache {
+    let beside = match rerun {
+        true => DhBesideWy::plan(dev, sh, &table, &dh, smem_and_sms(dev)?.1)?,
+        false => None,
+    };
+    let (mut wy, mut states) = match cache {
         Some(cache) => cache.into_parts(),
         None => (
-            WyFactors::compute(dev, &inp, &table, sh, scale, true)?,
+            WyFactors::alloc(dev, &table, sh, true)?,
             ChunkStates::alloc(dev, &table, sh)?,
         ),
     };
@@ -246,8 +285,25 @@ pub fn try_backward_bf16(
             chunks: Some((&mut dhs, &mut ddn)),
             dh0: has_h0.then_some(&mut dh0),
         };
-        let side = SideStream::fork(dev)?;
         let dht = dht.as_ref();
+        // Beside: the side stream forked before the WY kernel, the scan waiting for its
+        // counters; else forked after it.
+        let overlap = match &beside {
+            Some(p) => p.start(dev)?.map(|run| (p, run)),
+            None => None,
+        };
+        let side = match overlap {
+            Some((p, run)) => {
+                wy.launch(dev, &inp, &table, sh, scale, Some(p.signal(&run)))?;
+                Side::Beside(run)
+            }
+            None => {
+                if rerun {
+                    wy.launch(dev, &inp, &table, sh, scale, None)?;
+                }
+                Side::Plain(SideStream::fork(dev)?)
+            }
+        };
         run_dh_scan(
             dev,
             side.stream(),
@@ -259,6 +315,7 @@ pub fn try_backward_bf16(
             sh,
             &dh,
             dest,
+            side.ready(),
         )?;
         if rerun {
             let dest = ScanDest {
@@ -278,7 +335,7 @@ pub fn try_backward_bf16(
                 None,
             )?;
         }
-        side.join()?;
+        side.finish(dev)?;
     }
 
     // 4. Every gradient, per (chunk, head).
@@ -387,7 +444,8 @@ pub(super) struct DhDest<'a, 'b> {
 /// Runs the state-gradient scan `plan.kernel` (`gdp_bwd_dh_bf16_<BV>_<KPT>`) over `table`'s
 /// chunks with the WY factors `wy` (W, P and the gate coefficients), the bf16 output gradient
 /// `dob [B, T, H, V]` and the end-state gradients `dht [N, H, K, V]` (zero when `None`), on
-/// `stream` (the device's, or a [`SideStream`]'s).
+/// `stream` (the device's, or a [`SideStream`]'s); with `ready`, waiting for the readiness
+/// counters of a WY kernel running beside it ([`super::pipeline::DhBesideWy`]).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run_dh_scan(
     dev: &CudaDevice,
@@ -400,6 +458,7 @@ pub(super) fn run_dh_scan(
     sh: &GdpShape,
     plan: &ScanPlan,
     dest: DhDest,
+    ready: Option<&CudaSlice<i32>>,
 ) -> Result<()> {
     let [b, t, h, k, vd, n] = shape_i32(sh)?;
     let func = load_kernel(dev, &plan.kernel)?;
@@ -408,14 +467,22 @@ pub(super) fn run_dh_scan(
     let write_dh0 = i32::from(dest.dh0.is_some());
     let (qr, ns) = (query_rows(sh.n) as i32, plan.stages as i32);
     let null = 0u64;
+    // The WY factors and counters outside cudarc's event tracking (`untracked`): a WY kernel
+    // beside this scan writes them while it reads them.
+    let wy_in = [
+        untracked(dev, &wy.w),
+        untracked(dev, &wy.p),
+        untracked(dev, &wy.coef),
+    ];
+    let ready = ready.map_or(0, |r| untracked(dev, r));
     let mut args = func.builder_on(stream);
     args.arg(&inp.q);
     args.arg(&inp.k);
     args.arg(&inp.split);
     args.arg(&table.table);
-    args.arg(&wy.w);
-    args.arg(&wy.p);
-    args.arg(&wy.coef);
+    for x in &wy_in {
+        args.arg(x);
+    }
     args.arg(dob);
     match dht {
         Some(d) => args.arg(d),
@@ -441,8 +508,7 @@ pub(super) fn run_dh_scan(
     for x in [&b, &t, &h, &k, &vd, &n, &qr, &ns] {
         args.arg(x);
     }
-    // No readiness counters: the WY factors were computed before this launch (stream order).
-    args.arg(&null);
+    args.arg(&ready);
     let cfg = LaunchConfig {
         grid_dim: (
             (sh.num_seqs() * sh.heads) as u32,
@@ -452,12 +518,14 @@ pub(super) fn run_dh_scan(
         block_dim: (plan.threads, 1, 1),
         shared_mem_bytes: plan.smem as u32,
     };
-    // SAFETY: the arguments match `gdp_bwd_dh_bf16_impl`: the WY factors and the bf16 dO come
-    // from launches on this stream (or on the device's stream, which it was forked from after
-    // them) and are sized from `sh` and `table`; dht (read only with `has_dht`) and dh0
+    // SAFETY: the arguments match `gdp_bwd_dh_bf16_impl`: the WY factors come from launches on
+    // this stream (or on the device's stream, which it was forked from after them), or, with
+    // `ready`, from a WY kernel beside it whose counters it waits for; the bf16 dO from before
+    // the fork; all are sized from `sh` and `table`; dht (read only with `has_dht`) and dh0
     // (written only with `write_dh0`) hold one state per (sequence, head);
     // dhs and ddn hold every slot of the table, or are null (not written); `ready` is null (no
-    // wait); the dynamic shared memory is the plan's (`dh_smem_bytes`).
+    // wait) or holds `ready_counters` counters; the dynamic shared memory is the plan's
+    // (`dh_smem_bytes`).
     unsafe { args.launch(cfg) }.w()?;
     Ok(())
 }

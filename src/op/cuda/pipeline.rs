@@ -1,4 +1,5 @@
-//! The bf16 forward's WY kernel and state scan running at the same time.
+//! The bf16 forward's WY kernel and state scan running at the same time; the same for the
+//! backward's WY kernel and its state-gradient scan ([`DhBesideWy`]).
 //!
 //! The WY kernel is parallel over every (chunk, head); the scan is sequential over the chunks
 //! with one block per (sequence, head, value tile). Where the scan has blocks for at most half
@@ -56,35 +57,11 @@ impl Pipeline {
         plan: &ScanPlan,
         sms: usize,
     ) -> Result<Option<Self>> {
-        let wanted = match std::env::var("GDP_CUDA_OVERLAP") {
-            Err(_) => true,
-            Ok(v) => match v.trim() {
-                "" | "auto" => true,
-                "0" => false,
-                other => candle_core::bail!(
-                    "gdp cuda: GDP_CUDA_OVERLAP must be 0 or `auto`, got {other:?}"
-                ),
-            },
-        };
-        let blocks = sh.num_seqs() * sh.heads * sh.dv.div_ceil(plan.bv);
-        if !wanted || table.chunks == 0 || 2 * blocks >= sms {
+        if !overlap_useful(sh, table, plan, sms)? {
             return Ok(None);
         }
-        // The table holds at most i32::MAX chunks (`ChunkTable::new`).
-        let order: Vec<i32> = sh
-            .chunks_time_major()
-            .into_iter()
-            .map(|c| c as i32)
-            .collect();
-        if order.len() != table.chunks {
-            candle_core::bail!(
-                "gdp cuda: the chunk order has {} chunks, the table {}",
-                order.len(),
-                table.chunks
-            );
-        }
         Ok(Some(Self {
-            order: dev.clone_htod(&order)?,
+            order: chunk_order(dev, sh.chunks_time_major(), table)?,
         }))
     }
 }
@@ -162,14 +139,136 @@ pub(super) fn wy_then_scan(
     Ok(())
 }
 
-/// The last overlapped forward queued on a GPU: the stream it was queued on (its raw handle)
-/// and the completion of its scan.
+/// Whether `GDP_CUDA_OVERLAP` allows (unset, empty or `auto`; `0` does not) and the shape
+/// suits a scan `plan` beside a WY kernel: some chunks, and scan blocks for fewer than half of
+/// the `sms` multiprocessors (the waiting blocks must leave the WY kernel most of the GPU).
+fn overlap_useful(sh: &GdpShape, table: &ChunkTable, plan: &ScanPlan, sms: usize) -> Result<bool> {
+    let wanted = match std::env::var("GDP_CUDA_OVERLAP") {
+        Err(_) => true,
+        Ok(v) => match v.trim() {
+            "" | "auto" => true,
+            "0" => false,
+            other => {
+                candle_core::bail!("gdp cuda: GDP_CUDA_OVERLAP must be 0 or `auto`, got {other:?}")
+            }
+        },
+    };
+    let blocks = sh.num_seqs() * sh.heads * sh.dv.div_ceil(plan.bv);
+    Ok(wanted && table.chunks > 0 && 2 * blocks < sms)
+}
+
+/// A WY kernel's chunk order (ids of `table`, every chunk once) on the device.
+fn chunk_order(dev: &CudaDevice, order: Vec<usize>, table: &ChunkTable) -> Result<CudaSlice<i32>> {
+    if order.len() != table.chunks {
+        candle_core::bail!(
+            "gdp cuda: the chunk order has {} chunks, the table {}",
+            order.len(),
+            table.chunks
+        );
+    }
+    // The table holds at most i32::MAX chunks (`ChunkTable::new`).
+    let order: Vec<i32> = order.into_iter().map(|c| c as i32).collect();
+    dev.clone_htod(&order)
+}
+
+/// The backward's WY kernel with its state-gradient scan beside it. The backward runs two
+/// scans, the forward scan's rerun (chunk states) and the state-gradient scan, each with a
+/// block per (sequence, head, value tile), after the WY kernel; side by side where each has
+/// blocks for fewer than half the multiprocessors (B1 T32768 H16: 64 each). Here the
+/// state-gradient scan, the longer of the two, starts at once on a high-priority side stream,
+/// waiting for the WY kernel's counters, which takes the chunks from the sequences' ends (the
+/// scan runs backwards in time); the rerun follows the WY kernel on the device's stream.
+/// Results are bit-identical to the launches one after the other.
+pub(super) struct DhBesideWy {
+    order: CudaSlice<i32>,
+    counters: usize,
+}
+
+/// A [`DhBesideWy`] in progress: the readiness counters, the side stream and the locked
+/// registry of this GPU's overlapped kernels.
+pub(super) struct DhBesideRun<'a> {
+    running: std::sync::MutexGuard<'a, HashMap<usize, InFlight>>,
+    ordinal: usize,
+    pub side: SideStream,
+    pub ready: CudaSlice<i32>,
+}
+
+impl DhBesideWy {
+    /// The pipeline where `GDP_CUDA_OVERLAP` allows it and the state-gradient scan `dh` has
+    /// blocks for fewer than half of the `sms` multiprocessors, else `None`.
+    pub fn plan(
+        dev: &CudaDevice,
+        sh: &GdpShape,
+        table: &ChunkTable,
+        dh: &ScanPlan,
+        sms: usize,
+    ) -> Result<Option<Self>> {
+        if !overlap_useful(sh, table, dh, sms)? {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            order: chunk_order(dev, sh.chunks_from_the_end(), table)?,
+            counters: ready_counters(table, sh),
+        }))
+    }
+
+    /// Starts the overlap: zeroed counters, then a high-priority side stream forked from the
+    /// device's stream (before the WY kernel is queued), with this GPU's registry locked until
+    /// [`DhBesideRun::finish`]. `None` where an overlapped forward or backward of another
+    /// stream may still be running on this GPU (its waiting blocks and these could fill every
+    /// multiprocessor): then nothing is queued.
+    pub fn start(&self, dev: &CudaDevice) -> Result<Option<DhBesideRun<'static>>> {
+        let main = dev.cuda_stream();
+        let ordinal = main.context().ordinal();
+        let running = in_flight()
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("gdp cuda: overlap registry poisoned".into()))?;
+        main.context().bind_to_thread().w()?;
+        let stream = main.cu_stream() as usize;
+        let free = running
+            .get(&ordinal)
+            .is_none_or(|f| f.stream == stream || f.done.is_complete());
+        if !free {
+            return Ok(None);
+        }
+        let ready = dev.alloc_zeros::<i32>(self.counters)?;
+        let side = SideStream::fork_urgent(dev)?;
+        Ok(Some(DhBesideRun {
+            running,
+            ordinal,
+            side,
+            ready,
+        }))
+    }
+
+    /// What the WY kernel is told: this order and `run`'s counters.
+    pub fn signal<'a>(&'a self, run: &'a DhBesideRun) -> Signal<'a> {
+        Signal {
+            order: &self.order,
+            ready: &run.ready,
+        }
+    }
+}
+
+impl DhBesideRun<'_> {
+    /// Records the side stream's completion in the registry and joins it into the device's
+    /// stream (after the state-gradient scan and the rerun are queued).
+    pub fn finish(mut self, dev: &CudaDevice) -> Result<()> {
+        let done = self.side.stream().record_event(None).w()?;
+        let stream = dev.cuda_stream().cu_stream() as usize;
+        self.running.insert(self.ordinal, InFlight { stream, done });
+        self.side.join()
+    }
+}
+
+/// The last overlapped launch (forward, or backward's [`DhBesideWy`]) queued on a GPU: the
+/// stream it was queued on (its raw handle) and the completion of its waiting scan.
 struct InFlight {
     stream: usize,
     done: CudaEvent,
 }
 
-/// Per GPU (ordinal), the last overlapped forward queued in this process.
+/// Per GPU (ordinal), the last overlapped launch queued in this process.
 fn in_flight() -> &'static Mutex<HashMap<usize, InFlight>> {
     static IN_FLIGHT: OnceLock<Mutex<HashMap<usize, InFlight>>> = OnceLock::new();
     IN_FLIGHT.get_or_init(|| Mutex::new(HashMap::new()))

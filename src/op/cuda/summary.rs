@@ -245,6 +245,7 @@ pub fn backward_summaries_bf16(
             &wide,
             &plan,
             dest,
+            None,
         )?;
     }
     let mut all = dev.clone_dtoh(&out)?;
