@@ -67,7 +67,7 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 #ifdef GDP_EMU
   // The hardware faults on a misaligned 16-byte copy; the emulation says where instead.
   assert(((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0);
-  memcpy(dst, src, 16);
+  gdp_emu_cp_async16(dst, src);
 #else
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
@@ -75,7 +75,9 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 }
 
 __device__ __forceinline__ void cp_async_commit() {
-#ifndef GDP_EMU
+#ifdef GDP_EMU
+  gdp_emu_cp_async_commit();
+#else
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
@@ -83,7 +85,9 @@ __device__ __forceinline__ void cp_async_commit() {
 // Waits until at most `N` of this thread's committed groups are still in flight.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-#ifndef GDP_EMU
+#ifdef GDP_EMU
+  gdp_emu_cp_async_wait(N);
+#else
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
 }

@@ -116,6 +116,38 @@ struct EmuBlock {
 };
 extern EmuBlock* g_block;
 inline void __syncthreads() { g_block->sync->arrive_and_wait(); }
+
+// ---- cp.async: a thread's copies land only when it waits for their group (the latest the GPU
+// may land them), so that a read of a stage whose copies its issuer has not waited for, fenced
+// by a barrier, sees the stage's old bytes here as it may on the GPU. The source is read at the
+// issue (the kernels never write what they copy from).
+struct EmuCpAsync {
+  struct Copy {
+    void* dst;
+    unsigned char bytes[16];
+  };
+  std::vector<Copy> open;                 // issued, not yet committed
+  std::vector<std::vector<Copy>> groups;  // committed, oldest first
+};
+inline thread_local EmuCpAsync gdp_emu_cp_async_state;
+inline void gdp_emu_cp_async16(void* dst, const void* src) {
+  EmuCpAsync::Copy c;
+  c.dst = dst;
+  memcpy(c.bytes, src, 16);
+  gdp_emu_cp_async_state.open.push_back(c);
+}
+inline void gdp_emu_cp_async_commit() {
+  auto& st = gdp_emu_cp_async_state;
+  st.groups.push_back(std::move(st.open));
+  st.open.clear();
+}
+inline void gdp_emu_cp_async_wait(int n) {
+  auto& st = gdp_emu_cp_async_state;
+  while ((int)st.groups.size() > n) {
+    for (const auto& c : st.groups.front()) memcpy(c.dst, c.bytes, 16);
+    st.groups.erase(st.groups.begin());
+  }
+}
 inline void gdp_emu_named_barrier(int id, int count) {
   std::barrier<>* b;
   {
