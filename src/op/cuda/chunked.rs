@@ -258,7 +258,8 @@ pub fn try_forward_bf16(
                 Some(slot) if super::chunked_bwd::split_backward_fits(dev, sh)? => Some(slot),
                 _ => None,
             };
-            let pipeline = Pipeline::plan(dev, sh, &table, &plan, sms)?;
+            let order = sh.chunks_time_major();
+            let pipeline = Pipeline::plan(dev, sh, &table, &plan, sms, order)?;
             let mut wy = WyFactors::alloc(dev, &table, sh, cache.is_some())?;
             let mut states = cache
                 .map(|_| ChunkStates::alloc(dev, &table, sh))

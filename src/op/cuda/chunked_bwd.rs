@@ -14,7 +14,7 @@ use super::chunked::{
 };
 use super::launch::{allow_smem, check_states, shape_i32, to_i32, view};
 use super::module::load_kernel;
-use super::pipeline::{DhBesideRun, DhBesideWy};
+use super::pipeline::{OverlapRun, Pipeline};
 use super::side::SideStream;
 use crate::op::shape::{GdpShape, CHUNK};
 use crate::op::QueryKeys;
@@ -134,10 +134,10 @@ pub(crate) fn split_backward_fits(dev: &CudaDevice, sh: &GdpShape) -> Result<boo
 }
 
 /// The side stream of the backward's state-gradient scan: forked after the WY kernel, or
-/// beside it ([`DhBesideWy`]).
+/// beside it (a [`Pipeline`] taking the chunks from the sequences' ends).
 enum Side {
     Plain(SideStream),
-    Beside(DhBesideRun<'static>),
+    Beside(OverlapRun),
 }
 
 impl Side {
@@ -158,10 +158,10 @@ impl Side {
 
     /// Joins the side stream into the device's stream (beside: after recording it in the
     /// registry of overlapped launches).
-    fn finish(self, dev: &CudaDevice) -> Result<()> {
+    fn finish(self) -> Result<()> {
         match self {
             Side::Plain(s) => s.join(),
-            Side::Beside(run) => run.finish(dev),
+            Side::Beside(run) => run.finish(),
         }
     }
 }
@@ -241,7 +241,10 @@ pub fn try_backward_bf16(
     // (kept by the forward, or computed again in 3).
     let rerun = cache.is_none();
     let beside = match rerun {
-        true => DhBesideWy::plan(dev, sh, &table, &dh, smem_and_sms(dev)?.1)?,
+        true => {
+            let order = sh.chunks_from_the_end();
+            Pipeline::plan(dev, sh, &table, &dh, smem_and_sms(dev)?.1, order)?
+        }
         false => None,
     };
     let (mut wy, mut states) = match cache {
@@ -335,7 +338,7 @@ pub fn try_backward_bf16(
                 None,
             )?;
         }
-        side.finish(dev)?;
+        side.finish()?;
     }
 
     // 4. Every gradient, per (chunk, head).
@@ -445,7 +448,7 @@ pub(super) struct DhDest<'a, 'b> {
 /// chunks with the WY factors `wy` (W, P and the gate coefficients), the bf16 output gradient
 /// `dob [B, T, H, V]` and the end-state gradients `dht [N, H, K, V]` (zero when `None`), on
 /// `stream` (the device's, or a [`SideStream`]'s); with `ready`, waiting for the readiness
-/// counters of a WY kernel running beside it ([`super::pipeline::DhBesideWy`]).
+/// counters of a WY kernel running beside it ([`super::pipeline::Pipeline`]).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run_dh_scan(
     dev: &CudaDevice,

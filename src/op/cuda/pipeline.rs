@@ -1,5 +1,6 @@
 //! The bf16 forward's WY kernel and state scan running at the same time; the same for the
-//! backward's WY kernel and its state-gradient scan ([`DhBesideWy`]).
+//! backward's WY kernel and its state-gradient scan (the same [`Pipeline`], with the chunks
+//! taken from the sequences' ends).
 //!
 //! The WY kernel is parallel over every (chunk, head); the scan is sequential over the chunks
 //! with one block per (sequence, head, value tile). Where the scan has blocks for at most half
@@ -38,31 +39,56 @@ use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaSlice};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::Result;
 use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
-/// The WY kernel's chunk order (time-major: every sequence's chunk 0, then every chunk 1, ...),
-/// on the device.
+/// A WY kernel beside a scan that waits for its chunks: the WY kernel's chunk order on the
+/// device and the number of readiness counters.
+///
+/// The forward takes the chunks time-major (every sequence's chunk 0, then every chunk 1, ...)
+/// for its state scan ([`wy_then_scan`]). The backward runs two scans after the WY kernel, the
+/// forward scan's rerun (chunk states) and the state-gradient scan, each with a block per
+/// (sequence, head, value tile); where each has blocks for fewer than half the multiprocessors
+/// (B1 T32768 H16: 64 each), the state-gradient scan, the longer of the two, starts at once on
+/// the side stream beside a WY kernel that takes the chunks from the sequences' ends (the scan
+/// runs backwards in time), and the rerun follows the WY kernel on the device's stream. Results
+/// are bit-identical to the launches one after the other.
 pub(super) struct Pipeline {
     order: CudaSlice<i32>,
+    counters: usize,
 }
 
 impl Pipeline {
-    /// The pipeline for a scan planned as `plan` over `table`, or `None` where it is not
-    /// wanted (`GDP_CUDA_OVERLAP=0`) or not safe and useful: the scan's blocks must fill fewer
-    /// than half of the `sms` multiprocessors.
+    /// The pipeline of a WY kernel taking the chunks of `table` in `order` beside a scan planned
+    /// as `plan`, or `None` where it is not wanted (`GDP_CUDA_OVERLAP=0`) or not safe and
+    /// useful: the scan's blocks must fill fewer than half of the `sms` multiprocessors.
     pub fn plan(
         dev: &CudaDevice,
         sh: &GdpShape,
         table: &ChunkTable,
         plan: &ScanPlan,
         sms: usize,
+        order: Vec<usize>,
     ) -> Result<Option<Self>> {
         if !overlap_useful(sh, table, plan, sms)? {
             return Ok(None);
         }
         Ok(Some(Self {
-            order: chunk_order(dev, sh.chunks_time_major(), table)?,
+            order: chunk_order(dev, order, table)?,
+            counters: ready_counters(table, sh),
         }))
+    }
+
+    /// Starts the overlap ([`OverlapRun::start`] with this pipeline's counters).
+    pub fn start(&self, dev: &CudaDevice) -> Result<Option<OverlapRun>> {
+        OverlapRun::start(dev, self.counters)
+    }
+
+    /// What the WY kernel is told: this order and `run`'s counters.
+    pub fn signal<'a>(&'a self, run: &'a OverlapRun) -> Signal<'a> {
+        Signal {
+            order: &self.order,
+            ready: &run.ready,
+        }
     }
 }
 
@@ -84,40 +110,23 @@ pub(super) fn wy_then_scan(
     plan: &ScanPlan,
     dest: ScanDest,
 ) -> Result<()> {
-    // Side by side: this GPU's registry of overlapped forwards (locked until this one is
-    // recorded in it), zeroed readiness counters and the side stream. The side stream starts
-    // after the counters are zeroed; the WY kernel is queued first, so that with
-    // GDP_CUDA_STREAMS=1 (one stream) the scan finds every chunk ready.
+    // Side by side: the WY kernel is queued first, so that with GDP_CUDA_STREAMS=1 (one stream)
+    // the scan finds every chunk ready.
     let overlap = match pipeline {
-        Some(p) => {
-            let main = dev.cuda_stream();
-            let ordinal = main.context().ordinal();
-            let running = in_flight().lock().map_err(|_| {
-                candle_core::Error::Msg("gdp cuda: overlap registry poisoned".into())
-            })?;
-            main.context().bind_to_thread().w()?;
-            let stream = main.cu_stream() as usize;
-            let free = running
-                .get(&ordinal)
-                .is_none_or(|f| f.stream == stream || f.done.is_complete());
-            if free {
-                let ready = dev.alloc_zeros::<i32>(ready_counters(table, sh))?;
-                let side = SideStream::fork_urgent(dev)?;
-                Some((p, running, ordinal, stream, ready, side))
-            } else {
-                None
-            }
-        }
+        Some(p) => p.start(dev)?.map(|run| (p, run)),
         None => None,
     };
-    let signal = overlap.as_ref().map(|(p, _, _, _, ready, _)| Signal {
-        order: &p.order,
-        ready,
-    });
-    wy.launch(dev, inp, table, sh, scale, signal)?;
-    let beside = overlap.as_ref().map(|(_, _, _, _, ready, side)| Beside {
-        stream: side.stream(),
-        ready,
+    wy.launch(
+        dev,
+        inp,
+        table,
+        sh,
+        scale,
+        overlap.as_ref().map(|(p, run)| p.signal(run)),
+    )?;
+    let beside = overlap.as_ref().map(|(_, run)| Beside {
+        stream: run.side.stream(),
+        ready: &run.ready,
     });
     run_scan(
         dev,
@@ -131,12 +140,10 @@ pub(super) fn wy_then_scan(
         dest,
         beside,
     )?;
-    if let Some((_, mut running, ordinal, stream, _, side)) = overlap {
-        let done = side.stream().record_event(None).w()?;
-        running.insert(ordinal, InFlight { stream, done });
-        side.join()?;
+    match overlap {
+        Some((_, run)) => run.finish(),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// Whether `GDP_CUDA_OVERLAP` allows (unset, empty or `auto`; `0` does not) and the shape
@@ -171,53 +178,24 @@ fn chunk_order(dev: &CudaDevice, order: Vec<usize>, table: &ChunkTable) -> Resul
     dev.clone_htod(&order)
 }
 
-/// The backward's WY kernel with its state-gradient scan beside it. The backward runs two
-/// scans, the forward scan's rerun (chunk states) and the state-gradient scan, each with a
-/// block per (sequence, head, value tile), after the WY kernel; side by side where each has
-/// blocks for fewer than half the multiprocessors (B1 T32768 H16: 64 each). Here the
-/// state-gradient scan, the longer of the two, starts at once on a high-priority side stream,
-/// waiting for the WY kernel's counters, which takes the chunks from the sequences' ends (the
-/// scan runs backwards in time); the rerun follows the WY kernel on the device's stream.
-/// Results are bit-identical to the launches one after the other.
-pub(super) struct DhBesideWy {
-    order: CudaSlice<i32>,
-    counters: usize,
-}
-
-/// A [`DhBesideWy`] in progress: the readiness counters, the side stream and the locked
-/// registry of this GPU's overlapped kernels.
-pub(super) struct DhBesideRun<'a> {
-    running: std::sync::MutexGuard<'a, HashMap<usize, InFlight>>,
+/// An overlapped launch in progress: zeroed readiness counters, a high-priority side stream
+/// forked from the device's stream, and this GPU's registry of overlapped launches, locked
+/// until the launch is recorded in it.
+pub(super) struct OverlapRun {
+    running: MutexGuard<'static, HashMap<usize, InFlight>>,
     ordinal: usize,
+    stream: usize,
     pub side: SideStream,
     pub ready: CudaSlice<i32>,
 }
 
-impl DhBesideWy {
-    /// The pipeline where `GDP_CUDA_OVERLAP` allows it and the state-gradient scan `dh` has
-    /// blocks for fewer than half of the `sms` multiprocessors, else `None`.
-    pub fn plan(
-        dev: &CudaDevice,
-        sh: &GdpShape,
-        table: &ChunkTable,
-        dh: &ScanPlan,
-        sms: usize,
-    ) -> Result<Option<Self>> {
-        if !overlap_useful(sh, table, dh, sms)? {
-            return Ok(None);
-        }
-        Ok(Some(Self {
-            order: chunk_order(dev, sh.chunks_from_the_end(), table)?,
-            counters: ready_counters(table, sh),
-        }))
-    }
-
-    /// Starts the overlap: zeroed counters, then a high-priority side stream forked from the
-    /// device's stream (before the WY kernel is queued), with this GPU's registry locked until
-    /// [`DhBesideRun::finish`]. `None` where an overlapped forward or backward of another
-    /// stream may still be running on this GPU (its waiting blocks and these could fill every
-    /// multiprocessor): then nothing is queued.
-    pub fn start(&self, dev: &CudaDevice) -> Result<Option<DhBesideRun<'static>>> {
+impl OverlapRun {
+    /// Starts one with `counters` readiness counters (the side stream forks after they are
+    /// zeroed), or `None`, queuing nothing, where this GPU's previous overlapped launch was
+    /// queued on another stream and may still be running: its waiting blocks and these could
+    /// fill every multiprocessor. One queued on the same stream cannot overlap this one
+    /// (stream order starts this one's side stream after the previous one's join).
+    fn start(dev: &CudaDevice, counters: usize) -> Result<Option<Self>> {
         let main = dev.cuda_stream();
         let ordinal = main.context().ordinal();
         let running = in_flight()
@@ -231,37 +209,28 @@ impl DhBesideWy {
         if !free {
             return Ok(None);
         }
-        let ready = dev.alloc_zeros::<i32>(self.counters)?;
+        let ready = dev.alloc_zeros::<i32>(counters)?;
         let side = SideStream::fork_urgent(dev)?;
-        Ok(Some(DhBesideRun {
+        Ok(Some(Self {
             running,
             ordinal,
+            stream,
             side,
             ready,
         }))
     }
 
-    /// What the WY kernel is told: this order and `run`'s counters.
-    pub fn signal<'a>(&'a self, run: &'a DhBesideRun) -> Signal<'a> {
-        Signal {
-            order: &self.order,
-            ready: &run.ready,
-        }
-    }
-}
-
-impl DhBesideRun<'_> {
     /// Records the side stream's completion in the registry and joins it into the device's
-    /// stream (after the state-gradient scan and the rerun are queued).
-    pub fn finish(mut self, dev: &CudaDevice) -> Result<()> {
+    /// stream (once everything that runs on the side stream is queued).
+    pub fn finish(mut self) -> Result<()> {
         let done = self.side.stream().record_event(None).w()?;
-        let stream = dev.cuda_stream().cu_stream() as usize;
-        self.running.insert(self.ordinal, InFlight { stream, done });
+        let (stream, ordinal) = (self.stream, self.ordinal);
+        self.running.insert(ordinal, InFlight { stream, done });
         self.side.join()
     }
 }
 
-/// The last overlapped launch (forward, or backward's [`DhBesideWy`]) queued on a GPU: the
+/// The last overlapped launch (a forward's or a backward's) queued on a GPU: the
 /// stream it was queued on (its raw handle) and the completion of its waiting scan.
 struct InFlight {
     stream: usize,
