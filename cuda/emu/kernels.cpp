@@ -251,6 +251,20 @@ static std::vector<int> chunk_table(const Prob& P, long& total) {
   return tab;
 }
 
+// The WY kernel's chunk order as the op builds it (GdpShape::chunks_time_major and
+// chunks_from_the_end in src/op/shape.rs): every sequence's d-th chunk for d = 0, 1, ...,
+// counted from the sequence's start, or from its end; ids of chunk_table's table `tab`.
+static std::vector<int> wy_chunk_order(const Prob& P, const std::vector<int>& tab, bool from_end) {
+  auto nch = [&](int si) { return (P.seqs[si].len * P.c.n + 63) / 64; };
+  int most = 0;
+  for (int si = 0; si < P.N; ++si) most = std::max(most, nch(si));
+  std::vector<int> order;
+  for (int d = 0; d < most; ++d)
+    for (int si = 0; si < P.N; ++si)
+      if (d < nch(si)) order.push_back(tab[4 * si + 3] + (from_end ? nch(si) - 1 - d : d));
+  return order;
+}
+
 // Rounds `x` to bf16 in place (so that the f64 reference sees the kernel's inputs) and returns
 // the bf16 copy.
 static std::vector<__nv_bfloat16> to_bf16(std::vector<float>& x) {
@@ -387,12 +401,7 @@ void run_bf16(const Case& c) {
     wy_factors(true);
     std::vector<float> plain(BTH * V + sl, 0.f), overlapped(BTH * V + sl, 0.f);
     scan(plain, nullptr);
-    std::vector<int> order;
-    int most = 0;
-    for (int si = 0; si < N; ++si) most = std::max(most, (P.seqs[si].len * c.n + 63) / 64);
-    for (int ci = 0; ci < most; ++ci)
-      for (int si = 0; si < N; ++si)
-        if (ci < (P.seqs[si].len * c.n + 63) / 64) order.push_back(tab[4 * si + 3] + ci);
+    const std::vector<int> order = wy_chunk_order(P, tab, false);
     std::fill(wg.begin(), wg.end(), __nv_bfloat16{0x7f7f});
     std::fill(ug.begin(), ug.end(), __nv_bfloat16{0x7f7f});
     std::vector<int> ready((total / GDPC_READY_GROUP + N + 1) * H, 0);
@@ -487,13 +496,7 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
   // poisoned and written again in that order, the scan waiting on the counters (the
   // emulation's wait asserts each group complete), dS, dDelta and dh0 bit-identical.
   if (total > 0) {
-    std::vector<int> order;
-    int most = 0;
-    auto nch = [&](int si) { return (P.seqs[si].len * c.n + 63) / 64; };
-    for (int si = 0; si < N; ++si) most = std::max(most, nch(si));
-    for (int d = 0; d < most; ++d)
-      for (int si = 0; si < N; ++si)
-        if (d < nch(si)) order.push_back(tab[4 * si + 3] + nch(si) - 1 - d);
+    const std::vector<int> order = wy_chunk_order(P, tab, true);
     std::fill(wg.begin(), wg.end(), poison);
     std::fill(pg.begin(), pg.end(), poison);
     std::fill(cg.begin(), cg.end(), 3e38f);
