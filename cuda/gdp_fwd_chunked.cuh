@@ -552,6 +552,13 @@ __host__ __device__ constexpr int gdpc_stage_bytes(int KP, int QR, int BV) {
   return 2 * ((64 + 64 + QR) * (KP + 8) + QR * 72 + 64 * (BV + 8)) + 4 * 3 * 64;
 }
 
+// Shared memory of the forward scan (bytes): NS stage buffers, the bf16 state twice, bf16 Delta
+// twice (Dn, Dk), and NS chunks' row tables (64 key and 64 query row offsets) and geometry.
+__host__ __device__ constexpr int gdpc_scan_smem_bytes(int KP, int QR, int BV, int NS) {
+  return NS * gdpc_stage_bytes(KP, QR, BV) + 2 * 2 * KP * (BV + 8) + 2 * 2 * 64 * (BV + 8) +
+         8 * NS * 2 * 64 + 12 * NS;
+}
+
 // acc[2 p + j] += A[m0 .. m0 + 16, 0 .. KD) B[0 .. KD, n0 + 16 p + 8 j ..) for p < NP, j < 2:
 // A row-major in shared memory (ldmatrix), B row-major [k][n] (ldmatrix.trans), bf16 operands.
 template <int KD, int NP>
@@ -572,7 +579,7 @@ __device__ __forceinline__ void gdpc_mma_kn(float (&acc)[2 * NP][4], const __nv_
   }
 }
 
-template <int BV, int KPT, int NW>
+template <int BV, int KPT, int NW, bool TEAM>
 __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const __nv_bfloat16* __restrict__ qb, const __nv_bfloat16* __restrict__ kb, int split,
     const float* __restrict__ aux, const int* __restrict__ table, const __nv_bfloat16* __restrict__ wg,
@@ -630,6 +637,10 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
   // operands are copied into.
   int64_t* tables = reinterpret_cast<int64_t*>(Dk + C * LB);  // [NS][2][C]
   GdpcMeta* meta = reinterpret_cast<GdpcMeta*>(tables + NS * 2 * C);  // [NS]
+#ifdef GDP_EMU
+  assert(reinterpret_cast<unsigned char*>(meta + NS) - gdpcs_smem ==
+         gdpc_scan_smem_bytes(KPT, QR, BV, NS));
+#endif
   auto fill_table = [&](int ci, int slot_of) {
     int64_t* koff = tables + slot_of * 2 * C;
     int64_t* qoff = koff + C;
@@ -667,6 +678,44 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
       }
     }
     for (int i = tid; i < 3 * C / 4; i += nthr) cp_async16(st.cf + 4 * i, cg + slot * 3 * C + 4 * i);
+    cp_async_commit();
+  };
+  // The TEAM kernels: given three stages (the copies two chunks ahead), an output and at most
+  // 32 query rows per chunk (n >= 2), the warps of row tiles 2 and 3 (mi >= 2) have no output
+  // rows; they issue the copies in phase B while the others compute the output, off the step's
+  // critical path (`half_copies`), through prefetch_team: prefetch's copies on those NW * 16
+  // threads. A generic lambda, instantiated only in the TEAM kernels, so that the plain kernels
+  // compile from the same code as without it (docs/perf.md v17: a team path merely compiled
+  // into them slowed the plain BV 64 scans by 6-7%; with two stages the copies issued in phase
+  // B are waited for at the next step; with four warps, two copying, 25% slower).
+  static_assert(!TEAM || NW == 8, "the copy team is the four warps of row tiles 2 and 3");
+  const bool half_copies = TEAM && NS == 3 && (out != nullptr || outb != nullptr) && QR <= 32;
+  const bool copier = mi >= 2;
+  auto prefetch_team = [&](auto nthr_tag, int ci, int s) {
+    constexpr int NTHR = decltype(nthr_tag)::value;
+    const int ttid = (warp >> 2) * 64 + (mi - 2) * 32 + lane;  // < NW * 16 on the copiers
+    const Stage st = stage(s);
+    const GdpcMeta m = meta[s];
+    const int64_t* koff = tables + s * 2 * C;
+    const int64_t* qoff = koff + C;
+    const int64_t slot = (int64_t)(cbase + ci) * H + head;
+    const __nv_bfloat16* u = ug + slot * C * V + v0;
+    gdpc_stage_wkqp<KPT, NTHR>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb, qb,
+                               pg + slot * C * C, koff, qoff, m.c, m.nq, QR, K, vk, ttid);
+    if (vu && bv == BV) {
+      gdpc_stage_tile_strided<BV, LB, C, NTHR>(st.U, u, V, C, ttid);
+    } else if (vu) {
+      const GdpcSplit sp(bv, ttid, NTHR);
+      gdpc_stage_rows(st.U, LB, u, [&](int r) { return (int64_t)r * V; }, C, C, bv, true, sp,
+                      ttid, NTHR);
+    } else {
+      for (int idx = ttid; idx < C * BV; idx += NTHR) {
+        const int r = idx / BV, col = idx - r * BV;
+        st.U[r * LB + col] = col < bv ? u[(int64_t)r * V + col] : __float2bfloat16_rn(0.f);
+      }
+    }
+    for (int i = ttid; i < 3 * C / 4; i += NTHR)
+      cp_async16(st.cf + 4 * i, cg + slot * 3 * C + 4 * i);
     cp_async_commit();
   };
 
@@ -734,7 +783,9 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const GdpcMeta m = meta[sc];
     const int nq = m.nq;
     // Chunks ci .. ci + NS - 2 are in flight (one cp.async group each): wait for chunk ci's.
-    if (NS == 3 && ci + 1 < nch)
+    // (With half_copies, threads that issue no copies in the loop hold only the groups of the
+    // first NS - 1 chunks: they wait for all of them.)
+    if (NS == 3 && ci + 1 < nch && (!half_copies || copier))
       cp_async_wait<1>();
     else
       cp_async_wait<0>();
@@ -742,7 +793,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     __syncthreads();  // chunk ci staged; chunk ci - 1 done with its stage and with Dn / Dk
     // Chunk ci + NS - 1 into the stage chunk ci - 1 used.
     const int s_prev = sc == 0 ? NS - 1 : sc - 1;
-    if (ci + NS - 1 < nch) prefetch(ci + NS - 1, s_prev);
+    if (ci + NS - 1 < nch && !half_copies) prefetch(ci + NS - 1, s_prev);
     // Row table of chunk ci + NS (its slot was last read by the prefetch of chunk ci).
     if (ci + NS < nch) fill_table(ci + NS, sc);
     if (++sc == NS) sc = 0;
@@ -821,6 +872,10 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
         }
       }
     }
+    if constexpr (TEAM) {
+      if (half_copies && copier && ci + NS - 1 < nch)
+        prefetch_team(std::integral_constant<int, NW * 16>(), ci + NS - 1, s_prev);
+    }
     {
       const float eglast = st.cf[2 * C];
 #pragma unroll
@@ -862,23 +917,28 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
       }
 }
 
-#define GDPC_SCAN_ENTRY(BV, KPT, NW)                                                             \
-  extern "C" __global__ void __launch_bounds__(NW * 32) gdp_fwd_scan_bf16_##BV##_##KPT(         \
+#define GDPC_SCAN_ENTRY(NAME, BV, KPT, NW, TEAM)                                                \
+  extern "C" __global__ void __launch_bounds__(NW * 32) NAME##_##BV##_##KPT(                      \
       const __nv_bfloat16* qb, const __nv_bfloat16* kb, int split, const float* aux,            \
       const int* table, const __nv_bfloat16* wg, const __nv_bfloat16* ug,                       \
       const __nv_bfloat16* pg, const float* cg,                                                 \
       const float* h0_override, int use_h0_override, float* out, __nv_bfloat16* outb,            \
       float* fin, __nv_bfloat16* hs, __nv_bfloat16* dn, int B, int TT, int H, int K, int V, int n, \
       int has_h0, int QR, int NS, const int* ready) {                                            \
-    gdp_fwd_scan_bf16_impl<BV, KPT, NW>(qb, kb, split, aux, table, wg, ug, pg, cg, h0_override, \
-                                        use_h0_override, out, outb, fin, hs, dn, B, TT, H, K, V, \
-                                        n, has_h0, QR, NS, ready);                               \
+    gdp_fwd_scan_bf16_impl<BV, KPT, NW, TEAM>(qb, kb, split, aux, table, wg, ug, pg, cg,        \
+                                              h0_override, use_h0_override, out, outb, fin, hs, \
+                                              dn, B, TT, H, K, V, n, has_h0, QR, NS, ready);    \
   }
-GDPC_SCAN_ENTRY(16, 64, 4)
-GDPC_SCAN_ENTRY(16, 128, 4)
-GDPC_SCAN_ENTRY(16, 256, 4)
-GDPC_SCAN_ENTRY(32, 64, 8)
-GDPC_SCAN_ENTRY(32, 128, 8)
-GDPC_SCAN_ENTRY(32, 256, 8)
-GDPC_SCAN_ENTRY(64, 64, 8)
-GDPC_SCAN_ENTRY(64, 128, 8)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 64, 4, false)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 128, 4, false)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 256, 4, false)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 64, 8, false)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 128, 8, false)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 256, 8, false)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 64, 64, 8, false)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 64, 128, 8, false)
+// The copy-team variant (n >= 2 with an output, three stages), where it was measured faster:
+// 32 value columns (B1 T32768 H16 n2: 2.74 -> 2.61 ms; at 64 columns no gain, v17).
+GDPC_SCAN_ENTRY(gdp_fwd_scan_team_bf16, 32, 64, 8, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_team_bf16, 32, 128, 8, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_team_bf16, 32, 256, 8, true)

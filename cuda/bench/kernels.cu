@@ -102,12 +102,10 @@ static void forward(int B, int T, int H, int n) {
   // hs_out and dn_out); returns ms and the stages.
   auto time_scan = [&](auto kern, int bv, __nv_bfloat16* o_out, __nv_bfloat16* hs_out,
                        __nv_bfloat16* dn_out, int& NS) {
-    const int stage = gdpc_stage_bytes(KP, QR, bv);
-    auto smem_of = [&](int ns) {
-      return ns * stage + 2 * 2 * KP * (bv + 8) + 2 * 2 * C * (bv + 8) + 8 * ns * 2 * C + 12 * ns;
-    };
-    NS = smem_of(3) <= 232448 ? 3 : 2;
-    const int smem = smem_of(NS);
+    // KB_NS2=1: two stages even where three fit.
+    const bool three = gdpc_scan_smem_bytes(KP, QR, bv, 3) <= 232448 && !getenv("KB_NS2");
+    NS = three ? 3 : 2;
+    const int smem = gdpc_scan_smem_bytes(KP, QR, bv, NS);
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return median_ms([&] {
       kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
@@ -123,6 +121,11 @@ static void forward(int B, int T, int H, int n) {
   scan(gdp_fwd_scan_bf16_16_128, 16);
   scan(gdp_fwd_scan_bf16_32_128, 32);
   scan(gdp_fwd_scan_bf16_64_128, 64);
+  if (n >= 2) {  // the copy-team variant (three stages, an output, at most 32 query rows)
+    int NS;
+    const float t = time_scan(gdp_fwd_scan_team_bf16_32_128, 32, ob, nullptr, nullptr, NS);
+    printf(" | team BV32/%d %.3f ms", NS, t);
+  }
   printf("\n");
 
   // The WY kernel beside the scan (src/op/cuda/pipeline.rs) where the scan's blocks (BV 32)
@@ -147,13 +150,10 @@ static void forward(int B, int T, int H, int n) {
     cudaEvent_t zeroed, done;
     CK(cudaEventCreateWithFlags(&zeroed, cudaEventDisableTiming));
     CK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    auto smem_of = [&](int ns) {  // as in time_scan
-      return ns * gdpc_stage_bytes(KP, QR, 32) + 2 * 2 * KP * 40 + 2 * 2 * C * 40 + 8 * ns * 2 * C +
-             12 * ns;
-    };
-    const int NS = smem_of(3) <= 232448 ? 3 : 2, smem = smem_of(NS);
-    CK(cudaFuncSetAttribute(gdp_fwd_scan_bf16_32_128, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            smem));
+    const int NS = gdpc_scan_smem_bytes(KP, QR, 32, 3) <= 232448 ? 3 : 2;
+    const int smem = gdpc_scan_smem_bytes(KP, QR, 32, NS);
+    for (auto kern : {gdp_fwd_scan_bf16_32_128, gdp_fwd_scan_team_bf16_32_128})
+      CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const float t = median_ms([&] {
       CK(cudaMemsetAsync(ready, 0, counters * sizeof(int), 0));
       CK(cudaEventRecord(zeroed, 0));
@@ -161,13 +161,15 @@ static void forward(int B, int T, int H, int n) {
       gdp_fwd_wy_bf16<<<total * H, 128, wy_smem, 0>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf,
                                                        nullptr, B, T, H, K, V, n, B, scale,
                                                        dorder, ready);
-      gdp_fwd_scan_bf16_32_128<<<dim3(B * H, V / 32), 256, smem, urgent>>>(
+      auto kern = n >= 2 && NS == 3 ? gdp_fwd_scan_team_bf16_32_128 : gdp_fwd_scan_bf16_32_128;
+      kern<<<dim3(B * H, V / 32), 256, smem, urgent>>>(
           dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, ob, nullptr, nullptr, nullptr, B,
           T, H, K, V, n, 0, QR, NS, ready);
       CK(cudaEventRecord(done, urgent));
       CK(cudaStreamWaitEvent(0, done, 0));
     });
-    printf("  overlapped wy + scan BV32/%d %.3f ms (wy %.3f + scan alone, above)\n", NS, t, t_wy);
+    printf("  overlapped wy + scan%s BV32/%d %.3f ms (wy %.3f + scan alone, above)\n",
+           n >= 2 && NS == 3 ? " team" : "", NS, t, t_wy);
     CK(cudaStreamDestroy(urgent));
     CK(cudaFree(dorder));
     CK(cudaFree(ready));
@@ -280,7 +282,7 @@ static void step() {
 }
 
 // KB_ONLY_N2=1 skips the n = 1 shape; KB_ONLY_B1=1 runs only B1 T32768 n2 (for profilers);
-// KB_ONLY_STEP=1 only the decode step.
+// KB_ONLY_STEP=1 only the decode step; KB_NS2=1 gives the forward scans two stages where three fit.
 int main() {
   if (getenv("KB_ONLY_STEP") != nullptr) {  // the decode step only
     step();
