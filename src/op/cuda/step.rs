@@ -57,6 +57,9 @@ pub fn step(
     if !small.0.device().same_device(&dev) {
         candle_core::bail!("gdp cuda step: the inputs are on another device than the state");
     }
+    // A decode loop may never call the chunked op, which sets this too: without it every step's
+    // 64 MB output (B64 H16 K=V=128) is mapped afresh after each synchronisation.
+    super::memory::default_pool_policy(&dev)?;
     let st = view::<f32>(state.0, state.1, b * h * k * v, "state")?;
     let sm = view::<f32>(small.0, small.1, small_len, "q/k/v/g/beta")?;
     // SAFETY: the kernel writes every element (o for every (row, column), the whole new state).
