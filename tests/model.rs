@@ -116,6 +116,50 @@ fn prefill_then_decode_matches_full_prefill() -> Result<()> {
     Ok(())
 }
 
+/// (a') The decode step with untracked weights (loaded as plain tensors, as for inference) is
+/// the fused one pass over the state; with `Var`s it is the differentiable tensor-op step. Both
+/// give the same logits, and the untracked model's prefill + decode reproduces its full prefill.
+#[test]
+fn fused_decode_of_untracked_weights_matches_tracked_decode() -> Result<()> {
+    for (name, cfg) in variants() {
+        let (varmap, tracked) = build(&cfg, 3)?;
+        let tensors = {
+            let data = varmap.data().lock().map_err(|e| anyhow::anyhow!("{e}"))?;
+            data.iter()
+                .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
+                .collect::<std::collections::HashMap<_, _>>()
+        };
+        let plain = GdpForCausalLM::new(
+            &cfg,
+            VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu),
+        )?;
+        let (b, t, prefix) = (2, 20, 7);
+        let x = ids(b, t, cfg.vocab_size, 4)?;
+        let decode = |model: &GdpForCausalLM| -> Result<Tensor> {
+            let mut cache = Cache::new(&cfg, b, DType::F32, &Device::Cpu)?;
+            let mut parts = vec![model.forward(&x.narrow(1, 0, prefix)?, Some(&mut cache))?];
+            for i in prefix..t {
+                parts.push(model.forward(&x.narrow(1, i, 1)?, Some(&mut cache))?);
+            }
+            Ok(Tensor::cat(&parts, 1)?)
+        };
+        let (fused, unfused) = (decode(&plain)?, decode(&tracked)?);
+        assert!(!fused.track_op() && unfused.track_op(), "{name}: tracking");
+        let err = rel_err(&fused, &unfused)?;
+        let full = rel_err(&fused, &plain.forward(&x, None)?)?;
+        println!("{name}: fused vs tensor-op decode {err:.2e}, vs full prefill {full:.2e}");
+        assert!(
+            err < 1e-5,
+            "{name}: fused vs tensor-op decode rel err {err}"
+        );
+        assert!(
+            full < 1e-4,
+            "{name}: fused decode vs full prefill rel err {full}"
+        );
+    }
+    Ok(())
+}
+
 /// (b) Prefill in two chunks through the cache equals one prefill, in logits and in the caches
 /// left behind (including a second chunk shorter than the conv width).
 #[test]

@@ -21,7 +21,7 @@ use super::config::GdpConfig;
 use super::conv::ShortConv;
 use super::norm::{l2_norm, softplus, GatedRmsNorm, RmsNorm};
 use crate::error::GdpError;
-use crate::op::recurrent::gated_delta_product_step;
+use crate::op::recurrent::{gated_delta_product_step, gated_delta_product_step_fused};
 use crate::{gated_delta_product_packed, GdpOptions};
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{Init, Linear, VarBuilder};
@@ -182,6 +182,9 @@ impl GatedDeltaProduct {
     /// Without a cache: one chunked prefill from a zero state. With a cache: the conv histories
     /// and the recurrent state are read and replaced, `seen_tokens` grows by `T`; `T == 1` takes
     /// the recurrent decode step, `T > 1` the chunked op with the cached state as initial state.
+    /// The decode step is the fused one pass over the state
+    /// ([`gated_delta_product_step_fused`]) unless its inputs track gradients (weights held as
+    /// `Var`s, a cached state in a graph): then the differentiable tensor-op step.
     /// The cache is only updated when the whole call succeeds.
     pub fn forward(&self, x: &Tensor, cache: Option<&mut LayerCache>) -> Result<Tensor> {
         let (b, t) = self.check_input(x, cache.as_deref())?;
@@ -220,7 +223,13 @@ impl GatedDeltaProduct {
                 let v = v.reshape((b, n, hv, dv))?;
                 let g = g.reshape((b, hv))?;
                 let beta = beta.reshape((b, n, hv))?;
-                let (o, s) = gated_delta_product_step(&lc.recurrent, &q, &k, &v, &g, &beta, None)?;
+                let args = [&lc.recurrent, &q, &k, &v, &g, &beta];
+                let step = if args.iter().any(|t| t.track_op()) {
+                    gated_delta_product_step
+                } else {
+                    gated_delta_product_step_fused
+                };
+                let (o, s) = step(&lc.recurrent, &q, &k, &v, &g, &beta, None)?;
                 (o.unsqueeze(1)?, Some(s))
             }
             Some(lc) => {

@@ -154,9 +154,10 @@ fn validate_step(
 }
 
 /// [`gated_delta_product_step`] as one fused pass over the state: the state is read once and the
-/// new state written once (one CUDA kernel on a GPU, `K <= 256`; a rayon loop on the CPU).
-/// Same arguments and results (`o [B, H, V]` in `q`'s dtype, the new state `[B, H, K, V]` in
-/// f32), computed in f32; not differentiable (it is a decode-time op).
+/// new state written once (one CUDA kernel on a GPU; a rayon loop on the CPU). Same arguments
+/// and results (`o [B, H, V]` in `q`'s dtype, the new state `[B, H, K, V]` in f32), computed in
+/// f32; not differentiable (it is a decode-time op). Shapes the CUDA kernel does not take
+/// (`K > 256`) run [`gated_delta_product_step`] instead.
 pub fn gated_delta_product_step_fused(
     state: &Tensor,
     q: &Tensor,
@@ -167,6 +168,10 @@ pub fn gated_delta_product_step_fused(
     scale: Option<f64>,
 ) -> Result<(Tensor, Tensor)> {
     let d = validate_step(state, q, k, v, g, beta, scale)?;
+    #[cfg(feature = "cuda")]
+    if state.device().is_cuda() && !super::cuda::step_fits(d.dk, d.n) {
+        return gated_delta_product_step(state, q, k, v, g, beta, scale);
+    }
     let flat = |x: &Tensor| x.to_dtype(DType::F32)?.flatten_all();
     let small = Tensor::cat(&[flat(q)?, flat(k)?, flat(v)?, flat(g)?, flat(beta)?], 0)?;
     let st = state.to_dtype(DType::F32)?.contiguous()?;

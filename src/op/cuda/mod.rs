@@ -25,5 +25,5 @@ pub(crate) use chunked_bwd::{split_backward_fits, try_backward_tensors, Cotangen
 pub(crate) use copy::copy_rows;
 pub use launch::{forward, smem_bytes, LaunchPlan, THREADS};
 pub use memory::retain_freed_memory;
-pub use step::step;
+pub use step::{step, step_fits};
 pub(crate) use summary::{backward_summaries_bf16, backward_summaries_served};

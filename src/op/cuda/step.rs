@@ -31,6 +31,11 @@ fn smem_bytes(k: usize, n: usize) -> usize {
     4 * ((1 + n) * PARTS * rows_per_part(k) + n * COLS + n.div_ceil(4) * 4 + 2 * PARTS * COLS)
 }
 
+/// Whether the step kernel takes `K`, `n`: `K <= 256` and its shared memory under 48 KB.
+pub fn step_fits(k: usize, n: usize) -> bool {
+    k <= MAX_K && smem_bytes(k, n) <= MAX_SMEM
+}
+
 /// One fused step on CUDA: `state [B, H, K, V]` (f32) and the f32 buffer `[q | k | v | g | beta]`
 /// of `small_len` elements; `dims = [B, H, K, V, n]`. Returns the f32 `[o | new state]`.
 pub fn step(
