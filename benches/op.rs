@@ -1,6 +1,7 @@
 //! CPU throughput of the Gated DeltaProduct op: forward and forward+backward tokens/s at
 //! B1 T8192 H4 K=V=64 n=2 (f32 and bf16), and the achieved FLOP rate as a fraction of candle's
-//! own f32 matmul rate measured in the same run.
+//! own f32 matmul rate measured in the same run; then the decode step, fused against the
+//! tensor-op step in the same run.
 //!
 //! FLOP model (per head, per interleaved chunk of `c ≤ 64` sub-token rows with `q` query rows,
 //! counting a multiply-add as 2): forward = 2c²K (KKᵀ) + c³/3 (triangular inverse) + 2c²(K+V)
@@ -12,6 +13,7 @@
 //! Run: `cargo bench --bench op` (add `-- --quick` for fewer repetitions).
 
 use candle_core::{DType, Device, Tensor, Var};
+use candle_gdp::op::recurrent::{gated_delta_product_step, gated_delta_product_step_fused};
 use candle_gdp::{gated_delta_product, gated_delta_product_packed, GdpOptions};
 use std::time::Instant;
 
@@ -132,6 +134,42 @@ fn main() -> candle_core::Result<()> {
             o.to_dtype(DType::F32)?.sum_all()?.backward().map(|_| ())
         })?;
         row(format!("fwd+bwd {dtype:?} (FLA layout)"), ms, fb_flops);
+    }
+    decode_steps(reps * 20)
+}
+
+/// The one-token decode step with an f32 state: the fused pass over the state against the
+/// differentiable tensor-op step (the baseline, same run); tokens/s counts the `B` tokens of a
+/// step, GB/s the state read and written.
+fn decode_steps(reps: usize) -> candle_core::Result<()> {
+    let dev = Device::Cpu;
+    println!(
+        "{:<34} {:>9} {:>12} {:>9} {:>10}",
+        "decode step (f32 state)", "ms", "tokens/s", "GB/s", "speed-up"
+    );
+    for (b, h, k, v, n) in [(1, 2, 64, 128, 2), (8, 16, 128, 128, 2)] {
+        let state = Tensor::randn(0f32, 1.0, (b, h, k, v), &dev)?;
+        let q = Tensor::randn(0f32, 1.0, (b, h, k), &dev)?;
+        let kk = Tensor::randn(0f32, 0.125, (b, n, h, k), &dev)?;
+        let vv = Tensor::randn(0f32, 1.0, (b, n, h, v), &dev)?;
+        let g = (Tensor::rand(0f32, 1.0, (b, h), &dev)? * -0.5)?;
+        let beta = Tensor::rand(0f32, 1.0, (b, n, h), &dev)?;
+        let tensor_ops = median_ms(reps, || {
+            gated_delta_product_step(&state, &q, &kk, &vv, &g, &beta, None).map(|_| ())
+        })?;
+        let fused = median_ms(reps, || {
+            gated_delta_product_step_fused(&state, &q, &kk, &vv, &g, &beta, None).map(|_| ())
+        })?;
+        let bytes = 2.0 * (b * h * k * v * 4) as f64;
+        for (name, ms) in [("tensor ops", tensor_ops), ("fused", fused)] {
+            println!(
+                "{:<34} {ms:>9.3} {:>12.0} {:>9.1} {:>9.1}x",
+                format!("B{b} H{h} K{k} V{v} n{n} {name}"),
+                b as f64 / (ms * 1e-3),
+                bytes / (ms * 1e-3) / 1e9,
+                tensor_ops / ms
+            );
+        }
     }
     Ok(())
 }

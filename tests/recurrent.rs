@@ -570,6 +570,8 @@ fn fused_step_equals_the_step() -> Result<()> {
         (1, 2, 32, 20, 2),
         (3, 1, 8, 8, 3),
         (2, 2, 48, 40, 2),
+        // 2·4·64·130 state elements: past the CPU step's threshold for rayon's threads.
+        (2, 4, 64, 130, 2),
     ] {
         for dtype in [DType::F32, DType::BF16] {
             let [s0, q, kk, vv, g, beta] = step_inputs(b, h, k, v, n, &Device::Cpu)?;

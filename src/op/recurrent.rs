@@ -195,6 +195,9 @@ pub fn gated_delta_product_step_fused(
     Ok((o, s))
 }
 
+/// State elements (`B·H·K·V`) from which the CPU step runs its heads on rayon's threads.
+const PARALLEL_STEP_ELEMENTS: usize = 1 << 16;
+
 /// The fused step as a Candle op over the f32 state and the f32 buffer
 /// `[q (B H K) | k (B n H K) | v (B n H V) | g (B H) | beta (B n H)]`; output `[o | new state]`.
 struct FusedStep {
@@ -236,41 +239,53 @@ impl CustomOp2 for FusedStep {
             }
             Ok(x)
         };
-        // The state is updated in a copy, which becomes the output; the inputs are borrowed.
-        let mut new_state = sized(s1, l1, bh * dk * dv, "state")?.to_vec();
+        // One output buffer `[o | new state]`, the state copied into it and updated in place.
+        let state = sized(s1, l1, bh * dk * dv, "state")?;
         let small = sized(s2, l2, self.small_len(), "q/k/v/g/beta")?;
+        let mut out = Vec::with_capacity(bh * dv + state.len());
+        out.resize(bh * dv, 0.0f32);
+        out.extend_from_slice(state);
+        let (o, new_state) = out.split_at_mut(bh * dv);
         let (q, rest) = small.split_at(bh * dk);
         let (k, rest) = rest.split_at(bh * n * dk);
         let (v, rest) = rest.split_at(bh * n * dv);
         let (g, beta) = rest.split_at(bh);
-        let mut o = vec![0.0f32; bh * dv];
-        new_state
-            .par_chunks_mut(dk * dv)
-            .zip(o.par_chunks_mut(dv))
-            .enumerate()
-            .for_each(|(idx, (s, o))| {
-                let (b, h) = (idx / hh, idx % hh);
-                let decay = g[idx].exp();
-                s.iter_mut().for_each(|x| *x *= decay);
-                let mut col = vec![0.0f32; dv];
-                for j in 0..n {
-                    let row = (b * n + j) * hh + h;
-                    let kj = &k[row * dk..(row + 1) * dk];
-                    column_dot(s, kj, &mut col);
-                    let vj = &v[row * dv..(row + 1) * dv];
-                    for (c, &x) in col.iter_mut().zip(vj) {
-                        *c = beta[row] * (x - *c);
-                    }
-                    for (srow, &kr) in s.chunks_mut(dv).zip(kj) {
-                        srow.iter_mut().zip(&col).for_each(|(x, &d)| *x += kr * d);
-                    }
+        let one_head = |idx: usize, (s, o): (&mut [f32], &mut [f32])| {
+            let (b, h) = (idx / hh, idx % hh);
+            let decay = g[idx].exp();
+            s.iter_mut().for_each(|x| *x *= decay);
+            let mut col = vec![0.0f32; dv];
+            for j in 0..n {
+                let row = (b * n + j) * hh + h;
+                let kj = &k[row * dk..(row + 1) * dk];
+                column_dot(s, kj, &mut col);
+                let vj = &v[row * dv..(row + 1) * dv];
+                for (c, &x) in col.iter_mut().zip(vj) {
+                    *c = beta[row] * (x - *c);
                 }
-                column_dot(s, &q[idx * dk..(idx + 1) * dk], o);
-                o.iter_mut().for_each(|x| *x *= self.scale);
-            });
-        o.extend_from_slice(&new_state);
-        let len = o.len();
-        Ok((CpuStorage::F32(o), Shape::from(len)))
+                for (srow, &kr) in s.chunks_mut(dv).zip(kj) {
+                    srow.iter_mut().zip(&col).for_each(|(x, &d)| *x += kr * d);
+                }
+            }
+            column_dot(s, &q[idx * dk..(idx + 1) * dk], o);
+            o.iter_mut().for_each(|x| *x *= self.scale);
+        };
+        // Rayon's hand-off costs tens of microseconds, more than a small step's arithmetic.
+        if rayon::current_num_threads() > 1 && state.len() >= PARALLEL_STEP_ELEMENTS {
+            new_state
+                .par_chunks_mut(dk * dv)
+                .zip(o.par_chunks_mut(dv))
+                .enumerate()
+                .for_each(|(idx, pair)| one_head(idx, pair));
+        } else {
+            new_state
+                .chunks_mut(dk * dv)
+                .zip(o.chunks_mut(dv))
+                .enumerate()
+                .for_each(|(idx, pair)| one_head(idx, pair));
+        }
+        let len = out.len();
+        Ok((CpuStorage::F32(out), Shape::from(len)))
     }
 
     #[cfg(feature = "cuda")]
