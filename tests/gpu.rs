@@ -453,6 +453,61 @@ fn backward_half_precision_matches_f64_reference() -> Result<()> {
 }
 
 #[test]
+fn model_prefill_and_fused_decode_on_cuda_match_the_cpu() -> Result<()> {
+    // Weights loaded as plain tensors (as for inference), so the layer's one-token steps take
+    // the fused step's CUDA kernel; the same weights on the CPU give the reference logits.
+    use candle_gdp::nn::{Cache, GdpConfig, GdpForCausalLM};
+    use candle_nn::{VarBuilder, VarMap};
+    let dev = cuda()?;
+    let cfg = GdpConfig {
+        head_dim: 64,
+        hidden_size: 128,
+        intermediate_size: Some(128),
+        vocab_size: 96,
+        ..GdpConfig::tiny()
+    };
+    let varmap = VarMap::new();
+    GdpForCausalLM::new(
+        &cfg,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    )?;
+    let weights = |d: &Device| -> Result<GdpForCausalLM> {
+        let data = varmap.data().lock().map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut tensors = std::collections::HashMap::new();
+        for (name, var) in data.iter() {
+            tensors.insert(name.clone(), var.as_tensor().detach().to_device(d)?);
+        }
+        Ok(GdpForCausalLM::new(
+            &cfg,
+            VarBuilder::from_tensors(tensors, DType::F32, d),
+        )?)
+    };
+    let (b, t, prefix) = (2, 90, 70);
+    let ids: Vec<u32> = (0..b * t)
+        .map(|i| ((i * 37 + 11) % cfg.vocab_size) as u32)
+        .collect();
+    let ids = Tensor::from_vec(ids, (b, t), &Device::Cpu)?;
+    let run = |d: &Device| -> Result<Tensor> {
+        let model = weights(d)?;
+        let x = ids.to_device(d)?;
+        let mut cache = Cache::new(&cfg, b, DType::F32, d)?;
+        let mut parts = vec![model.forward(&x.narrow(1, 0, prefix)?, Some(&mut cache))?];
+        for i in prefix..t {
+            parts.push(model.forward(&x.narrow(1, i, 1)?, Some(&mut cache))?);
+        }
+        Ok(Tensor::cat(&parts, 1)?.to_device(&Device::Cpu)?)
+    };
+    let (got, want) = (run(&dev)?, run(&Device::Cpu)?);
+    let e = rel_rms(&got, &want)?;
+    println!(
+        "model prefill {prefix} + {} fused decode steps, CUDA vs CPU logits: rel RMS {e:.2e}",
+        t - prefix
+    );
+    assert!(e <= 1e-5, "CUDA vs CPU logits rel RMS {e:.2e}");
+    Ok(())
+}
+
+#[test]
 fn decode_step_matches_cpu_and_the_chunked_op() -> Result<()> {
     // One token per sequence: the step from h0 equals the step on the CPU and the chunked
     // CUDA op on a one-token sequence with that initial state.
