@@ -267,11 +267,18 @@ impl Utf8Stream {
     }
 }
 
-/// Uses `threads` rayon threads (and tells Candle's matmul the same); `None` keeps the default
-/// (all cores).
+/// Uses `threads` rayon threads and tells Candle's matmul the same through `RAYON_NUM_THREADS`;
+/// `None` keeps the defaults (`RAYON_NUM_THREADS` if set, else Candle's choice, its physical core
+/// count) but still sets the variable: without it Candle 0.11.1 recomputes its thread count on
+/// every matmul (`candle_core::utils::get_num_threads`, which parses `/proc/cpuinfo` on Linux),
+/// which made the generate example's decoding 3.5x slower on a 2-core machine.
 pub fn set_threads(threads: Option<usize>) -> Result<()> {
-    if let Some(n) = threads {
-        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    let n = match threads {
+        Some(n) => n,
+        None => candle_core::utils::get_num_threads(),
+    };
+    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    if threads.is_some() {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .build_global()
