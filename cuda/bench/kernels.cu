@@ -154,22 +154,36 @@ static void forward(int B, int T, int H, int n) {
     const int smem = gdpc_scan_smem_bytes(KP, QR, 32, NS);
     for (auto kern : {gdp_fwd_scan_bf16_32_128, gdp_fwd_scan_team_bf16_32_128})
       CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    const float t = median_ms([&] {
-      CK(cudaMemsetAsync(ready, 0, counters * sizeof(int), 0));
-      CK(cudaEventRecord(zeroed, 0));
-      CK(cudaStreamWaitEvent(urgent, zeroed, 0));
-      gdp_fwd_wy_bf16<<<total * H, 128, wy_smem, 0>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf,
-                                                       nullptr, B, T, H, K, V, n, B, scale,
-                                                       dorder, ready);
-      auto kern = n >= 2 && NS == 3 ? gdp_fwd_scan_team_bf16_32_128 : gdp_fwd_scan_bf16_32_128;
-      kern<<<dim3(B * H, V / 32), 256, smem, urgent>>>(
-          dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, ob, nullptr, nullptr, nullptr, B,
-          T, H, K, V, n, 0, QR, NS, ready);
-      CK(cudaEventRecord(done, urgent));
-      CK(cudaStreamWaitEvent(0, done, 0));
-    });
-    printf("  overlapped wy + scan%s BV32/%d %.3f ms (wy %.3f + scan alone, above)\n",
-           n >= 2 && NS == 3 ? " team" : "", NS, t, t_wy);
+    // The WY kernel's shared memory padded so that at most 3, 2 or 1 of its blocks share a
+    // multiprocessor (4 by default): fewer WY blocks at a time beside the scan.
+    CK(cudaFuncSetAttribute(gdp_fwd_wy_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            150 * 1024));
+    for (const int wy_pad : {wy_smem, 72 * 1024, 100 * 1024, 150 * 1024}) {
+      if (wy_pad != wy_smem && (n < 2 || getenv("KB_WY_PAD") == nullptr)) continue;
+      const float t_pad = median_ms([&] {
+        gdp_fwd_wy_bf16<<<total * H, 128, wy_pad, 0>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf,
+                                                        nullptr, B, T, H, K, V, n, B, scale,
+                                                        dorder, nullptr);
+      });
+      const float t = median_ms([&] {
+        CK(cudaMemsetAsync(ready, 0, counters * sizeof(int), 0));
+        CK(cudaEventRecord(zeroed, 0));
+        CK(cudaStreamWaitEvent(urgent, zeroed, 0));
+        gdp_fwd_wy_bf16<<<total * H, 128, wy_pad, 0>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf,
+                                                        nullptr, B, T, H, K, V, n, B, scale,
+                                                        dorder, ready);
+        auto kern =
+            n >= 2 && NS == 3 ? gdp_fwd_scan_team_bf16_32_128 : gdp_fwd_scan_bf16_32_128;
+        kern<<<dim3(B * H, V / 32), 256, smem, urgent>>>(
+            dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, ob, nullptr, nullptr, nullptr,
+            B, T, H, K, V, n, 0, QR, NS, ready);
+        CK(cudaEventRecord(done, urgent));
+        CK(cudaStreamWaitEvent(0, done, 0));
+      });
+      printf("  overlapped wy + scan%s BV32/%d %.3f ms (wy %.3f + scan alone, above); wy smem %d "
+             "bytes: alone %.3f ms\n",
+             n >= 2 && NS == 3 ? " team" : "", NS, t, t_wy, wy_pad, t_pad);
+    }
     CK(cudaStreamDestroy(urgent));
     CK(cudaFree(dorder));
     CK(cudaFree(ready));
@@ -282,7 +296,9 @@ static void step() {
 }
 
 // KB_ONLY_N2=1 skips the n = 1 shape; KB_ONLY_B1=1 runs only B1 T32768 n2 (for profilers);
-// KB_ONLY_STEP=1 only the decode step; KB_NS2=1 gives the forward scans two stages where three fit.
+// KB_ONLY_STEP=1 only the decode step; KB_WY_PAD=1 adds the overlap with the WY kernel's
+// shared memory padded (at most 3, 2, 1 blocks per SM); KB_NS2=1 gives the forward scans two
+// stages where three fit.
 int main() {
   if (getenv("KB_ONLY_STEP") != nullptr) {  // the decode step only
     step();
