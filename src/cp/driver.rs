@@ -167,7 +167,7 @@ impl CpLink {
         self.comm.all_gather(&local)
     }
 
-    /// The forward on this rank: returns `[o | final states]` like [`cpu::forward`].
+    /// The forward on this rank: returns `[o | final states]` like [`cpu::forward()`].
     pub fn forward<T: WithDType>(
         &self,
         x: &PackedInputs<T>,
@@ -215,7 +215,7 @@ impl CpLink {
         Ok(out)
     }
 
-    /// The backward on this rank, like [`cpu::backward`]; `grad` is `[do | dht]`.
+    /// The backward on this rank, like [`cpu::backward()`]; `grad` is `[do | dht]`.
     pub fn backward<T: WithDType>(
         &self,
         x: &PackedInputs<T>,

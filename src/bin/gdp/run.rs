@@ -513,7 +513,7 @@ impl<'a> CpPrepared<'a> {
     }
 }
 
-/// [`bench`] or, with [`TimingArg::Events`], [`bench_events`].
+/// [`bench()`] or, with [`TimingArg::Events`], [`bench_events`].
 fn bench_with<T>(
     timing: TimingArg,
     device: &Device,
@@ -599,7 +599,7 @@ pub fn bench<T>(
     bench_on(std::slice::from_ref(device), repeat, f)
 }
 
-/// [`bench`], synchronising every device of `devices` after each call.
+/// [`bench()`], synchronising every device of `devices` after each call.
 fn bench_on<T>(
     devices: &[Device],
     repeat: usize,

@@ -1,7 +1,7 @@
 //! CPU kernels of the chunked (WY) algorithm: f32 accumulation for f32/bf16/f16/f64 inputs,
 //! parallel over (sequence, head) with rayon, matrix products through the `gemm` crate.
 //!
-//! Buffers follow the packed layout of [`crate::op::custom`]: `qk [B, T, n+1, H, K]`,
+//! Buffers follow the packed layout of `op::custom`: `qk [B, T, n+1, H, K]`,
 //! `v [B, T·n, H, V]`, and the f32 gate buffer `[g | beta | h0?]`.
 
 pub mod backward;
@@ -151,7 +151,7 @@ pub fn forward<T: WithDType>(
 
 /// Backward. `grad` is `[do (B·T·H·V) | dht (N·H·K·V)]` f32. Returns
 /// `[dqk (B·T·(n+1)·H·K) | dv (B·T·n·H·V) | dg (B·T·H) | dbeta (B·T·n·H) | dh0 (N·H·K·V)?]`.
-/// `h0` as in [`forward`].
+/// `h0` as in [`forward()`].
 pub fn backward<T: WithDType>(
     x: &PackedInputs<T>,
     sh: &GdpShape,
