@@ -154,9 +154,10 @@ fn validate_step(
 }
 
 /// [`gated_delta_product_step`] as one fused pass over the state: the state is read once and the
-/// new state written once (one CUDA kernel on a GPU; a rayon loop on the CPU). Same arguments
-/// and results (`o [B, H, V]` in `q`'s dtype, the new state `[B, H, K, V]` in f32), computed in
-/// f32; not differentiable (it is a decode-time op). Shapes the CUDA kernel does not take
+/// new state written once (one CUDA kernel on a GPU; on the CPU a loop over the heads, on
+/// rayon's threads from 65536 state elements). Same arguments and results (`o [B, H, V]` in
+/// `q`'s dtype, the new state `[B, H, K, V]` in f32), computed in f32; not differentiable (it is
+/// a decode-time op). Shapes the CUDA kernel does not take
 /// (`K > 256`) run [`gated_delta_product_step`] instead.
 pub fn gated_delta_product_step_fused(
     state: &Tensor,
