@@ -78,12 +78,13 @@ def gdp_times(gdp, path, out, reps, timing, env=None, extra=()):
     return get("fwd_ms"), get("fwd_bwd_ms"), None
 
 
-def parse_variant(text):
-    """`NAME VAR=VALUE ... --flag VALUE ...` -> (name, environment, extra `gdp run` arguments)."""
+def parse_variant(text, gdp):
+    """`NAME VAR=VALUE ... --flag VALUE ...` -> (name, `gdp` binary, environment, extra `gdp run`
+    arguments); `GDP_BIN=PATH` runs another `gdp` binary (e.g. an earlier build)."""
     name, *rest = text.split()
     env = dict(kv.split("=", 1) for kv in rest if "=" in kv and not kv.startswith("--"))
     extra = [x for x in rest if x.startswith("--") or "=" not in x]
-    return name, env, extra
+    return name, env.pop("GDP_BIN", gdp), env, extra
 
 
 def main():
@@ -92,7 +93,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default="all", choices=["all", "small", "long"])
     ap.add_argument("--variant", action="append", default=[],
-                    help='"NAME VAR=VALUE ... [--gdp-run-flag VALUE ...]"')
+                    help='"NAME VAR=VALUE ... [--gdp-run-flag VALUE ...]"; GDP_BIN=PATH: another gdp binary')
     ap.add_argument("--timing", default="events", choices=["events", "host"],
                     help="gdp run's timing: events (as do_bench times FLA) or host")
     args = ap.parse_args()
@@ -106,10 +107,10 @@ def main():
         path, out = os.path.join(tmp, "in.safetensors"), os.path.join(tmp, "out.safetensors")
         cpu = lambda x: x.detach().cpu().contiguous()
         save_file({"q": cpu(q), "k": cpu(k), "v": cpu(v), "g": cpu(g), "beta": cpu(beta), "do": cpu(do)}, path)
-        variants = [("", {}, [])] + [parse_variant(v) for v in args.variant]
-        for name, env, extra in variants:
+        variants = [("", args.gdp, {}, [])] + [parse_variant(v, args.gdp) for v in args.variant]
+        for name, gdp, env, extra in variants:
             label = f"{B},{T},{H},{n}" + (f" {name}" if name else "")
-            g_fwd, g_fb, err = gdp_times(args.gdp, path, out, args.reps, args.timing, env, extra)
+            g_fwd, g_fb, err = gdp_times(gdp, path, out, args.reps, args.timing, env, extra)
             if g_fwd is None:
                 print(f"{label:<16} {f_fwd:9.3f} {'-':>9} {'-':>6} {f_fb:9.3f}  gdp failed: {err}")
                 continue

@@ -453,8 +453,12 @@ impl WyFactors {
         if table.chunks == 0 {
             return Ok(());
         }
-        let (order, counters) = match signal {
-            Some(Signal { order, ready }) => {
+        let (order, counters, two_per_sm) = match signal {
+            Some(Signal {
+                order,
+                ready,
+                two_per_sm,
+            }) => {
                 if order.len() != table.chunks || ready.len() < ready_counters(table, sh) {
                     candle_core::bail!(
                         "gdp cuda: a chunk order of {} and {} counters for {} chunks x {} heads",
@@ -464,11 +468,15 @@ impl WyFactors {
                         sh.heads
                     );
                 }
-                (Some(order), Some(untracked(dev, ready)))
+                (Some(order), Some(untracked(dev, ready)), two_per_sm)
             }
-            None => (None, None),
+            None => (None, None, false),
         };
-        let smem = wy_smem_bytes(sh.dk, sh.dv);
+        let smem = if two_per_sm {
+            wy_smem_two_per_sm(dev, sh)?
+        } else {
+            wy_smem_bytes(sh.dk, sh.dv)
+        };
         let wy = load_kernel(dev, "gdp_fwd_wy_bf16")?;
         allow_smem(&wy, smem)?;
         let [w, u, p] = [&self.w, &self.u, &self.p].map(|x| untracked(dev, x));
@@ -515,10 +523,27 @@ impl WyFactors {
         // same shape and chunk table the kernel indexes with, alive for the call; a null `ag`
         // when Ainv is not wanted; with a signal, an order of the table's chunk ids, checked
         // to have one per chunk, and `ready_counters` counters); the dynamic shared memory is
-        // `wy_smem_bytes`.
+        // at least `wy_smem_bytes`.
         unsafe { args.launch(cfg) }.w()?;
         Ok(())
     }
+}
+
+/// The WY kernel's dynamic shared memory padded so that at most two of its blocks share a
+/// multiprocessor (half of it, less the per-block reservation), for the forward's WY kernel
+/// beside its scan ([`Signal::two_per_sm`]).
+fn wy_smem_two_per_sm(dev: &CudaDevice, sh: &GdpShape) -> Result<usize> {
+    let per_sm = device_attr(
+        dev,
+        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+    )?;
+    let reserved = device_attr(
+        dev,
+        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK,
+    )?;
+    let (max_smem, _) = smem_and_sms(dev)?;
+    let two_per_sm = (per_sm / 2).saturating_sub(reserved).min(max_smem);
+    Ok(wy_smem_bytes(sh.dk, sh.dv).max(two_per_sm))
 }
 
 /// Chunks per readiness counter (`GDPC_READY_GROUP`).
@@ -536,6 +561,14 @@ pub(super) fn ready_counters(table: &ChunkTable, sh: &GdpShape) -> usize {
 pub(super) struct Signal<'a> {
     pub order: &'a CudaSlice<i32>,
     pub ready: &'a CudaSlice<i32>,
+    /// At most two WY blocks per multiprocessor (padded shared memory: [`wy_smem_two_per_sm`]).
+    /// The forward's scan runs faster beside two than beside four (53,760 bytes each at
+    /// K = V = 128): at B1 T32768 H16 n2 the pair took 2.97 ms against the scan's 2.61 ms
+    /// alone, padded 2.76 ms, the WY kernel then 1.14 ms alone instead of 0.88 and still ahead
+    /// of the scan (`KB_WY_PAD` in `cuda/bench/kernels.cu`); the op's forward 3.17 -> 2.85 ms.
+    /// The backward keeps four: its states rerun waits for the whole WY kernel, and padded
+    /// its forward+backward took 0.6 ms longer (`docs/perf.md` v19).
+    pub two_per_sm: bool,
 }
 
 /// The device address of `s` as a kernel argument outside cudarc's event tracking, which is

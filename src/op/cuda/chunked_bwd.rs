@@ -297,7 +297,7 @@ pub fn try_backward_bf16(
         };
         let side = match overlap {
             Some((p, run)) => {
-                wy.launch(dev, &inp, &table, sh, scale, Some(p.signal(&run)))?;
+                wy.launch(dev, &inp, &table, sh, scale, Some(p.signal(&run, false)))?;
                 Side::Beside(run)
             }
             None => {

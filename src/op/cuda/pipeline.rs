@@ -83,11 +83,13 @@ impl Pipeline {
         OverlapRun::start(dev, self.counters)
     }
 
-    /// What the WY kernel is told: this order and `run`'s counters.
-    pub fn signal<'a>(&'a self, run: &'a OverlapRun) -> Signal<'a> {
+    /// What the WY kernel is told: this order, `run`'s counters, and whether it keeps to two
+    /// blocks per multiprocessor ([`Signal::two_per_sm`]).
+    pub fn signal<'a>(&'a self, run: &'a OverlapRun, two_per_sm: bool) -> Signal<'a> {
         Signal {
             order: &self.order,
             ready: &run.ready,
+            two_per_sm,
         }
     }
 }
@@ -122,7 +124,7 @@ pub(super) fn wy_then_scan(
         table,
         sh,
         scale,
-        overlap.as_ref().map(|(p, run)| p.signal(run)),
+        overlap.as_ref().map(|(p, run)| p.signal(run, true)),
     )?;
     let beside = overlap.as_ref().map(|(_, run)| Beside {
         stream: run.side.stream(),
