@@ -367,11 +367,13 @@ GDP_FWD_ENTRY(gdp_fwd_f16, __half)
 // streaming (evict-first) cache hint: each byte is touched once, and the hint took 3-6% off
 // the step (docs/perf.md v13). q and k (zero past row K), the block's v columns and beta are
 // staged in shared memory while the state loads are in flight: one round trip to global memory.
-// All f32:
-//   state [B, H, K, V];  small = [q (B H K) | k (B n H K) | v (B n H V) | g (B H) | beta (B n H)]
+// q, k and v come in their own dtype T (f32, bf16 or f16), the gates in f32, each contiguous;
+// the state and the output are f32:
+//   state [B, H, K, V];  q [B, H, K], k [B, n, H, K], v [B, n, H, V], g [B, H], beta [B, n, H]
 //   out   = [o (B H V) | new state (B H K V)]
-// Kernels gdp_step_f32_k<4 ROWS> for ROWS = 8, 16, 32, 64 (K <= 32, 64, 128, 256). Dynamic
-// shared memory: `gdp_step_smem_floats` floats (`src/op/cuda/step.rs` repeats the formula).
+// Kernels gdp_step_<T>_k<4 ROWS> for T = f32, bf16, f16 and ROWS = 8, 16, 32, 64 (K <= 32, 64,
+// 128, 256). Dynamic shared memory: `gdp_step_smem_floats` floats (`src/op/cuda/step.rs` repeats
+// the formula).
 #define GDP_STEP_COLS 128
 #define GDP_STEP_PARTS 4
 #define GDP_STEP_THREADS (GDP_STEP_COLS * GDP_STEP_PARTS)
@@ -389,9 +391,12 @@ __host__ __device__ __forceinline__ int gdp_step_smem_floats(int K, int n) {
          ((n + 3) & ~3) + 2 * GDP_STEP_PARTS * GDP_STEP_COLS;
 }
 
-template <int ROWS>
+template <int ROWS, typename T>
 __device__ __forceinline__ void gdp_step_impl(const float* __restrict__ state,
-                                              const float* __restrict__ small,
+                                              const T* __restrict__ q_all,
+                                              const T* __restrict__ kk, const T* __restrict__ vv,
+                                              const float* __restrict__ gg,
+                                              const float* __restrict__ bb,
                                               float* __restrict__ out, int B, int H, int K,
                                               int V, int n, float scale) {
   constexpr int COLS = GDP_STEP_COLS, PARTS = GDP_STEP_PARTS, KP = PARTS * ROWS;
@@ -408,11 +413,7 @@ __device__ __forceinline__ void gdp_step_impl(const float* __restrict__ state,
   const bool valid = col < V;
   const int r0 = part * ROWS;
   const int64_t BH = (int64_t)B * H;
-  const float* q = small + (int64_t)bh * K;
-  const float* kk = small + BH * K;
-  const float* vv = kk + BH * n * K;
-  const float* gg = vv + BH * n * V;
-  const float* bb = gg + BH;
+  const T* q = q_all + (int64_t)bh * K;
   const float* s_in = state + (int64_t)bh * K * V + (int64_t)r0 * V + col;
   float* s_out = out + BH * V + (int64_t)bh * K * V + (int64_t)r0 * V + col;
 
@@ -431,11 +432,11 @@ __device__ __forceinline__ void gdp_step_impl(const float* __restrict__ state,
   const float decay = expf(gg[bh]);
   for (int i = tid; i < (1 + n) * KP; i += GDP_STEP_THREADS) {
     const int j = i / KP - 1, r = i % KP;  // j = -1: the query
-    xs[i] = r >= K ? 0.f : j < 0 ? q[r] : kk[(((int64_t)b * n + j) * H + h) * K + r];
+    xs[i] = r >= K ? 0.f : to_f(j < 0 ? q[r] : kk[(((int64_t)b * n + j) * H + h) * K + r]);
   }
   for (int i = tid; i < n * COLS; i += GDP_STEP_THREADS) {
     const int j = i / COLS, cj = col0 + i % COLS;
-    vs[i] = cj < V ? vv[(((int64_t)b * n + j) * H + h) * V + cj] : 0.f;
+    vs[i] = cj < V ? to_f(vv[(((int64_t)b * n + j) * H + h) * V + cj]) : 0.f;
   }
   if (tid < n) bs[tid] = bb[((int64_t)b * n + tid) * H + h];
 #pragma unroll
@@ -491,13 +492,17 @@ __device__ __forceinline__ void gdp_step_impl(const float* __restrict__ state,
 
 // Two blocks per multiprocessor (at most 64 registers) up to ROWS = 32: one block of 16 warps
 // waits at each dot's barrier with no other block's loads to overlap.
-#define GDP_STEP_ENTRY(NAME, ROWS, MIN_BLOCKS)                                                  \
+#define GDP_STEP_ENTRY(NAME, TYPE, ROWS, MIN_BLOCKS)                                            \
   extern "C" __global__ void __launch_bounds__(GDP_STEP_THREADS, MIN_BLOCKS)                    \
-      NAME(const float* state, const float* small, float* out, int B, int H, int K, int V, int n, \
-           float scale) {                                                                       \
-    gdp_step_impl<ROWS>(state, small, out, B, H, K, V, n, scale);                               \
+      NAME(const float* state, const TYPE* q, const TYPE* k, const TYPE* v, const float* g,     \
+           const float* beta, float* out, int B, int H, int K, int V, int n, float scale) {     \
+    gdp_step_impl<ROWS, TYPE>(state, q, k, v, g, beta, out, B, H, K, V, n, scale);              \
   }
-GDP_STEP_ENTRY(gdp_step_f32_k32, 8, 2)
-GDP_STEP_ENTRY(gdp_step_f32_k64, 16, 2)
-GDP_STEP_ENTRY(gdp_step_f32_k128, 32, 2)
-GDP_STEP_ENTRY(gdp_step_f32_k256, 64, 1)
+#define GDP_STEP_ENTRIES(T, TYPE)                           \
+  GDP_STEP_ENTRY(gdp_step_##T##_k32, TYPE, 8, 2)            \
+  GDP_STEP_ENTRY(gdp_step_##T##_k64, TYPE, 16, 2)           \
+  GDP_STEP_ENTRY(gdp_step_##T##_k128, TYPE, 32, 2)          \
+  GDP_STEP_ENTRY(gdp_step_##T##_k256, TYPE, 64, 1)
+GDP_STEP_ENTRIES(f32, float)
+GDP_STEP_ENTRIES(bf16, __nv_bfloat16)
+GDP_STEP_ENTRIES(f16, __half)

@@ -102,7 +102,7 @@ fn fused_decode_step_matches_the_cpu_step() -> Result<()> {
         (1, 1, 256, 33, 3),
         (4, 4, 128, 128, 2),
     ] {
-        for dtype in [DType::F32, DType::BF16] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
             let args = step_inputs(b, h, k, v, n, &Device::Cpu)?;
             let on = |d: &Device, i: usize| -> Result<Tensor> {
                 let dt = if i == 0 || i == 4 { DType::F32 } else { dtype };

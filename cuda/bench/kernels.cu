@@ -273,8 +273,10 @@ static void step() {
   const double bytes = 2.0 * BH * K * V * 4;
   for (int n = 1; n <= nmax; ++n) {
     const float t = median_ms([&] {
+      const float *q = dsm, *k = q + BH * K, *v = k + BH * n * K, *g = v + BH * n * V;
       gdp_step_f32_k128<<<dim3(BH, (V + GDP_STEP_COLS - 1) / GDP_STEP_COLS), GDP_STEP_THREADS,
-                          4 * gdp_step_smem_floats(K, n)>>>(ds, dsm, out, B, H, K, V, n, 0.1f);
+                          4 * gdp_step_smem_floats(K, n)>>>(ds, q, k, v, g, g + BH, out, B, H,
+                                                            K, V, n, 0.1f);
     }, 50);
     printf("step B%d H%d K%d V%d n%d: %.4f ms, %.0f GB/s (state read + written)\n", B, H, K, V,
            n, t, bytes / t / 1e6);

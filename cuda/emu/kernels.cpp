@@ -576,7 +576,8 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
   if (c.h0) report(name, "bf16 dh0", rel(dh0, R.grads.data() + qk_len + v_len + BTH * (1 + n), sl), 1e-2);
 }
 
-// The fused decode step gdp_step_f32_k* against a float64 loop.
+// The fused decode step gdp_step_{f32,bf16}_k* against a float64 loop: q, k, v (and the f32
+// gates) are rounded to bf16 first, so that both kernels see the reference's inputs.
 void run_step(int B, int H, int K, int V, int n) {
   std::mt19937 rng(99 + K + V + n);
   std::normal_distribution<float> nd(0, 1);
@@ -589,18 +590,33 @@ void run_step(int B, int H, int K, int V, int n) {
   float* beta = g + BH;
   for (long i = 0; i < BH; ++i) g[i] = -2.f * ud(rng);
   for (long i = 0; i < BH * n; ++i) beta[i] = 2.f * ud(rng);
+  const std::vector<__nv_bfloat16> small16 = to_bf16(small);
+  // Offsets of q [B, H, K], k [B, n, H, K], v [B, n, H, V], g [B, H], beta [B, n, H] in `small`.
+  const long at[5] = {0, BH * K, BH * K * (1 + n), BH * K * (1 + n) + BH * n * V,
+                      BH * K * (1 + n) + BH * n * V + BH};
   const float scale = 1.f / sqrtf((float)K);
-  std::vector<float> out(BH * V + BH * K * V, -7.f);
-  launch(BH, (V + GDP_STEP_COLS - 1) / GDP_STEP_COLS, GDP_STEP_THREADS, [&] {
-    if (K <= 32)
-      gdp_step_f32_k32(state.data(), small.data(), out.data(), B, H, K, V, n, scale);
-    else if (K <= 64)
-      gdp_step_f32_k64(state.data(), small.data(), out.data(), B, H, K, V, n, scale);
-    else if (K <= 128)
-      gdp_step_f32_k128(state.data(), small.data(), out.data(), B, H, K, V, n, scale);
-    else
-      gdp_step_f32_k256(state.data(), small.data(), out.data(), B, H, K, V, n, scale);
-  });
+  std::vector<float> out(BH * V + BH * K * V), out16(BH * V + BH * K * V);
+  auto run = [&](auto* x, float* dst) {
+    std::fill(dst, dst + out.size(), -7.f);
+    launch(BH, (V + GDP_STEP_COLS - 1) / GDP_STEP_COLS, GDP_STEP_THREADS, [&] {
+      const auto *q = x + at[0], *k = x + at[1], *v = x + at[2];
+      const float *gx = small.data() + at[3], *bx = small.data() + at[4];
+      const float* st = state.data();
+      if constexpr (std::is_same_v<std::remove_const_t<std::remove_pointer_t<decltype(x)>>, float>) {
+        if (K <= 32) gdp_step_f32_k32(st, q, k, v, gx, bx, dst, B, H, K, V, n, scale);
+        else if (K <= 64) gdp_step_f32_k64(st, q, k, v, gx, bx, dst, B, H, K, V, n, scale);
+        else if (K <= 128) gdp_step_f32_k128(st, q, k, v, gx, bx, dst, B, H, K, V, n, scale);
+        else gdp_step_f32_k256(st, q, k, v, gx, bx, dst, B, H, K, V, n, scale);
+      } else {
+        if (K <= 32) gdp_step_bf16_k32(st, q, k, v, gx, bx, dst, B, H, K, V, n, scale);
+        else if (K <= 64) gdp_step_bf16_k64(st, q, k, v, gx, bx, dst, B, H, K, V, n, scale);
+        else if (K <= 128) gdp_step_bf16_k128(st, q, k, v, gx, bx, dst, B, H, K, V, n, scale);
+        else gdp_step_bf16_k256(st, q, k, v, gx, bx, dst, B, H, K, V, n, scale);
+      }
+    });
+  };
+  run(small.data(), out.data());
+  run(small16.data(), out16.data());
   std::vector<double> o(BH * V), S(BH * K * V);
   const float* q = small.data();
   const float* k = q + BH * K;
@@ -628,6 +644,8 @@ void run_step(int B, int H, int K, int V, int n) {
   snprintf(name, sizeof name, "step B%d H%d K%d V%d n%d", B, H, K, V, n);
   report(name, "o", rel(out.data(), o.data(), BH * V), 1e-5);
   report(name, "state", rel(out.data() + BH * V, S.data(), BH * K * V), 1e-5);
+  report(name, "bf16 in o", rel(out16.data(), o.data(), BH * V), 1e-5);
+  report(name, "bf16 in state", rel(out16.data() + BH * V, S.data(), BH * K * V), 1e-5);
 }
 
 int main(int argc, char** argv) {

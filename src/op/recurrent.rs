@@ -5,7 +5,7 @@
 
 use super::custom::cpu_slice;
 use crate::error::GdpError;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor, D};
 use rayon::prelude::*;
 
 /// Advances the state by one token and reads it.
@@ -154,8 +154,8 @@ fn validate_step(
 }
 
 /// [`gated_delta_product_step`] as one fused pass over the state: the state is read once and the
-/// new state written once (one CUDA kernel on a GPU; on the CPU a loop over the heads, on
-/// rayon's threads from 65536 state elements). Same arguments and results (`o [B, H, V]` in
+/// new state written once (on a GPU one CUDA kernel, which reads `q`, `k`, `v` in bf16 or f16
+/// as they are; on the CPU a loop over the heads, on rayon's threads from 65536 state elements). Same arguments and results (`o [B, H, V]` in
 /// `q`'s dtype, the new state `[B, H, K, V]` in f32), computed in f32; not differentiable (it is
 /// a decode-time op). Shapes the CUDA kernel does not take
 /// (`K > 256`) run [`gated_delta_product_step`] instead.
@@ -173,10 +173,27 @@ pub fn gated_delta_product_step_fused(
     if state.device().is_cuda() && !super::cuda::step_fits(d.dk, d.n) {
         return gated_delta_product_step(state, q, k, v, g, beta, scale);
     }
-    let flat = |x: &Tensor| x.to_dtype(DType::F32)?.flatten_all();
-    let small = Tensor::cat(&[flat(q)?, flat(k)?, flat(v)?, flat(g)?, flat(beta)?], 0)?;
+    // The CUDA kernel reads `q`, `k`, `v` in bf16 or f16 as they are where the three share the
+    // dtype; else (f64, mixed dtypes, the CPU) they become f32, as the gates always do (casts
+    // that lose nothing but f64's precision).
+    let qkv = match q.dtype() {
+        DType::BF16 | DType::F16
+            if state.device().is_cuda() && k.dtype() == q.dtype() && v.dtype() == q.dtype() =>
+        {
+            q.dtype()
+        }
+        _ => DType::F32,
+    };
+    let input = |x: &Tensor, dtype| x.to_dtype(dtype)?.contiguous();
     let st = state.to_dtype(DType::F32)?.contiguous()?;
     let op = FusedStep {
+        inputs: [
+            input(q, qkv)?,
+            input(k, qkv)?,
+            input(v, qkv)?,
+            input(g, DType::F32)?,
+            input(beta, DType::F32)?,
+        ],
         b: d.b,
         h: d.h,
         dk: d.dk,
@@ -184,7 +201,7 @@ pub fn gated_delta_product_step_fused(
         n: d.n,
         scale: d.scale as f32,
     };
-    let out = st.apply_op2_no_bwd(&small, &op)?;
+    let out = st.apply_op1_no_bwd(&op)?;
     let (bh, dk, dv) = (d.b * d.h, d.dk, d.dv);
     let o = out
         .narrow(0, 0, bh * dv)?
@@ -199,9 +216,12 @@ pub fn gated_delta_product_step_fused(
 /// State elements (`B·H·K·V`) from which the CPU step runs its heads on rayon's threads.
 const PARALLEL_STEP_ELEMENTS: usize = 1 << 16;
 
-/// The fused step as a Candle op over the f32 state and the f32 buffer
-/// `[q (B H K) | k (B n H K) | v (B n H V) | g (B H) | beta (B n H)]`; output `[o | new state]`.
+/// The fused step as a Candle op over the f32 state, with its other inputs `q [B, H, K]`,
+/// `k [B, n, H, K]`, `v [B, n, H, V]`, `g [B, H]`, `beta [B, n, H]` held here (Candle's custom
+/// ops take at most three tensors), contiguous: `q`, `k`, `v` in f32, or on CUDA all three in
+/// bf16 or f16; the gates in f32. Output: the f32 `[o (B H V) | new state (B H K V)]`.
 struct FusedStep {
+    inputs: [Tensor; 5],
     b: usize,
     h: usize,
     dk: usize,
@@ -210,25 +230,23 @@ struct FusedStep {
     scale: f32,
 }
 
+/// Names of [`FusedStep::inputs`], in order.
+const STEP_INPUTS: [&str; 5] = ["q", "k", "v", "g", "beta"];
+
 impl FusedStep {
-    fn small_len(&self) -> usize {
-        let bh = self.b * self.h;
-        bh * self.dk * (1 + self.n) + bh * self.n * self.dv + bh * (1 + self.n)
+    /// Elements of each input: `[q, k, v, g, beta]`.
+    fn input_lens(&self) -> [usize; 5] {
+        let (bh, n) = (self.b * self.h, self.n);
+        [bh * self.dk, bh * n * self.dk, bh * n * self.dv, bh, bh * n]
     }
 }
 
-impl CustomOp2 for FusedStep {
+impl CustomOp1 for FusedStep {
     fn name(&self) -> &'static str {
         "gated-delta-product-step"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout) -> Result<(CpuStorage, Shape)> {
         let (bh, dk, dv, n, hh) = (self.b * self.h, self.dk, self.dv, self.n, self.h);
         let sized = |s, l, len, name| -> Result<&[f32]> {
             let x = cpu_slice::<f32>(s, l, name)?;
@@ -242,15 +260,19 @@ impl CustomOp2 for FusedStep {
         };
         // One output buffer `[o | new state]`, the state copied into it and updated in place.
         let state = sized(s1, l1, bh * dk * dv, "state")?;
-        let small = sized(s2, l2, self.small_len(), "q/k/v/g/beta")?;
+        let guards = self.inputs.each_ref().map(|x| x.storage_and_layout());
+        let mut small = [&[][..]; 5];
+        for (i, (storage, layout)) in guards.iter().enumerate() {
+            let Storage::Cpu(s) = &**storage else {
+                candle_core::bail!("gdp step: `{}` is not on the CPU", STEP_INPUTS[i]);
+            };
+            small[i] = sized(s, layout, self.input_lens()[i], STEP_INPUTS[i])?;
+        }
+        let [q, k, v, g, beta] = small;
         let mut out = Vec::with_capacity(bh * dv + state.len());
         out.resize(bh * dv, 0.0f32);
         out.extend_from_slice(state);
         let (o, new_state) = out.split_at_mut(bh * dv);
-        let (q, rest) = small.split_at(bh * dk);
-        let (k, rest) = rest.split_at(bh * n * dk);
-        let (v, rest) = rest.split_at(bh * n * dv);
-        let (g, beta) = rest.split_at(bh);
         let one_head = |idx: usize, (s, o): (&mut [f32], &mut [f32])| {
             let (b, h) = (idx / hh, idx % hh);
             let decay = g[idx].exp();
@@ -294,15 +316,21 @@ impl CustomOp2 for FusedStep {
         &self,
         s1: &candle_core::CudaStorage,
         l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (bh, dk, dv) = (self.b * self.h, self.dk, self.dv);
+        let guards = self.inputs.each_ref().map(|x| x.storage_and_layout());
+        let mut inputs = Vec::with_capacity(5);
+        for (i, (storage, layout)) in guards.iter().enumerate() {
+            let Storage::Cuda(s) = &**storage else {
+                candle_core::bail!("gdp step: `{}` is not on a CUDA device", STEP_INPUTS[i]);
+            };
+            inputs.push((s, *layout));
+        }
+        let inputs = [inputs[0], inputs[1], inputs[2], inputs[3], inputs[4]];
         let out = super::cuda::step(
             (s1, l1),
-            (s2, l2),
+            inputs,
             [self.b, self.h, dk, dv, self.n],
-            self.small_len(),
             self.scale,
         )?;
         Ok((out, Shape::from(bh * dv + bh * dk * dv)))

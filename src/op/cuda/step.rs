@@ -1,11 +1,15 @@
-//! Launcher of the fused decode step `gdp_step_f32_k{32,64,128,256}` (`cuda/gdp.cu`).
+//! Launcher of the fused decode step `gdp_step_{f32,bf16,f16}_k{32,64,128,256}`
+//! (`cuda/gdp.cu`).
 
 use super::launch::{to_i32, view};
-use super::module::load_kernel;
+use super::module::{load_kernel, GdpFunc};
 use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::WrapErr;
-use candle_core::{CudaStorage, Layout, Result};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{CudaStorage, DType, Layout, Result};
+use half::{bf16, f16};
 
 /// Value columns per block (`GDP_STEP_COLS`): one per thread of each row part.
 const COLS: usize = 128;
@@ -36,13 +40,14 @@ pub fn step_fits(k: usize, n: usize) -> bool {
     k <= MAX_K && smem_bytes(k, n) <= MAX_SMEM
 }
 
-/// One fused step on CUDA: `state [B, H, K, V]` (f32) and the f32 buffer `[q | k | v | g | beta]`
-/// of `small_len` elements; `dims = [B, H, K, V, n]`. Returns the f32 `[o | new state]`.
+/// One fused step on CUDA: `state [B, H, K, V]` (f32) and `inputs` = `q [B, H, K]`,
+/// `k [B, n, H, K]`, `v [B, n, H, V]` (one dtype: f32, bf16 or f16), `g [B, H]`,
+/// `beta [B, n, H]` (f32), contiguous; `dims = [B, H, K, V, n]`. Returns the f32
+/// `[o | new state]` of one launch.
 pub fn step(
     state: (&CudaStorage, &Layout),
-    small: (&CudaStorage, &Layout),
+    inputs: [(&CudaStorage, &Layout); 5],
     dims: [usize; 5],
-    small_len: usize,
     scale: f32,
 ) -> Result<CudaStorage> {
     let [b, h, k, v, n] = dims;
@@ -59,14 +64,29 @@ pub fn step(
         );
     }
     let dev = state.0.device().clone();
-    if !small.0.device().same_device(&dev) {
-        candle_core::bail!("gdp cuda step: the inputs are on another device than the state");
+    let dtype = inputs[0].0.dtype();
+    let tag = match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        other => candle_core::bail!("gdp cuda step: no kernel for {other:?} inputs"),
+    };
+    for (i, ((s, _), name)) in inputs.iter().zip(INPUT_NAMES).enumerate() {
+        if !s.device().same_device(&dev) {
+            candle_core::bail!("gdp cuda step: `{name}` is on another device than the state");
+        }
+        let want = if i < 3 { dtype } else { DType::F32 };
+        if s.dtype() != want {
+            candle_core::bail!(
+                "gdp cuda step: `{name}` is {:?}, expected {want:?}",
+                s.dtype()
+            );
+        }
     }
     // A decode loop may never call the chunked op, which sets this too: without it every step's
     // 64 MB output (B64 H16 K=V=128) is mapped afresh after each synchronisation.
     super::memory::default_pool_policy(&dev)?;
     let st = view::<f32>(state.0, state.1, b * h * k * v, "state")?;
-    let sm = view::<f32>(small.0, small.1, small_len, "q/k/v/g/beta")?;
     // SAFETY: the kernel writes every element (o for every (row, column), the whole new state).
     let mut out = unsafe { dev.alloc::<f32>(b * h * v + b * h * k * v)? };
     let rows = b * h;
@@ -83,30 +103,71 @@ pub fn step(
         to_i32(v, "V")?,
         to_i32(n, "n")?,
     ];
-    let name = match rows_per_part(k) {
-        8 => "gdp_step_f32_k32",
-        16 => "gdp_step_f32_k64",
-        32 => "gdp_step_f32_k128",
-        _ => "gdp_step_f32_k256",
-    };
-    let func = load_kernel(&dev, name)?;
-    let mut args = func.builder();
-    args.arg(&st);
-    args.arg(&sm);
-    args.arg(&mut out);
-    for x in &args_i32 {
-        args.arg(x);
-    }
-    args.arg(&scale);
+    let name = format!("gdp_step_{tag}_k{}", PARTS * rows_per_part(k));
+    let func = load_kernel(&dev, &name)?;
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, v.div_ceil(COLS) as u32, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: smem as u32,
     };
-    // SAFETY: the arguments match `gdp_step_impl` (state and buffer lengths checked above against
-    // the sizes passed; the output holds o and the new state); the dynamic shared memory is
-    // `smem_bytes`, within the default limit.
-    unsafe { args.launch(cfg) }.w()?;
-    drop(args);
+    let launch = Launch {
+        func: &func,
+        cfg,
+        state: &st,
+        inputs,
+        lens: [b * h * k, b * n * h * k, b * n * h * v, b * h, b * n * h],
+        sizes: args_i32,
+        scale,
+    };
+    match dtype {
+        DType::F32 => launch.run::<f32>(&mut out)?,
+        DType::BF16 => launch.run::<bf16>(&mut out)?,
+        _ => launch.run::<f16>(&mut out)?,
+    }
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// The step's small inputs, in the kernel's argument order.
+const INPUT_NAMES: [&str; 5] = ["q", "k", "v", "g", "beta"];
+
+/// One launch of a step kernel, its inputs' dtype still to be named.
+struct Launch<'a> {
+    func: &'a GdpFunc,
+    cfg: LaunchConfig,
+    state: &'a CudaView<'a, f32>,
+    inputs: [(&'a CudaStorage, &'a Layout); 5],
+    lens: [usize; 5],
+    sizes: [i32; 5],
+    scale: f32,
+}
+
+impl Launch<'_> {
+    /// Launches the kernel over the inputs as `T` (the dtype of the kernel's name).
+    fn run<T: CudaDType + DeviceRepr>(&self, out: &mut CudaSlice<f32>) -> Result<()> {
+        let [q, k, v, g, beta] = self.inputs;
+        let (q, k, v) = (
+            view::<T>(q.0, q.1, self.lens[0], INPUT_NAMES[0])?,
+            view::<T>(k.0, k.1, self.lens[1], INPUT_NAMES[1])?,
+            view::<T>(v.0, v.1, self.lens[2], INPUT_NAMES[2])?,
+        );
+        let g = view::<f32>(g.0, g.1, self.lens[3], INPUT_NAMES[3])?;
+        let beta = view::<f32>(beta.0, beta.1, self.lens[4], INPUT_NAMES[4])?;
+        let mut args = self.func.builder();
+        args.arg(self.state);
+        args.arg(&q);
+        args.arg(&k);
+        args.arg(&v);
+        args.arg(&g);
+        args.arg(&beta);
+        args.arg(out);
+        for x in &self.sizes {
+            args.arg(x);
+        }
+        args.arg(&self.scale);
+        // SAFETY: the arguments match `gdp_step_impl` for `T` (the state's and inputs' lengths
+        // checked against the sizes passed; the output holds o and the new state); the dynamic
+        // shared memory is `smem_bytes`, within the default limit.
+        unsafe { args.launch(self.cfg) }.w()?;
+        Ok(())
+    }
 }
