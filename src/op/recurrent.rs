@@ -155,10 +155,10 @@ fn validate_step(
 
 /// [`gated_delta_product_step`] as one fused pass over the state: the state is read once and the
 /// new state written once (on a GPU one CUDA kernel, which reads `q`, `k`, `v` in bf16 or f16
-/// as they are; on the CPU a loop over the heads, on rayon's threads from 65536 state elements). Same arguments and results (`o [B, H, V]` in
-/// `q`'s dtype, the new state `[B, H, K, V]` in f32), computed in f32; not differentiable (it is
-/// a decode-time op). Shapes the CUDA kernel does not take
-/// (`K > 256`) run [`gated_delta_product_step`] instead.
+/// as they are; on the CPU a loop over the heads, on rayon's threads from 65536 state
+/// elements). Same arguments and results (`o [B, H, V]` in `q`'s dtype, the new state
+/// `[B, H, K, V]` in f32), computed in f32; not differentiable (it is a decode-time op). Shapes
+/// the CUDA kernel does not take (`K > 256`) run [`gated_delta_product_step`] instead.
 pub fn gated_delta_product_step_fused(
     state: &Tensor,
     q: &Tensor,
@@ -319,14 +319,13 @@ impl CustomOp1 for FusedStep {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (bh, dk, dv) = (self.b * self.h, self.dk, self.dv);
         let guards = self.inputs.each_ref().map(|x| x.storage_and_layout());
-        let mut inputs = Vec::with_capacity(5);
+        let mut inputs = [(s1, l1); 5];
         for (i, (storage, layout)) in guards.iter().enumerate() {
             let Storage::Cuda(s) = &**storage else {
                 candle_core::bail!("gdp step: `{}` is not on a CUDA device", STEP_INPUTS[i]);
             };
-            inputs.push((s, *layout));
+            inputs[i] = (s, *layout);
         }
-        let inputs = [inputs[0], inputs[1], inputs[2], inputs[3], inputs[4]];
         let out = super::cuda::step(
             (s1, l1),
             inputs,
