@@ -230,14 +230,18 @@ struct FusedStep {
     scale: f32,
 }
 
-/// Names of [`FusedStep::inputs`], in order.
-const STEP_INPUTS: [&str; 5] = ["q", "k", "v", "g", "beta"];
+/// Names of the fused step's small inputs ([`FusedStep::inputs`]), in the kernels' order.
+pub(crate) const STEP_INPUTS: [&str; 5] = ["q", "k", "v", "g", "beta"];
+
+/// Elements of each of [`STEP_INPUTS`] for `dims = [B, H, K, V, n]`.
+pub(crate) fn step_input_lens([b, h, k, v, n]: [usize; 5]) -> [usize; 5] {
+    [b * h * k, b * n * h * k, b * n * h * v, b * h, b * n * h]
+}
 
 impl FusedStep {
-    /// Elements of each input: `[q, k, v, g, beta]`.
-    fn input_lens(&self) -> [usize; 5] {
-        let (bh, n) = (self.b * self.h, self.n);
-        [bh * self.dk, bh * n * self.dk, bh * n * self.dv, bh, bh * n]
+    /// `[B, H, K, V, n]`.
+    fn dims(&self) -> [usize; 5] {
+        [self.b, self.h, self.dk, self.dv, self.n]
     }
 }
 
@@ -261,12 +265,13 @@ impl CustomOp1 for FusedStep {
         // One output buffer `[o | new state]`, the state copied into it and updated in place.
         let state = sized(s1, l1, bh * dk * dv, "state")?;
         let guards = self.inputs.each_ref().map(|x| x.storage_and_layout());
+        let lens = step_input_lens(self.dims());
         let mut small = [&[][..]; 5];
         for (i, (storage, layout)) in guards.iter().enumerate() {
             let Storage::Cpu(s) = &**storage else {
                 candle_core::bail!("gdp step: `{}` is not on the CPU", STEP_INPUTS[i]);
             };
-            small[i] = sized(s, layout, self.input_lens()[i], STEP_INPUTS[i])?;
+            small[i] = sized(s, layout, lens[i], STEP_INPUTS[i])?;
         }
         let [q, k, v, g, beta] = small;
         let mut out = Vec::with_capacity(bh * dv + state.len());
@@ -326,12 +331,7 @@ impl CustomOp1 for FusedStep {
             };
             inputs[i] = (s, *layout);
         }
-        let out = super::cuda::step(
-            (s1, l1),
-            inputs,
-            [self.b, self.h, dk, dv, self.n],
-            self.scale,
-        )?;
+        let out = super::cuda::step((s1, l1), inputs, self.dims(), self.scale)?;
         Ok((out, Shape::from(bh * dv + bh * dk * dv)))
     }
 }

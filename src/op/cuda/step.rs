@@ -3,6 +3,7 @@
 
 use super::launch::{to_i32, view};
 use super::module::{load_kernel, GdpFunc};
+use crate::op::recurrent::{step_input_lens, STEP_INPUTS};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -71,7 +72,7 @@ pub fn step(
         DType::F16 => "f16",
         other => candle_core::bail!("gdp cuda step: no kernel for {other:?} inputs"),
     };
-    for (i, ((s, _), name)) in inputs.iter().zip(INPUT_NAMES).enumerate() {
+    for (i, ((s, _), name)) in inputs.iter().zip(STEP_INPUTS).enumerate() {
         if !s.device().same_device(&dev) {
             candle_core::bail!("gdp cuda step: `{name}` is on another device than the state");
         }
@@ -115,7 +116,7 @@ pub fn step(
         cfg,
         state: &st,
         inputs,
-        lens: [b * h * k, b * n * h * k, b * n * h * v, b * h, b * n * h],
+        lens: step_input_lens(dims),
         sizes: args_i32,
         scale,
     };
@@ -126,9 +127,6 @@ pub fn step(
     }
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
-
-/// The step's small inputs, in the kernel's argument order.
-const INPUT_NAMES: [&str; 5] = ["q", "k", "v", "g", "beta"];
 
 /// One launch of a step kernel, its inputs' dtype still to be named.
 struct Launch<'a> {
@@ -146,12 +144,12 @@ impl Launch<'_> {
     fn run<T: CudaDType + DeviceRepr>(&self, out: &mut CudaSlice<f32>) -> Result<()> {
         let [q, k, v, g, beta] = self.inputs;
         let (q, k, v) = (
-            view::<T>(q.0, q.1, self.lens[0], INPUT_NAMES[0])?,
-            view::<T>(k.0, k.1, self.lens[1], INPUT_NAMES[1])?,
-            view::<T>(v.0, v.1, self.lens[2], INPUT_NAMES[2])?,
+            view::<T>(q.0, q.1, self.lens[0], STEP_INPUTS[0])?,
+            view::<T>(k.0, k.1, self.lens[1], STEP_INPUTS[1])?,
+            view::<T>(v.0, v.1, self.lens[2], STEP_INPUTS[2])?,
         );
-        let g = view::<f32>(g.0, g.1, self.lens[3], INPUT_NAMES[3])?;
-        let beta = view::<f32>(beta.0, beta.1, self.lens[4], INPUT_NAMES[4])?;
+        let g = view::<f32>(g.0, g.1, self.lens[3], STEP_INPUTS[3])?;
+        let beta = view::<f32>(beta.0, beta.1, self.lens[4], STEP_INPUTS[4])?;
         let mut args = self.func.builder();
         args.arg(self.state);
         args.arg(&q);
