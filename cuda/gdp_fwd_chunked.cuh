@@ -484,27 +484,35 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
   }
 
   // ---- W = Ainv diag(β e^G) K [C, K], U = Ainv diag(β) V [C, V]: warp w rows 16 w.., the
-  // column scales folded into the A fragments (the inverse rounded to bf16 once, scaled).
+  // column scales folded into the A fragments (the inverse rounded to bf16 once, scaled). Both
+  // products' fragments are taken first, so that the inverse's tile is free for the output:
+  // each warp writes a 16 x 64 tile of W or U there (its own rows: no block barrier) and copies
+  // it out in 16-byte rows, four stores per lane, instead of 4-byte pairs (64 per thread).
   {
-    __nv_bfloat16* w = wg + slot * C * K;
-    __nv_bfloat16* u = ug + slot * C * V;
     const int m0 = 16 * warp;
-    for (int pass = 0; pass < 2; ++pass) {
-      const bool is_u = pass == 1;
-      const float* scl = is_u ? sv : sk;
-      uint32_t a[4][4];
+    uint32_t a[2][4][4];
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass)
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
+          const float* scl = pass == 1 ? sv : sk;
           const int row = m0 + g + ((r & 1) ? 8 : 0), col = 16 * ks + 2 * t + ((r & 2) ? 8 : 0);
           const float2 x = *reinterpret_cast<const float2*>(Ai + row * CS + col);
-          a[ks][r] = MmaBf16::pack(x.x * scl[col], x.y * scl[col + 1]);
+          a[pass][ks][r] = MmaBf16::pack(x.x * scl[col], x.y * scl[col + 1]);
         }
+    __syncthreads();  // every warp's fragments taken: the inverse's tile is free
+    constexpr int LO = 72;  // bf16 row stride of a warp's output tile (conflict-free writes)
+    __nv_bfloat16* tile = reinterpret_cast<__nv_bfloat16*>(A) + warp * 16 * LO;
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+      const bool is_u = pass == 1;
       const int D = is_u ? V : K, DP = is_u ? VP : KP, ld = is_u ? LV : LK;
       const __nv_bfloat16* bsrc = is_u ? QV : Ks;
-      __nv_bfloat16* dst = is_u ? u : w;
+      __nv_bfloat16* dst = (is_u ? ug : wg) + (slot * C + m0) * D;
       const bool vst = (D % 2 == 0);
+      const bool rows16 = (D % 8 == 0) && gdpc_aligned16(dst);
       for (int n0 = 0; n0 < DP; n0 += 64) {
         float acc[8][4] = {};
 #pragma unroll
@@ -514,18 +522,39 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
             if (n0 + 16 * p < DP) {
               uint32_t b[2][2];
               ldsm_b_kn(b, bsrc, ld, 16 * ks, n0 + 16 * p, lane);
-              MmaBf16::mma(acc[2 * p], a[ks], b[0]);
-              MmaBf16::mma(acc[2 * p + 1], a[ks], b[1]);
+              MmaBf16::mma(acc[2 * p], a[pass][ks], b[0]);
+              MmaBf16::mma(acc[2 * p + 1], a[pass][ks], b[1]);
             }
           }
+        }
+        if (!rows16) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int i = g + 8 * h, col = n0 + 8 * j + 2 * t;
+              gdpc_store_pair(dst + (int64_t)i * D, col, D, acc[j][2 * h], acc[j][2 * h + 1],
+                              vst);
+            }
+          continue;
         }
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int i = m0 + g + 8 * h, col = n0 + 8 * j + 2 * t;
-            gdpc_store_pair(dst + (int64_t)i * D, col, D, acc[j][2 * h], acc[j][2 * h + 1], vst);
-          }
+          for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<__nv_bfloat162*>(tile + (g + 8 * h) * LO + 8 * j + 2 * t) =
+                __floats2bfloat162_rn(acc[j][2 * h], acc[j][2 * h + 1]);
+        __syncwarp();
+        // 16 rows x 8 pieces of 8 columns; the last tile may end inside a piece (D % 8 == 0:
+        // pieces are whole or past D).
+#pragma unroll
+        for (int it = 0; it < 4; ++it) {
+          const int id = lane + 32 * it, r = id >> 3, col = n0 + 8 * (id & 7);
+          if (col < D)
+            *reinterpret_cast<uint4*>(dst + (int64_t)r * D + col) =
+                *reinterpret_cast<const uint4*>(tile + r * LO + (col - n0));
+        }
+        __syncwarp();  // the tile is read before the next one overwrites it
       }
     }
   }

@@ -250,6 +250,9 @@ inline void gdp_emu_ldsm(uint32_t (&r)[4], const void* p, bool trans) {
   }
 }
 
+// __syncwarp (full mask): the warp's barrier.
+inline void __syncwarp(unsigned = 0xffffffffu) { g_block->warps[threadIdx.x >> 5]->arrive_and_wait(); }
+
 // Every lane of the warp publishes x; returns the warp's 32 published values after a warp
 // barrier. Two buffers used alternately (one counter for every exchange), so that a lane's next
 // exchange never overwrites values another lane may still be reading (as in the mma).
