@@ -97,6 +97,20 @@ static void forward(int B, int T, int H, int n) {
   });
   const int QR = 16 * (((C + n - 1) / n + 15) / 16);
   printf("B%d T%d H%d n%d: wy %.3f ms", B, T, H, n, t_wy);
+  if (getenv("KB_ONLY_WY") != nullptr) {  // the WY kernel alone, also as the backward runs it
+    __nv_bfloat16* ag;
+    CK(cudaMalloc(&ag, slots * C * C * 2));
+    const float t_ag = median_ms([&] {
+      gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf, ag,
+                                                         B, T, H, K, V, n, B, scale, nullptr,
+                                                         nullptr);
+    });
+    printf(" | storing Ainv too (the backward's) %.3f ms\n", t_ag);
+    for (void* x : {(void*)ag, (void*)dq, (void*)dk, (void*)dv, (void*)daux, (void*)dtab, (void*)w,
+                    (void*)u, (void*)p, (void*)cf, (void*)ob})
+      CK(cudaFree(x));
+    return;
+  }
   // The forward scan with BV value columns: writing the output (o in bf16, o_out, as the op
   // without a final state), or each chunk's start state and Delta (the backward's rerun, into
   // hs_out and dn_out); returns ms and the stages.
@@ -298,16 +312,17 @@ static void step() {
 }
 
 // KB_ONLY_N2=1 skips the n = 1 shape; KB_ONLY_B1=1 runs only B1 T32768 n2 (for profilers);
-// KB_ONLY_STEP=1 only the decode step; KB_WY_PAD=1 adds the overlap with the WY kernel's
-// shared memory padded (at most 3, 2, 1 blocks per SM); KB_NS2=1 gives the forward scans two
-// stages where three fit.
+// KB_ONLY_STEP=1 only the decode step; KB_ONLY_WY=1 only the WY kernel's times; KB_WY_PAD=1
+// adds the overlap with the WY kernel's shared memory padded (at most 3, 2, 1 blocks per SM);
+// KB_NS2=1 gives the forward scans two stages where three fit.
 int main() {
+  setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a pipe even if a timeout stops the run
   if (getenv("KB_ONLY_STEP") != nullptr) {  // the decode step only
     step();
     return 0;
   }
   if (getenv("KB_ONLY_B1") == nullptr) {
-    step();
+    if (getenv("KB_ONLY_WY") == nullptr) step();
     if (getenv("KB_ONLY_N2") == nullptr) forward(4, 4096, 16, 1);
     forward(4, 4096, 16, 2);
     forward(4, 4096, 16, 3);
