@@ -161,6 +161,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
   const bool vu = (V % 8 == 0) && (bv % 8 == 0);
   // dO rows 16 bytes at a time also need a 16-byte aligned base (a view may start anywhere).
   const bool vdo = vu && gdpc_aligned16(dob);
+  const bool ddn_rows = ddn != nullptr && vu && gdpc_aligned16(ddn);
 
   extern __shared__ __align__(16) unsigned char gdpcs_smem[];
   const int stage_bytes = gdpd_stage_bytes(KPT, QR, BV);
@@ -346,7 +347,8 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
           const int col = nc0 + 8 * j + 2 * t;
           const float d0 = acc[j][2 * h], d1 = acc[j][2 * h + 1];
           *reinterpret_cast<__nv_bfloat162*>(Dd + r * LB + col) = __floats2bfloat162_rn(-d0, -d1);
-          if (ddn != nullptr) gdpc_store_pair(dd + (int64_t)r * V, col, bv, d0, d1, vu);
+          if (ddn != nullptr && !ddn_rows)
+            gdpc_store_pair(dd + (int64_t)r * V, col, bv, d0, d1, vu);
         }
       }
     }
@@ -356,6 +358,11 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
       Dq[r * LB + col] = __float2bfloat16_rn(st.cf[r] * __bfloat162float(st.DO[r * LB + col]));
     }
     __syncthreads();
+    // dDelta for the gradient kernel from Dd (its bf16 values negated, exactly) as 16-byte row
+    // pieces: a quarter of the pair stores' instructions.
+    if (ddn_rows)
+      gdpc_copy_tile_out<BV, LB, C, NW * 32>(ddn + slot * C * (int64_t)V + v0, V, Dd, bv, tid,
+                                              0x80008000u);
 
     // ---- Phase B: dS = e^{G_last} dS + Q^T Dq + W^T Dd for this warp's state rows.
     {

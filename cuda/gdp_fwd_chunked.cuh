@@ -178,6 +178,29 @@ __device__ __forceinline__ void gdpc_stage_tile_strided(__nv_bfloat16* __restric
     if (r0 + i * RS < rows) cp_async16(dst + i * RS * LD, src + (int64_t)(i * RS) * stride);
 }
 
+// Copies the shared bf16 tile [ROWS][LD] out to global rows (row r at dst + r · stride), columns
+// [0, ncols) (ncols a multiple of 8, dst and the rows 16-byte aligned) as 16-byte pieces, each
+// 32-bit word XORed with `flip` (0x80008000 negates both bf16 values of a word exactly; 0
+// copies them).
+template <int LEN, int LD, int ROWS, int NTHR>
+__device__ __forceinline__ void gdpc_copy_tile_out(__nv_bfloat16* __restrict__ dst, int stride,
+                                                   const __nv_bfloat16* __restrict__ src,
+                                                   int ncols, int tid, uint32_t flip) {
+  constexpr int VPR = LEN / 8, RS = NTHR / VPR, STEPS = (ROWS + RS - 1) / RS;
+  static_assert(LEN % 8 == 0 && NTHR % VPR == 0, "16-byte blocks of a row must divide NTHR");
+  const int cv = 8 * (tid % VPR), r0 = tid / VPR;
+  if (cv >= ncols) return;
+  dst += (int64_t)r0 * stride + cv;
+  src += r0 * LD + cv;
+#pragma unroll
+  for (int i = 0; i < STEPS; ++i)
+    if (r0 + i * RS < ROWS) {
+      uint4 x = *reinterpret_cast<const uint4*>(src + i * RS * LD);
+      x.x ^= flip, x.y ^= flip, x.z ^= flip, x.w ^= flip;
+      *reinterpret_cast<uint4*>(dst + (int64_t)(i * RS) * stride) = x;
+    }
+}
+
 // The operands both scans stage for a chunk: W [C][K] (row r at w + r K), its c key rows and nq
 // query rows (at kb + koff[i], qb + qoff[r]; zeros to C and QR rows) into [*][KPT + 8] tiles, and
 // P [QR][C] (row r at p + r C) into [QR][C + 8]. The compile-time path when K = KPT and the
@@ -274,11 +297,12 @@ __device__ __forceinline__ void gdpc_wait_ready(const int* counter, int count) {
 // ----------------------------------------------------------------------------------------------
 // Kernel 1: WY factors of every chunk.
 
-// Whether the rows of q and k can be copied 16 bytes at a time.
-// Whether p may be read 16 bytes at a time (cp.async): a 16-byte aligned address.
+// Whether p may be read or written 16 bytes at a time (cp.async, uint4): a 16-byte aligned
+// address.
 __device__ __forceinline__ bool gdpc_aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
+// Whether the rows of q and k can be copied 16 bytes at a time.
 __device__ __forceinline__ bool gdpc_qk_vec(const __nv_bfloat16* qb, const __nv_bfloat16* kb,
                                             int K) {
   return K % 8 == 0 && gdpc_aligned16(qb) && gdpc_aligned16(kb);
@@ -639,6 +663,10 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
   const int64_t state_off = ((int64_t)sidx * H + head) * KV;
   const bool vk = gdpc_qk_vec(qb, kb, K);
   const bool vu = (V % 8 == 0) && (bv % 8 == 0);
+  // Delta and the output leave through shared memory as 16-byte row pieces, except in the TEAM
+  // kernels: compiled into them, these paths made the B1 scan 7-10% slower (docs/perf.md v20).
+  const bool dn_rows = !TEAM && dn != nullptr && vu && gdpc_aligned16(dn);
+  const bool o_rows = !TEAM && outb != nullptr && vu && gdpc_aligned16(outb);
 
   extern __shared__ __align__(16) unsigned char gdpcs_smem[];
   const int stage_bytes = gdpc_stage_bytes(KPT, QR, BV);
@@ -863,11 +891,15 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
           *reinterpret_cast<__nv_bfloat162*>(Dn + r * LB + col) = __floats2bfloat162_rn(d0, d1);
           *reinterpret_cast<__nv_bfloat162*>(Dk + r * LB + col) =
               __floats2bfloat162_rn(ck * d0, ck * d1);
-          if (dn != nullptr) gdpc_store_pair(dn + (slot * C + r) * V + v0, col, bv, d0, d1, vu);
+          if (dn != nullptr && !dn_rows)
+            gdpc_store_pair(dn + (slot * C + r) * V + v0, col, bv, d0, d1, vu);
         }
       }
     }
     __syncthreads();
+    // Delta for the backward (the states rerun) from Dn, whose bf16 values the pair stores
+    // above would write, as 16-byte row pieces: a quarter of the store instructions.
+    if (dn_rows) gdpc_copy_tile_out<BV, LB, C, NW * 32>(dn + slot * C * V + v0, V, Dn, bv, tid, 0u);
 
     // ---- Phase B: output rows 16 mi.. (if query rows), this warp's columns; then its state.
     if ((out != nullptr || outb != nullptr) && 16 * mi < nq) {
@@ -881,10 +913,30 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
         for (int j = 0; j < NTW; ++j) acc[j][2 * h] *= cq, acc[j][2 * h + 1] *= cq;
       }
       gdpc_mma_kn<C, NPW>(acc, st.P, LC, m0, Dn, LB, nc0, lane);
+      if (o_rows) {
+        // Through this warp's rows and columns of the chunk's U slice (read in phase A only; the
+        // next copy into this stage comes after the next step's barrier), then out as 16-byte
+        // row pieces: a quarter of the pair stores' instructions.
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < NTW; ++j)
+            *reinterpret_cast<__nv_bfloat162*>(st.U + (m0 + g + 8 * h) * LB + nc0 + 8 * j + 2 * t) =
+                __floats2bfloat162_rn(acc[j][2 * h], acc[j][2 * h + 1]);
+        __syncwarp();
+        constexpr int PR = NTW, PIECES = 16 * PR;  // 16-byte pieces per row, per tile
+#pragma unroll
+        for (int it = 0; it < (PIECES + 31) / 32; ++it) {
+          const int id = lane + 32 * it, r = m0 + id / PR, col = nc0 + 8 * (id % PR);
+          if (id < PIECES && r < nq && col < bv)
+            *reinterpret_cast<uint4*>(outb + ((tok0 + m.tq0 + r) * H + head) * (int64_t)V + v0 +
+                                      col) = *reinterpret_cast<const uint4*>(st.U + r * LB + col);
+        }
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = m0 + g + 8 * h;
-        if (r < nq) {
+        if (r < nq && !o_rows) {
           const int64_t at = ((tok0 + m.tq0 + r) * H + head) * (int64_t)V + v0;
 #pragma unroll
           for (int j = 0; j < NTW; ++j) {
