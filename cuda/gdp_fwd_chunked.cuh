@@ -71,8 +71,6 @@ struct GdpcChunk {
 //              for both);
 //   split = 1: FLA's separate q [B, T, H, K] (token stride H·K) and k [B, T·n, H, K] (token
 //              stride n·H·K), read in place.
-// Row offsets of the interleaved chunk that starts at row p0 of a sequence whose first token is
-// tok0: key row i (i < c) from kb, query row r (r < nq) from qb.
 // Row offsets of the interleaved chunk `ch` of a sequence whose first token is tok0: key row i
 // (i < c) from kb, query row r (r < nq) from qb.
 struct GdpcRows {
