@@ -199,6 +199,24 @@ __device__ __forceinline__ void gdpc_copy_tile_out(__nv_bfloat16* __restrict__ d
     }
 }
 
+// Copies a warp's 16-row bf16 tile out of shared memory (element (r, col) at tile + r · LDT +
+// col, chunk coordinates) to global rows (row r at dst + off(r)): rows r0 .. r0 + 15 below
+// `rows`, columns c0 .. c0 + 8 PPR below `ncols` (a multiple of 8), as 16-byte pieces. The
+// warp wrote the tile itself: call it after __syncwarp.
+template <int PPR, int LDT, typename Off>
+__device__ __forceinline__ void gdpc_warp_tile_out(__nv_bfloat16* __restrict__ dst, Off off,
+                                                   const __nv_bfloat16* tile, int r0, int c0,
+                                                   int rows, int ncols, int lane) {
+  constexpr int PIECES = 16 * PPR;
+#pragma unroll
+  for (int it = 0; it < (PIECES + 31) / 32; ++it) {
+    const int id = lane + 32 * it, r = r0 + id / PPR, col = c0 + 8 * (id % PPR);
+    if (id < PIECES && r < rows && col < ncols)
+      *reinterpret_cast<uint4*>(dst + off(r) + col) =
+          *reinterpret_cast<const uint4*>(tile + r * LDT + col);
+  }
+}
+
 // The operands both scans stage for a chunk: W [C][K] (row r at w + r K), its c key rows and nq
 // query rows (at kb + koff[i], qb + qoff[r]; zeros to C and QR rows) into [*][KPT + 8] tiles, and
 // P [QR][C] (row r at p + r C) into [QR][C + 8]. The compile-time path when K = KPT and the
@@ -922,14 +940,9 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
             *reinterpret_cast<__nv_bfloat162*>(st.U + (m0 + g + 8 * h) * LB + nc0 + 8 * j + 2 * t) =
                 __floats2bfloat162_rn(acc[j][2 * h], acc[j][2 * h + 1]);
         __syncwarp();
-        constexpr int PR = NTW, PIECES = 16 * PR;  // 16-byte pieces per row, per tile
-#pragma unroll
-        for (int it = 0; it < (PIECES + 31) / 32; ++it) {
-          const int id = lane + 32 * it, r = m0 + id / PR, col = nc0 + 8 * (id % PR);
-          if (id < PIECES && r < nq && col < bv)
-            *reinterpret_cast<uint4*>(outb + ((tok0 + m.tq0 + r) * H + head) * (int64_t)V + v0 +
-                                      col) = *reinterpret_cast<const uint4*>(st.U + r * LB + col);
-        }
+        gdpc_warp_tile_out<NTW, LB>(
+            outb, [&](int r) { return ((tok0 + m.tq0 + r) * H + head) * (int64_t)V + v0; }, st.U,
+            m0, nc0, nq, bv, lane);
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
