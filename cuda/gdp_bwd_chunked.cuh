@@ -452,7 +452,7 @@ __device__ __forceinline__ float gdpg_dot8(const uint4& a, const uint4& b) {
   return s;
 }
 
-template <int KP, int VP>
+template <int KP, int VP, bool TILES>
 __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
     const __nv_bfloat16* __restrict__ qb, const __nv_bfloat16* __restrict__ kb, int split,
     const __nv_bfloat16* __restrict__ vv, const float* __restrict__ aux,
@@ -532,6 +532,16 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   float* CS = RED + 6 * NG * C;  // [C] column sums of dM ⊙ β KKᵀ
   float* MISC = CS + C;          // [8] MISC[0]: h·dS
   enum { R_A1 = 0, R_A2, R_A3, R_KB, R_VB, R_MK };
+  // TILES: the bf16 dv and dk leave through a dead tile as 16-byte row pieces where rows allow
+  // (a quarter of the pair stores' instructions): dv through DM's space (written from phase 2
+  // on) at row stride LT, dk through DVB (read up to phase 2) where its rows hold KP + 8 values.
+  // Measured at K = V = 128 (docs/perf.md v21): 3% off the kernel at n >= 2, 5% onto it at n = 1.
+  constexpr int LT = 2 * LF;
+  static_assert(LT >= VP + 8, "dv's tile fits DM's rows");
+  const bool bf16_out = TILES && out == nullptr;
+  const bool dv_rows = bf16_out && V % 8 == 0 && gdpc_aligned16(dvb_out);
+  const bool dk_rows = bf16_out && LV >= KP + 8 && K % 8 == 0 && gdpc_aligned16(dk_out);
+  __nv_bfloat16* const DVt = reinterpret_cast<__nv_bfloat16*>(DM);
   auto red = [&](int q, int grp, int i) -> float& { return RED[(q * NG + grp) * C + i]; };
   // Sums this warp's per-thread partials x[h] (rows m0 + g + 8 h) over the quad and stores them
   // as the partials of quantity q of its column group.
@@ -604,10 +614,19 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
         kb[h] -= d0 * kh[j][2 * h] + d1 * kh[j][2 * h + 1];
         vb[h] += d0 * vx.x + d1 * vx.y;
         *reinterpret_cast<__nv_bfloat162*>(DVB + i * LV + col) = __floats2bfloat162_rn(d0, d1);
-        if (i < c)
+        if (dv_rows)
+          *reinterpret_cast<__nv_bfloat162*>(DVt + i * LT + col) =
+              __floats2bfloat162_rn(Bt[i] * d0, Bt[i] * d1);
+        else if (i < c)
           put_pair(kDv, ((tok0 * n + p0 + i) * H + head) * (int64_t)V, col, V, Bt[i] * d0,
                    Bt[i] * d1);
       }
+    if (dv_rows) {
+      __syncwarp();
+      gdpc_warp_tile_out<2 * NPV, LT>(
+          dvb_out, [&](int i) { return ((tok0 * n + p0 + i) * H + head) * (int64_t)V; }, DVt,
+          m0, n0, c, V, lane);
+    }
     put_rows(R_KB, kb);
     put_rows(R_VB, vb);
   }
@@ -811,9 +830,17 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
         const float x0 = dl * acc[j][2 * h], x1 = dl * acc[j][2 * h + 1];
         const float2 kx = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Ks + i * LK + col));
         a1[h] += x0 * kx.x + x1 * kx.y;
-        if (i < c)
+        if (dk_rows)
+          *reinterpret_cast<__nv_bfloat162*>(DVB + i * LV + col) =
+              __floats2bfloat162_rn(dk[j][2 * h] + x0, dk[j][2 * h + 1] + x1);
+        else if (i < c)
           put_pair(kDk, rows.key(i), col, K, dk[j][2 * h] + x0, dk[j][2 * h + 1] + x1);
       }
+    if (dk_rows) {
+      __syncwarp();
+      gdpc_warp_tile_out<2 * NPK, LV>(dk_out, [&](int i) { return rows.key(i); }, DVB, m0, nk0,
+                                      c, K, lane);
+    }
     put_rows(R_A1, a1);
   }
   __syncthreads();
@@ -848,20 +875,23 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
     });
 }
 
-#define GDPG_ENTRY(KP, VP)                                                                     \
-  extern "C" __global__ void __launch_bounds__(GDPG_THREADS) gdp_bwd_grads_bf16_##KP##_##VP(  \
-      const __nv_bfloat16* qb, const __nv_bfloat16* kb, int split, const __nv_bfloat16* v,     \
-      const float* aux, const int* table,                                                      \
-      const __nv_bfloat16* ag, const __nv_bfloat16* hs, const __nv_bfloat16* dhs,              \
-      const __nv_bfloat16* dn, const __nv_bfloat16* ddn, const __nv_bfloat16* dob, float* out, \
-      __nv_bfloat16* dqb, __nv_bfloat16* dkb, __nv_bfloat16* dvb_out, float* dgates, int B,    \
-      int TT, int H, int K,                                                                    \
-      int V, int n, int N, float scale, int QR) {                                              \
-    gdp_bwd_grads_bf16_impl<KP, VP>(qb, kb, split, v, aux, table, ag, hs, dhs, dn, ddn, dob,   \
-                                    out, dqb, dkb, dvb_out, dgates, B, TT, H, K, V, n, N,      \
-                                    scale, QR);                                                \
+// gdp_bwd_grads_bf16_<KP>_<VP>[_tiles]: `_tiles` stores dv and dk through shared memory (TILES).
+#define GDPG_ENTRY(KP, VP, TILES, SUFFIX)                                                      \
+  extern "C" __global__ void __launch_bounds__(GDPG_THREADS)                                   \
+      gdp_bwd_grads_bf16_##KP##_##VP##SUFFIX(                                                  \
+          const __nv_bfloat16* qb, const __nv_bfloat16* kb, int split, const __nv_bfloat16* v, \
+          const float* aux, const int* table, const __nv_bfloat16* ag,                         \
+          const __nv_bfloat16* hs, const __nv_bfloat16* dhs, const __nv_bfloat16* dn,          \
+          const __nv_bfloat16* ddn, const __nv_bfloat16* dob, float* out,                      \
+          __nv_bfloat16* dqb, __nv_bfloat16* dkb, __nv_bfloat16* dvb_out, float* dgates,       \
+          int B, int TT, int H, int K, int V, int n, int N, float scale, int QR) {             \
+    gdp_bwd_grads_bf16_impl<KP, VP, TILES>(qb, kb, split, v, aux, table, ag, hs, dhs, dn, ddn, \
+                                           dob, out, dqb, dkb, dvb_out, dgates, B, TT, H, K,   \
+                                           V, n, N, scale, QR);                                \
   }
-GDPG_ENTRY(64, 64)
-GDPG_ENTRY(64, 128)
-GDPG_ENTRY(128, 64)
-GDPG_ENTRY(128, 128)
+GDPG_ENTRY(64, 64, false, )
+GDPG_ENTRY(64, 128, false, )
+GDPG_ENTRY(128, 64, false, )
+GDPG_ENTRY(128, 128, false, )
+// Only where it was measured faster: K = V = 128 at n >= 2 (the launch picks it).
+GDPG_ENTRY(128, 128, true, _tiles)

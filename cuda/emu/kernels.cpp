@@ -545,7 +545,8 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
       if (KPT == 64 && VPT == 64) gdp_bwd_grads_bf16_64_64(ARGS);
       if (KPT == 64 && VPT == 128) gdp_bwd_grads_bf16_64_128(ARGS);
       if (KPT == 128 && VPT == 64) gdp_bwd_grads_bf16_128_64(ARGS);
-      if (KPT == 128 && VPT == 128) gdp_bwd_grads_bf16_128_128(ARGS);
+      if (KPT == 128 && VPT == 128 && c.n == 1) gdp_bwd_grads_bf16_128_128(ARGS);
+      if (KPT == 128 && VPT == 128 && c.n >= 2) gdp_bwd_grads_bf16_128_128_tiles(ARGS);
 #undef ARGS
     });
   // dq, dk back into the packed layout of the reference.

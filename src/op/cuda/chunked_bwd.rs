@@ -2,7 +2,8 @@
 //! and the forward scan rerun to get every chunk's start state h and Delta, one reverse scan of
 //! the state gradient (`gdp_bwd_dh_bf16_<BV>_<KPT>`: dS in registers, cp.async staging, like the
 //! forward scan), then every gradient of every (chunk, head) in parallel
-//! (`gdp_bwd_grads_bf16_<KP>_<VP>`). The per-value-tile kernel of `backward.rs` redoes the WY
+//! (`gdp_bwd_grads_bf16_<KP>_<VP>`, `_tiles` at K = V = 128 and n >= 2: dv and dk stored through
+//! shared memory, measured faster there and slower at n = 1). The per-value-tile kernel of `backward.rs` redoes the WY
 //! factors and all the chunk's gradient products on its sequential path; this takes them off
 //! it. The bf16 default where it fits (K, V <= 128); `GDP_CUDA_BWD=fused` forces the other,
 //! `GDP_CUDA_BWD=chunked` this one (an error where it does not fit).
@@ -344,7 +345,12 @@ pub fn try_backward_bf16(
     // 4. Every gradient, per (chunk, head).
     if table.chunks > 0 {
         let [b, t, h, k, vd, n] = shape_i32(sh)?;
-        let name = format!("gdp_bwd_grads_bf16_{kp}_{vp}");
+        let tiles = if kp == 128 && vp == 128 && n >= 2 {
+            "_tiles"
+        } else {
+            ""
+        };
+        let name = format!("gdp_bwd_grads_bf16_{kp}_{vp}{tiles}");
         let smem = grads_smem_bytes(kp, vp, qr);
         let func = load_kernel(dev, &name)?;
         allow_smem(&func, smem)?;
