@@ -1,9 +1,9 @@
 // Kernel-only timings (CUDA events, median of repeated launches) of the bf16 two-kernel forward
 // (gdp_fwd_wy_bf16, gdp_fwd_scan_bf16_<BV>_128), of the split bf16 backward (the same two with
-// the states kept, gdp_bwd_dh_bf16_<BV>_128, gdp_bwd_grads_bf16_128_128[_tiles]) at the benchmark shapes
-// of docs/perf.md (with the WY kernel beside the scan where the op overlaps them), and of the
-// fused decode step (gdp_step_f32_k128) at B64 H16 K=V=128 n = 1..3, with achieved bandwidth. No Rust
-// needed, so it separates kernel time from the op's host-side work:
+// the states kept, gdp_bwd_dh_bf16_<BV>_128, gdp_bwd_grads_bf16_128_128[_tiles]) at the
+// benchmark shapes of docs/perf.md (with the WY kernel beside the scan where the op overlaps
+// them), and of the fused decode step (gdp_step_f32_k128) at B64 H16 K=V=128 n = 1..3, with
+// achieved bandwidth. No Rust needed, so it separates kernel time from the op's host-side work:
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icuda cuda/bench/kernels.cu -o kbench && ./kbench
 #include "gdp.cu"
 
@@ -261,7 +261,8 @@ static void forward(int B, int T, int H, int n) {
   CK(cudaFuncSetAttribute(grads, cudaFuncAttributeMaxDynamicSharedMemorySize, gsmem));
   const float t_gr = median_ms([&] {
     grads<<<dim3(total, H), GDPG_THREADS, gsmem>>>(dq, dk, 1, dv, daux, dtab, ag, hs, dhs, dn, ddn,
-                                                              dob, nullptr, gq, gk, gv, gout, B, T, H, K, V, n, B, scale, QR);
+                                                   dob, nullptr, gq, gk, gv, gout, B, T, H, K, V,
+                                                   n, B, scale, QR);
   });
   printf(" | grads %.3f ms (smem %d) | bwd total %.3f ms\n", t_gr, gsmem,
          t_wya + best_states + best_dh + t_gr);

@@ -2,10 +2,10 @@
 //! and the forward scan rerun to get every chunk's start state h and Delta, one reverse scan of
 //! the state gradient (`gdp_bwd_dh_bf16_<BV>_<KPT>`: dS in registers, cp.async staging, like the
 //! forward scan), then every gradient of every (chunk, head) in parallel
-//! (`gdp_bwd_grads_bf16_<KP>_<VP>`, `_tiles` at K = V = 128 and n >= 2: dv and dk stored through
-//! shared memory, measured faster there and slower at n = 1). The per-value-tile kernel of `backward.rs` redoes the WY
-//! factors and all the chunk's gradient products on its sequential path; this takes them off
-//! it. The bf16 default where it fits (K, V <= 128); `GDP_CUDA_BWD=fused` forces the other,
+//! (`gdp_bwd_grads_bf16_<KP>_<VP>`; `_tiles` at K = V = 128 and n >= 2: dv and dk stored
+//! through shared memory, measured faster there and slower at n = 1). The per-value-tile kernel
+//! of `backward.rs` redoes the WY factors and all the chunk's gradient products on its
+//! sequential path; this takes them off it. The bf16 default where it fits (K, V <= 128); `GDP_CUDA_BWD=fused` forces the other,
 //! `GDP_CUDA_BWD=chunked` this one (an error where it does not fit).
 
 use super::chunked::{
