@@ -509,6 +509,8 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   const bool vk = gdpc_qk_vec(qb, kb, K);
   const bool vv8 = V % 8 == 0;
   const GdpcRows rows(tok0, ch, n, rn, H, K, head, split);
+  // Element offset of chunk row i in v and dv ([B, T·n, H, V]).
+  const auto v_row = [&](int i) { return ((tok0 * n + p0 + i) * H + head) * (int64_t)V; };
 
   extern __shared__ __align__(16) unsigned char gdpg_smem[];
   __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(gdpg_smem);  // [C][LK]   K rows
@@ -564,8 +566,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   gdpc_stage_fixed<VP, LV, C, nthr>(Dn, dn + slot * C * V, by_v, C, C, V, vv8, tid);
   gdpc_stage_fixed<VP, LV, C, nthr>(Dd, ddn + slot * C * V, by_v, C, C, V, vv8, tid);
   gdpc_stage_fixed<VP, LV, C, nthr>(
-      Vs, vv, [&](int i) { return ((tok0 * n + p0 + i) * H + head) * (int64_t)V; }, c, C, V,
-      vv8 && gdpc_aligned16(vv), tid);
+      Vs, vv, v_row, c, C, V, vv8 && gdpc_aligned16(vv), tid);
   gdpc_stage_fixed<VP, LV, C, nthr>(
       DOs, dob, [&](int r) { return (rows.query_token(r) * H + head) * (int64_t)V; }, nq, 16 * mq,
       V, vv8 && gdpc_aligned16(dob), tid);
@@ -618,14 +619,11 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
           *reinterpret_cast<__nv_bfloat162*>(DVt + i * LT + col) =
               __floats2bfloat162_rn(Bt[i] * d0, Bt[i] * d1);
         else if (i < c)
-          put_pair(kDv, ((tok0 * n + p0 + i) * H + head) * (int64_t)V, col, V, Bt[i] * d0,
-                   Bt[i] * d1);
+          put_pair(kDv, v_row(i), col, V, Bt[i] * d0, Bt[i] * d1);
       }
     if (dv_rows) {
       __syncwarp();
-      gdpc_warp_tile_out<2 * NPV, LT>(
-          dvb_out, [&](int i) { return ((tok0 * n + p0 + i) * H + head) * (int64_t)V; }, DVt,
-          m0, n0, c, V, lane);
+      gdpc_warp_tile_out<2 * NPV, LT>(dvb_out, v_row, DVt, m0, n0, c, V, lane);
     }
     put_rows(R_KB, kb);
     put_rows(R_VB, vb);

@@ -5,8 +5,9 @@
 //! (`gdp_bwd_grads_bf16_<KP>_<VP>`; `_tiles` at K = V = 128 and n >= 2: dv and dk stored
 //! through shared memory, measured faster there and slower at n = 1). The per-value-tile kernel
 //! of `backward.rs` redoes the WY factors and all the chunk's gradient products on its
-//! sequential path; this takes them off it. The bf16 default where it fits (K, V <= 128); `GDP_CUDA_BWD=fused` forces the other,
-//! `GDP_CUDA_BWD=chunked` this one (an error where it does not fit).
+//! sequential path; this takes them off it. The bf16 default where it fits (K, V <= 128);
+//! `GDP_CUDA_BWD=fused` forces the other, `GDP_CUDA_BWD=chunked` this one (an error where it
+//! does not fit).
 
 use super::chunked::{
     choice, key_tile, query_rows, run_scan, scan_plan, smem_and_sms, untracked, wy_smem_bytes,
