@@ -219,9 +219,10 @@ __device__ __forceinline__ void gdpc_warp_tile_out(__nv_bfloat16* __restrict__ d
 
 // The operands both scans stage for a chunk: W [C][K] (row r at w + r K), its c key rows and nq
 // query rows (at kb + koff[i], qb + qoff[r]; zeros to C and QR rows) into [*][KPT + 8] tiles, and
-// P [QR][C] (row r at p + r C) into [QR][C + 8]. The compile-time path when K = KPT and the
-// rows are 16-byte aligned (vk), the general one otherwise.
-template <int KPT, int NTHR>
+// P [QR][C] (row r at p + r C) into [QR][C + 8]; without QP (a scan with no output) W and the
+// key rows only. The compile-time path when K = KPT and the rows are 16-byte aligned (vk), the
+// general one otherwise.
+template <int KPT, int NTHR, bool QP = true>
 __device__ __forceinline__ void gdpc_stage_wkqp(
     __nv_bfloat16* W, __nv_bfloat16* Kr, __nv_bfloat16* Q, __nv_bfloat16* P,
     const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ kb,
@@ -231,14 +232,16 @@ __device__ __forceinline__ void gdpc_stage_wkqp(
   if (vk && K == KPT) {
     gdpc_stage_tile_strided<KPT, LK, C, NTHR>(W, w, KPT, C, tid);
     gdpc_stage_tile<KPT, LK, C, NTHR>(Kr, kb, [&](int i) { return koff[i]; }, c, C, tid);
-    gdpc_stage_tile<KPT, LK, C, NTHR>(Q, qb, [&](int r) { return qoff[r]; }, nq, QR, tid);
+    if constexpr (QP)
+      gdpc_stage_tile<KPT, LK, C, NTHR>(Q, qb, [&](int r) { return qoff[r]; }, nq, QR, tid);
   } else {
     const GdpcSplit sp(K, tid, NTHR);
     gdpc_stage_rows(W, LK, w, [&](int r) { return (int64_t)r * K; }, C, C, K, vk, sp, tid, NTHR);
     gdpc_stage_rows(Kr, LK, kb, [&](int i) { return koff[i]; }, c, C, K, vk, sp, tid, NTHR);
-    gdpc_stage_rows(Q, LK, qb, [&](int r) { return qoff[r]; }, nq, QR, K, vk, sp, tid, NTHR);
+    if constexpr (QP)
+      gdpc_stage_rows(Q, LK, qb, [&](int r) { return qoff[r]; }, nq, QR, K, vk, sp, tid, NTHR);
   }
-  gdpc_stage_tile_strided<C, C + 8, C, NTHR>(P, p, C, QR, tid);
+  if constexpr (QP) gdpc_stage_tile_strided<C, C + 8, C, NTHR>(P, p, C, QR, tid);
 }
 
 // Per-chunk geometry kept in shared memory next to a chunk's row table, so that it is worked out
@@ -648,7 +651,12 @@ __device__ __forceinline__ void gdpc_mma_kn(float (&acc)[2 * NP][4], const __nv_
   }
 }
 
-template <int BV, int KPT, int NW, bool TEAM>
+// The forward scan of one (sequence, head, BV value columns) block over the chunks: the state
+// in registers, each chunk's operands staged NS - 1 chunks ahead. OUT = false compiles the
+// states-only kernel (`gdp_fwd_states_bf16_*`: no output, launched with QR = 0, so that a stage
+// holds W, the key rows, U and the coefficients only), which the backward's states rerun and
+// context parallelism's final-state summaries run.
+template <int BV, int KPT, int NW, bool TEAM, bool OUT>
 __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const __nv_bfloat16* __restrict__ qb, const __nv_bfloat16* __restrict__ kb, int split,
     const float* __restrict__ aux, const int* __restrict__ table, const __nv_bfloat16* __restrict__ wg,
@@ -682,7 +690,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
   // Delta and the output leave through shared memory as 16-byte row pieces, except in the TEAM
   // kernels: compiled into them, these paths made the B1 scan 7-10% slower (docs/perf.md v20).
   const bool dn_rows = !TEAM && dn != nullptr && vu && gdpc_aligned16(dn);
-  const bool o_rows = !TEAM && outb != nullptr && vu && gdpc_aligned16(outb);
+  const bool o_rows = OUT && !TEAM && outb != nullptr && vu && gdpc_aligned16(outb);
 
   extern __shared__ __align__(16) unsigned char gdpcs_smem[];
   const int stage_bytes = gdpc_stage_bytes(KPT, QR, BV);
@@ -737,8 +745,8 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const int64_t* qoff = koff + C;
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
     const __nv_bfloat16* u = ug + slot * C * V + v0;
-    gdpc_stage_wkqp<KPT, NW * 32>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb, qb,
-                                  pg + slot * C * C, koff, qoff, c, nq, QR, K, vk, tid);
+    gdpc_stage_wkqp<KPT, NW * 32, OUT>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb, qb,
+                                       pg + slot * C * C, koff, qoff, c, nq, QR, K, vk, tid);
     if (vu && bv == BV) {
       gdpc_stage_tile_strided<BV, LB, C, NW * 32>(st.U, u, V, C, tid);
     } else if (vu) {
@@ -918,7 +926,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     if (dn_rows) gdpc_copy_tile_out<BV, LB, C, NW * 32>(dn + slot * C * V + v0, V, Dn, bv, tid, 0u);
 
     // ---- Phase B: output rows 16 mi.. (if query rows), this warp's columns; then its state.
-    if ((out != nullptr || outb != nullptr) && 16 * mi < nq) {
+    if (OUT && (out != nullptr || outb != nullptr) && 16 * mi < nq) {
       const int m0 = 16 * mi;
       float acc[NTW][4] = {};
       gdpc_mma_kn<KPT, NPW>(acc, st.Q, LK, m0, sb, LB, nc0, lane);
@@ -1009,7 +1017,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
       }
 }
 
-#define GDPC_SCAN_ENTRY(NAME, BV, KPT, NW, TEAM)                                                \
+#define GDPC_SCAN_ENTRY(NAME, BV, KPT, NW, TEAM, OUT)                                           \
   extern "C" __global__ void __launch_bounds__(NW * 32) NAME##_##BV##_##KPT(                      \
       const __nv_bfloat16* qb, const __nv_bfloat16* kb, int split, const float* aux,            \
       const int* table, const __nv_bfloat16* wg, const __nv_bfloat16* ug,                       \
@@ -1017,20 +1025,31 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
       const float* h0_override, int use_h0_override, float* out, __nv_bfloat16* outb,            \
       float* fin, __nv_bfloat16* hs, __nv_bfloat16* dn, int B, int TT, int H, int K, int V, int n, \
       int has_h0, int QR, int NS, const int* ready) {                                            \
-    gdp_fwd_scan_bf16_impl<BV, KPT, NW, TEAM>(qb, kb, split, aux, table, wg, ug, pg, cg,        \
+    gdp_fwd_scan_bf16_impl<BV, KPT, NW, TEAM, OUT>(qb, kb, split, aux, table, wg, ug, pg, cg,   \
                                               h0_override, use_h0_override, out, outb, fin, hs, \
                                               dn, B, TT, H, K, V, n, has_h0, QR, NS, ready);    \
   }
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 64, 4, false)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 128, 4, false)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 256, 4, false)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 64, 8, false)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 128, 8, false)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 256, 8, false)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 64, 64, 8, false)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 64, 128, 8, false)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 64, 4, false, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 128, 4, false, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 256, 4, false, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 64, 8, false, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 128, 8, false, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 256, 8, false, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 64, 64, 8, false, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 64, 128, 8, false, true)
 // The copy-team variant (n >= 2 with an output, three stages), where it was measured faster:
 // 32 value columns (B1 T32768 H16 n2: 2.74 -> 2.61 ms; at 64 columns no gain, v17).
-GDPC_SCAN_ENTRY(gdp_fwd_scan_team_bf16, 32, 64, 8, true)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_team_bf16, 32, 128, 8, true)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_team_bf16, 32, 256, 8, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_team_bf16, 32, 64, 8, true, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_team_bf16, 32, 128, 8, true, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_team_bf16, 32, 256, 8, true, true)
+// The states-only kernels (OUT = false, QR = 0): the backward's states rerun and the final-state
+// summaries. At B4 T4096 H16 n2 (BV 64, two stages) 0.379 ms against 0.414 for the forward scan
+// without its output (docs/perf.md v21).
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 64, 4, false, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 128, 4, false, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 256, 4, false, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 32, 64, 8, false, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 32, 128, 8, false, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 32, 256, 8, false, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 64, 64, 8, false, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 64, 128, 8, false, false)

@@ -1,9 +1,10 @@
 //! GPU tests of the fast paths: both bf16 forwards (the two-kernel one, the default where it
 //! fits, and the one-kernel one, `GDP_CUDA_FWD=fused`) and both bf16 backwards (the split one,
 //! the default where it fits, and the per-value-tile one, `GDP_CUDA_BWD=fused`), the op after
-//! `retain_freed_memory`, and the fused decode step. Feature
-//! `cuda`, needs a GPU: `cargo test --release --features cuda --test gpu_fast_paths`;
-//! `--ignored` adds the decode-step bandwidth timing (B64 H16 K=V=128, issue 5).
+//! `retain_freed_memory`, every value tile of the forward and states-only scans, and the fused
+//! decode step. Feature `cuda`, needs a GPU: `cargo test --release --features cuda --test
+//! gpu_fast_paths`; `--ignored` adds the decode-step bandwidth timing (B64 H16 K=V=128, issue
+//! 5).
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -65,6 +66,52 @@ fn bf16_paths_match_f64_reference() -> Result<()> {
         Case::new("K256 V256 n2 h0", 1, 80, 1, 256, 256, 2)
             .h0()
             .seed(23),
+    ] {
+        let x = inputs(&c, DType::BF16)?;
+        let got = run_op_on(&c, &x, DType::BF16, &dev)?;
+        let want = run_reference(&c, &x)?;
+        assert_close(&c, &got, &want, 1e-2)?;
+    }
+    Ok(())
+}
+
+/// Every value tile of the forward scan (`GDP_CUDA_SCAN_BV`: BV 32 at n >= 2 runs the
+/// copy-team kernel, BV 64 the two-stage kernel) and of the backward's states-only rerun
+/// (`GDP_CUDA_STATES_BV`, `gdp_fwd_states_bf16_*`): the tile rule picks one from the SM count
+/// and B·H, and the small shapes of the other tests take BV = 16. Each forced tile runs in a
+/// child process of this binary, so that no other test sees the variable (a forced tile is an
+/// error where it does not exist, e.g. BV 64 at K = 256), and every output and gradient is
+/// checked against the f64 reference.
+#[test]
+fn every_scan_tile_matches_f64_reference() -> Result<()> {
+    if std::env::var_os(CHILD).is_none() {
+        for var in ["GDP_CUDA_SCAN_BV", "GDP_CUDA_STATES_BV"] {
+            for bv in ["16", "32", "64"] {
+                let out = std::process::Command::new(std::env::current_exe()?)
+                    .env(var, bv)
+                    .env(CHILD, "1")
+                    .args(["every_scan_tile_matches_f64_reference", "--exact"])
+                    .args(["--test-threads", "1", "--nocapture"])
+                    .output()?;
+                let log = String::from_utf8_lossy(&out.stdout);
+                println!("{var}={bv}\n{log}");
+                assert!(out.status.success(), "{var}={bv}:\n{log}");
+                assert!(log.contains("1 passed"), "the child ran no test:\n{log}");
+            }
+        }
+        return Ok(());
+    }
+    let dev = cuda()?;
+    for c in [
+        Case::new("n2 T333 K128 V128 h0", 1, 333, 2, 128, 128, 2)
+            .h0()
+            .seed(41),
+        Case::new("packed n3 strong K128 V96", 1, 290, 2, 128, 96, 3)
+            .packed(&[0, 70, 70, 201, 290])
+            .strong_gates()
+            .h0()
+            .seed(43),
+        Case::new("n1 T200 K64 V80", 2, 200, 1, 64, 80, 1).seed(47),
     ] {
         let x = inputs(&c, DType::BF16)?;
         let got = run_op_on(&c, &x, DType::BF16, &dev)?;

@@ -113,23 +113,25 @@ static void forward(int B, int T, int H, int n) {
   }
   // The forward scan with BV value columns: writing the output (o in bf16, o_out, as the op
   // without a final state), or each chunk's start state and Delta (the backward's rerun, into
-  // hs_out and dn_out); returns ms and the stages.
+  // hs_out and dn_out); qr query rows staged per chunk (0: the states-only kernels), at most
+  // max_ns stages; returns ms and the stages.
   auto time_scan = [&](auto kern, int bv, __nv_bfloat16* o_out, __nv_bfloat16* hs_out,
-                       __nv_bfloat16* dn_out, int& NS) {
+                       __nv_bfloat16* dn_out, int qr, int max_ns, int& NS) {
     // KB_NS2=1: two stages even where three fit.
-    const bool three = gdpc_scan_smem_bytes(KP, QR, bv, 3) <= 232448 && !getenv("KB_NS2");
+    const bool three =
+        max_ns >= 3 && gdpc_scan_smem_bytes(KP, qr, bv, 3) <= 232448 && !getenv("KB_NS2");
     NS = three ? 3 : 2;
-    const int smem = gdpc_scan_smem_bytes(KP, QR, bv, NS);
+    const int smem = gdpc_scan_smem_bytes(KP, qr, bv, NS);
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return median_ms([&] {
       kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
           dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, o_out, nullptr, hs_out, dn_out, B, T, H,
-          K, V, n, 0, QR, NS, nullptr);
+          K, V, n, 0, qr, NS, nullptr);
     });
   };
   auto scan = [&](auto kern, int bv) {
     int NS;
-    const float t = time_scan(kern, bv, ob, nullptr, nullptr, NS);
+    const float t = time_scan(kern, bv, ob, nullptr, nullptr, QR, 3, NS);
     printf(" | scan BV%d/%d stages %.3f ms (%d blocks)", bv, NS, t, B * H * V / bv);
   };
   scan(gdp_fwd_scan_bf16_16_128, 16);
@@ -137,7 +139,7 @@ static void forward(int B, int T, int H, int n) {
   scan(gdp_fwd_scan_bf16_64_128, 64);
   if (n >= 2) {  // the copy-team variant (three stages, an output, at most 32 query rows)
     int NS;
-    const float t = time_scan(gdp_fwd_scan_team_bf16_32_128, 32, ob, nullptr, nullptr, NS);
+    const float t = time_scan(gdp_fwd_scan_team_bf16_32_128, 32, ob, nullptr, nullptr, QR, 3, NS);
     printf(" | team BV32/%d %.3f ms", NS, t);
   }
   printf("\n");
@@ -228,21 +230,25 @@ static void forward(int B, int T, int H, int n) {
   });
   printf("  bwd: wy+Ainv %.3f ms", t_wya);
   float best_states = 1e9, best_dh = 1e9;
-  auto states = [&](auto kern, int bv) {
+  // The states rerun: the states-only kernel as the op runs it (no query rows, two stages),
+  // then the forward scan without an output (before v22) for comparison.
+  auto states = [&](auto kern, int bv, int qr, int max_ns, const char* what) {
     int NS;
-    const float t = time_scan(kern, bv, nullptr, hs, dn, NS);
-    best_states = std::min(best_states, t);
-    printf(" | states BV%d %.3f", bv, t);
+    const float t = time_scan(kern, bv, nullptr, hs, dn, qr, max_ns, NS);
+    if (qr == 0) best_states = std::min(best_states, t);
+    printf(" | %s BV%d/%d %.3f", what, bv, NS, t);
   };
-  states(gdp_fwd_scan_bf16_16_128, 16);
-  states(gdp_fwd_scan_bf16_32_128, 32);
-  states(gdp_fwd_scan_bf16_64_128, 64);
+  states(gdp_fwd_states_bf16_16_128, 16, 0, 2, "states");
+  states(gdp_fwd_states_bf16_32_128, 32, 0, 2, "states");
+  states(gdp_fwd_states_bf16_64_128, 64, 0, 2, "states");
+  states(gdp_fwd_scan_bf16_32_128, 32, QR, 3, "scan-no-out");
+  states(gdp_fwd_scan_bf16_64_128, 64, QR, 3, "scan-no-out");
   auto dh = [&](auto kern, int bv) {
     const int LB = bv + 8;
     auto smem_of = [&](int ns) {
       return ns * gdpd_stage_bytes(KP, QR, bv) + 2 * (2 * KP * LB + C * LB + QR * LB) + 8 * ns * 3 * C + 12 * ns;
     };
-    const int NS = smem_of(3) <= 232448 ? 3 : 2, smem = smem_of(NS);
+    const int NS = smem_of(3) <= 232448 && !getenv("KB_NS2") ? 3 : 2, smem = smem_of(NS);
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const float t = median_ms([&] {
       kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
@@ -317,7 +323,7 @@ static void step() {
 // KB_ONLY_N2=1 skips the n = 1 shape; KB_ONLY_B1=1 runs only B1 T32768 n2 (for profilers);
 // KB_ONLY_STEP=1 only the decode step; KB_ONLY_WY=1 only the WY kernel's times; KB_WY_PAD=1
 // adds the overlap with the WY kernel's shared memory padded (at most 3, 2, 1 blocks per SM);
-// KB_NS2=1 gives the forward scans two stages where three fit.
+// KB_NS2=1 gives the forward and state-gradient scans two stages where three fit.
 int main() {
   setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a pipe even if a timeout stops the run
   if (getenv("KB_ONLY_STEP") != nullptr) {  // the decode step only

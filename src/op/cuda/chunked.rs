@@ -6,8 +6,8 @@
 //! path; this split takes them off it. It is the bf16 default wherever its shared memory fits
 //! (K up to 128 for every n, K = 256 for n >= 2 on an H200); `GDP_CUDA_FWD=fused` forces the
 //! one-kernel forward, `GDP_CUDA_FWD=chunked` this one (an error where it does not fit). The
-//! bf16 backward (`chunked_bwd.rs`) reruns both kernels to get each chunk's start state and
-//! Delta. Timings in `docs/perf.md`.
+//! bf16 backward (`chunked_bwd.rs`) reruns the WY kernel and the scan without its output
+//! ([`STATES_SCAN`]) to get each chunk's start state and Delta. Timings in `docs/perf.md`.
 
 use super::backward::In;
 use super::launch::{allow_smem, check_states, device_attr, shape_i32, to_i32, view};
@@ -80,34 +80,48 @@ fn scan_threads(bv: usize) -> u32 {
     }
 }
 
-/// Shared memory of the forward scan for `bv` value columns and `ns` stage buffers, bytes
-/// (`gdp_fwd_scan_bf16_impl`: `ns` stages of `gdpc_stage_bytes`, the bf16 state twice, Delta
-/// twice, `ns` chunks' row tables and geometry).
-pub fn scan_smem_bytes(kpt: usize, n: usize, bv: usize, ns: usize) -> usize {
+/// Shared memory of the forward scan for `bv` value columns, `qr` staged query rows per chunk
+/// and `ns` stage buffers, bytes (`gdp_fwd_scan_bf16_impl`: `ns` stages of `gdpc_stage_bytes`,
+/// the bf16 state twice, Delta twice, `ns` chunks' row tables and geometry).
+fn scan_smem_with_rows(kpt: usize, qr: usize, bv: usize, ns: usize) -> usize {
     let c = CHUNK;
-    let qr = query_rows(n);
     let stage = 2 * ((2 * c + qr) * (kpt + 8) + qr * (c + 8) + c * (bv + 8)) + 4 * 3 * c;
     ns * stage + 2 * 2 * kpt * (bv + 8) + 2 * 2 * c * (bv + 8) + 8 * ns * 2 * c + 12 * ns
 }
 
-/// A scan's launch plan: value columns per block, stage buffers, threads, shared memory and
-/// kernel name.
+/// Shared memory of the forward scan (with its output) for `bv` value columns and `ns` stage
+/// buffers, bytes.
+pub fn scan_smem_bytes(kpt: usize, n: usize, bv: usize, ns: usize) -> usize {
+    scan_smem_with_rows(kpt, query_rows(n), bv, ns)
+}
+
+/// Shared memory of the states-only scan (no query rows or P staged), bytes.
+pub fn states_smem_bytes(kpt: usize, _n: usize, bv: usize, ns: usize) -> usize {
+    scan_smem_with_rows(kpt, 0, bv, ns)
+}
+
+/// A scan's launch plan: value columns per block, stage buffers, query rows staged per chunk
+/// (the kernels' `QR`), threads, shared memory and kernel name.
 pub(super) struct ScanPlan {
     pub bv: usize,
     pub stages: usize,
+    pub qr: usize,
     pub threads: u32,
     pub smem: usize,
     pub kernel: String,
 }
 
 /// What a scan kernel family needs to be planned: its kernel-name prefix (`<prefix>_<BV>_<KPT>`),
-/// its shared memory `(kpt, n, bv, stages) -> bytes`, the largest key tile it exists for, and
-/// the environment variable that forces its value tile.
+/// its shared memory `(kpt, n, bv, stages) -> bytes`, the largest key tile it exists for, the
+/// environment variable that forces its value tile, whether it stages query rows, and the
+/// most stage buffers worth giving it.
 pub(super) struct ScanKind {
     pub prefix: &'static str,
     pub smem: fn(usize, usize, usize, usize) -> usize,
     pub max_kpt: usize,
     pub env: &'static str,
+    pub queries: bool,
+    pub max_stages: usize,
 }
 
 /// The forward scan (`gdp_fwd_scan_bf16_<BV>_<KPT>`).
@@ -116,6 +130,23 @@ pub(super) const FWD_SCAN: ScanKind = ScanKind {
     smem: scan_smem_bytes,
     max_kpt: 256,
     env: "GDP_CUDA_SCAN_BV",
+    queries: true,
+    max_stages: 3,
+};
+
+/// The forward scan without an output (`gdp_fwd_states_bf16_<BV>_<KPT>`): each chunk's start
+/// state and Delta (the backward's rerun) or the final states (context parallelism's
+/// summaries). It stages no query rows and no P (41.7 of the forward scan's 54.0 KB per chunk
+/// and block at BV 64, n = 2). Two stages: at B4 T4096 H16 n2 (H200, `docs/perf.md` v21) 0.379
+/// ms against 0.383 with three and 0.414 for the forward scan without its output; at B1 T32768
+/// (BV 32) 2.397 against 2.465 and 2.586.
+pub(super) const STATES_SCAN: ScanKind = ScanKind {
+    prefix: "gdp_fwd_states_bf16",
+    smem: states_smem_bytes,
+    max_kpt: 256,
+    env: "GDP_CUDA_STATES_BV",
+    queries: false,
+    max_stages: 2,
 };
 
 /// Picks a scan's value tile: `kind.env` (16, 32 or 64) when set; else the widest tile that
@@ -123,8 +154,9 @@ pub(super) const FWD_SCAN: ScanKind = ScanKind {
 /// chunk's W, K and Q fewer times, and a scan's chunk step is latency-bound: at B1 T32768 H16
 /// (H200, `docs/perf.md` v9) 64 blocks of BV = 32 (eight warps) took 2.85 / 2.86 / 3.30 ms for
 /// the forward scan, its rerun and the dS scan against 3.20 / 3.22 / 3.74 ms for 128 blocks of
-/// BV = 16 (four warps). Three stage buffers (copies two chunks ahead) where they fit,
-/// else two. `None` where nothing fits (K too large, or shared memory).
+/// BV = 16 (four warps). Three stage buffers (copies two chunks ahead) where they fit and
+/// `kind.max_stages` allows, else two. `None` where nothing fits (K too large, or shared
+/// memory).
 pub(super) fn scan_plan(
     kind: &ScanKind,
     sh: &GdpShape,
@@ -138,7 +170,7 @@ pub(super) fn scan_plan(
     // The state lives in registers: at most 32 f32 per thread (kernels exist for these).
     let ok = |bv: usize| !(kpt == 256 && bv == 64) && smem(kpt, sh.n, bv, 2) <= max_smem;
     let plan = |bv: usize| {
-        let stages = if smem(kpt, sh.n, bv, 3) <= max_smem {
+        let stages = if kind.max_stages >= 3 && smem(kpt, sh.n, bv, 3) <= max_smem {
             3
         } else {
             2
@@ -146,6 +178,7 @@ pub(super) fn scan_plan(
         ScanPlan {
             bv,
             stages,
+            qr: if kind.queries { query_rows(sh.n) } else { 0 },
             threads: scan_threads(bv),
             smem: smem(kpt, sh.n, bv, stages),
             kernel: format!("{}_{bv}_{kpt}", kind.prefix),
@@ -697,12 +730,15 @@ pub(super) fn run_scan(
 ) -> Result<()> {
     let [b, t, h, k, vd, n] = shape_i32(sh)?;
     let with_output = matches!(dest.out, ScanOut::Packed(_) | ScanOut::Plain(_));
+    if with_output && plan.qr == 0 {
+        candle_core::bail!("gdp cuda: {} writes no output", plan.kernel);
+    }
     let team = team_kernel(plan, sh, with_output);
     let scan = load_kernel(dev, team.as_deref().unwrap_or(&plan.kernel))?;
     allow_smem(&scan, plan.smem)?;
     let use_override = i32::from(h0_override.is_some());
     let has_h0 = i32::from(has_h0);
-    let qr = query_rows(sh.n) as i32;
+    let qr = plan.qr as i32;
     let stages = plan.stages as i32;
     let null = 0u64;
     let wy_in = [

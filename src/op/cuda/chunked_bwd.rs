@@ -1,7 +1,8 @@
 //! Launcher of the bf16 backward in FLA's split (`cuda/gdp_bwd_chunked.cuh`): the WY factors
-//! and the forward scan rerun to get every chunk's start state h and Delta, one reverse scan of
-//! the state gradient (`gdp_bwd_dh_bf16_<BV>_<KPT>`: dS in registers, cp.async staging, like the
-//! forward scan), then every gradient of every (chunk, head) in parallel
+//! and the forward scan rerun without its output (`gdp_fwd_states_bf16_<BV>_<KPT>`, staging no
+//! query rows) to get every chunk's start state h and Delta, one reverse scan of the state
+//! gradient (`gdp_bwd_dh_bf16_<BV>_<KPT>`: dS in registers, cp.async staging, like the forward
+//! scan), then every gradient of every (chunk, head) in parallel
 //! (`gdp_bwd_grads_bf16_<KP>_<VP>`; `_tiles` at K = V = 128 and n >= 2: dv and dk stored
 //! through shared memory, measured faster there and slower at n = 1). The per-value-tile kernel
 //! of `backward.rs` redoes the WY factors and all the chunk's gradient products on its
@@ -12,7 +13,7 @@
 use super::chunked::{
     choice, key_tile, query_rows, run_scan, scan_plan, smem_and_sms, untracked, wy_smem_bytes,
     Bf16Inputs, Choice, ChunkStates, ChunkTable, ForwardCache, QkIn, ScanDest, ScanKind, ScanOut,
-    ScanPlan, WyFactors, FWD_SCAN,
+    ScanPlan, WyFactors, STATES_SCAN,
 };
 use super::launch::{allow_smem, check_states, shape_i32, to_i32, view};
 use super::module::load_kernel;
@@ -52,6 +53,8 @@ pub(super) const DH_SCAN: ScanKind = ScanKind {
     smem: dh_smem_bytes,
     max_kpt: 128,
     env: "GDP_CUDA_DH_BV",
+    queries: true,
+    max_stages: 3,
 };
 
 /// Shared memory of the gradient kernel, bytes (`gdpg_smem_bytes` in the kernel file).
@@ -115,10 +118,17 @@ fn plan(dev: &CudaDevice, sh: &GdpShape) -> Result<Option<SplitPlan>> {
         .zip(grad_tile(sh.dv))
         .filter(|&(kp, vp)| grads_smem_bytes(kp, vp, qr) <= max_smem);
     let fits = wy_smem_bytes(sh.dk, sh.dv) <= max_smem && key_tile(sh.dk).is_some();
-    let fwd = scan_plan(&FWD_SCAN, sh, max_smem, sms)?;
-    let dh = scan_plan(&DH_SCAN, sh, max_smem, sms)?;
-    match (tiles, fwd, dh, fits) {
-        (Some((kp, vp)), Some(fwd), Some(dh), true) => Ok(Some(SplitPlan { kp, vp, fwd, dh })),
+    // The scans are planned only where the gradient and WY kernels fit (K, V <= 128), so that a
+    // scan's forced value tile (`GDP_CUDA_STATES_BV`, `GDP_CUDA_DH_BV`) is not checked against
+    // shapes the split backward never serves.
+    let scans = match (tiles, fits) {
+        (Some(_), true) => {
+            scan_plan(&STATES_SCAN, sh, max_smem, sms)?.zip(scan_plan(&DH_SCAN, sh, max_smem, sms)?)
+        }
+        _ => None,
+    };
+    match (tiles, scans) {
+        (Some((kp, vp)), Some((rerun, dh))) => Ok(Some(SplitPlan { kp, vp, rerun, dh })),
         _ if choice == Choice::Chunked => candle_core::bail!(
             "gdp cuda: GDP_CUDA_BWD=chunked does not fit K = {}, V = {}, n = {} (needs K, V <= \
              128 and {max_smem} bytes of shared memory)",
@@ -172,7 +182,7 @@ impl Side {
 struct SplitPlan {
     kp: usize,
     vp: usize,
-    fwd: ScanPlan,
+    rerun: ScanPlan,
     dh: ScanPlan,
 }
 
@@ -196,7 +206,13 @@ pub fn try_backward_bf16(
     layout: GradLayout,
     cache: Option<ForwardCache>,
 ) -> Result<Option<Grads>> {
-    let Some(SplitPlan { kp, vp, fwd, dh }) = plan(dev, sh)? else {
+    let Some(SplitPlan {
+        kp,
+        vp,
+        rerun: rerun_plan,
+        dh,
+    }) = plan(dev, sh)?
+    else {
         return Ok(None);
     };
     let qr = query_rows(sh.n);
@@ -335,7 +351,7 @@ pub fn try_backward_bf16(
                 sh,
                 has_h0,
                 h0_override,
-                &fwd,
+                &rerun_plan,
                 dest,
                 None,
             )?;
@@ -475,7 +491,7 @@ pub(super) fn run_dh_scan(
     allow_smem(&func, plan.smem)?;
     let has_dht = i32::from(dht.is_some());
     let write_dh0 = i32::from(dest.dh0.is_some());
-    let (qr, ns) = (query_rows(sh.n) as i32, plan.stages as i32);
+    let (qr, ns) = (plan.qr as i32, plan.stages as i32);
     let null = 0u64;
     // The WY factors and counters outside cudarc's event tracking (`untracked`): a WY kernel
     // beside this scan writes them while it reads them.

@@ -12,7 +12,7 @@
 use super::backward::In;
 use super::chunked::{
     choice, run_scan, scan_plan, smem_and_sms, wy_smem_bytes, Bf16Inputs, Choice, ChunkTable, QkIn,
-    ScanDest, ScanKind, ScanOut, ScanPlan, WyFactors, FWD_SCAN,
+    ScanDest, ScanKind, ScanOut, ScanPlan, WyFactors, STATES_SCAN,
 };
 use super::chunked_bwd::{run_dh_scan, Cotangent, DhDest, DH_SCAN};
 use super::copy::copy_rows_slice;
@@ -151,7 +151,7 @@ pub fn forward_summaries_bf16(
     let Some(choice) = wanted(qk)? else {
         return Ok(None);
     };
-    let Some(Widened { sub, wide, plan }) = Widened::plan(&dev, sh, frags, &FWD_SCAN)? else {
+    let Some(Widened { sub, wide, plan }) = Widened::plan(&dev, sh, frags, &STATES_SCAN)? else {
         return not_served(choice, sh);
     };
     let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
