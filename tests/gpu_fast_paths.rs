@@ -23,6 +23,21 @@ fn cuda() -> Result<Device> {
 /// Set in the child processes that run the bf16 checks.
 const CHILD: &str = "GDP_FAST_PATH_CHILD";
 
+/// Runs the test `name` of this binary alone in a child process with the environment `env`
+/// (and [`CHILD`] set), prints its output under `what` and asserts that it passed.
+fn run_child(name: &str, env: &[(&str, &str)], what: &str) -> Result<()> {
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .envs(env.iter().copied())
+        .env(CHILD, "1")
+        .args([name, "--exact", "--test-threads", "1", "--nocapture"])
+        .output()?;
+    let log = String::from_utf8_lossy(&out.stdout);
+    println!("{what}\n{log}");
+    assert!(out.status.success(), "{what}:\n{log}");
+    assert!(log.contains("1 passed"), "the child ran no test:\n{log}");
+    Ok(())
+}
+
 /// Both bf16 forwards and both bf16 backwards against the f64 reference. The paths are chosen
 /// per process by `GDP_CUDA_FWD` and `GDP_CUDA_BWD`, so the checks run in a child process of
 /// this binary for each setting: the split kernels where they fit (K256 takes the other
@@ -31,17 +46,11 @@ const CHILD: &str = "GDP_FAST_PATH_CHILD";
 fn bf16_paths_match_f64_reference() -> Result<()> {
     if std::env::var_os(CHILD).is_none() {
         for (fwd, bwd) in [("chunked", "auto"), ("fused", "fused")] {
-            let out = std::process::Command::new(std::env::current_exe()?)
-                .env("GDP_CUDA_FWD", fwd)
-                .env("GDP_CUDA_BWD", bwd)
-                .env(CHILD, "1")
-                .args(["bf16_paths_match_f64_reference", "--exact"])
-                .args(["--test-threads", "1", "--nocapture"])
-                .output()?;
-            let log = String::from_utf8_lossy(&out.stdout);
-            println!("GDP_CUDA_FWD={fwd} GDP_CUDA_BWD={bwd}\n{log}");
-            assert!(out.status.success(), "bf16 {fwd} / {bwd}:\n{log}");
-            assert!(log.contains("1 passed"), "the child ran no test:\n{log}");
+            run_child(
+                "bf16_paths_match_f64_reference",
+                &[("GDP_CUDA_FWD", fwd), ("GDP_CUDA_BWD", bwd)],
+                &format!("GDP_CUDA_FWD={fwd} GDP_CUDA_BWD={bwd}"),
+            )?;
         }
         return Ok(());
     }
@@ -87,16 +96,8 @@ fn every_scan_tile_matches_f64_reference() -> Result<()> {
     if std::env::var_os(CHILD).is_none() {
         for var in ["GDP_CUDA_SCAN_BV", "GDP_CUDA_STATES_BV"] {
             for bv in ["16", "32", "64"] {
-                let out = std::process::Command::new(std::env::current_exe()?)
-                    .env(var, bv)
-                    .env(CHILD, "1")
-                    .args(["every_scan_tile_matches_f64_reference", "--exact"])
-                    .args(["--test-threads", "1", "--nocapture"])
-                    .output()?;
-                let log = String::from_utf8_lossy(&out.stdout);
-                println!("{var}={bv}\n{log}");
-                assert!(out.status.success(), "{var}={bv}:\n{log}");
-                assert!(log.contains("1 passed"), "the child ran no test:\n{log}");
+                let name = "every_scan_tile_matches_f64_reference";
+                run_child(name, &[(var, bv)], &format!("{var}={bv}"))?;
             }
         }
         return Ok(());

@@ -481,32 +481,31 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
   // The states rerun as the op runs it: the states-only kernel (no query rows staged, QR = 0)
   // into hs, dn; then the forward scan without an output into hs2, dn2, which must be
   // bit-identical (the same products on the same staged values).
-  launch(N * H, (V + bv - 1) / bv, nthr, [&] {
-#define ARGS a.q, a.k, a.split, P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(), cg.data(), \
-             P.aux.data(), 0, nullptr, nullptr, nullptr, hs.data(), dn.data(), c.B, c.T, c.H, c.K, \
-             c.V, c.n, c.h0, 0, NS, nullptr
-    if (bv == 16 && KPT == 64) gdp_fwd_states_bf16_16_64(ARGS);
-    if (bv == 16 && KPT == 128) gdp_fwd_states_bf16_16_128(ARGS);
-    if (bv == 32 && KPT == 64) gdp_fwd_states_bf16_32_64(ARGS);
-    if (bv == 32 && KPT == 128) gdp_fwd_states_bf16_32_128(ARGS);
-    if (bv == 64 && KPT == 64) gdp_fwd_states_bf16_64_64(ARGS);
-    if (bv == 64 && KPT == 128) gdp_fwd_states_bf16_64_128(ARGS);
-#undef ARGS
-  });
-  {
-    std::vector<__nv_bfloat16> hs2(hs.size(), poison), dn2(dn.size(), poison);
+  auto rerun = [&](bool states_only, __nv_bfloat16* hs_to, __nv_bfloat16* dn_to) {
     launch(N * H, (V + bv - 1) / bv, nthr, [&] {
 #define ARGS a.q, a.k, a.split, P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(), cg.data(), \
-             P.aux.data(), 0, nullptr, nullptr, nullptr, hs2.data(), dn2.data(), c.B, c.T, c.H, c.K, \
-             c.V, c.n, c.h0, QR, NS, nullptr
-      if (bv == 16 && KPT == 64) gdp_fwd_scan_bf16_16_64(ARGS);
-      if (bv == 16 && KPT == 128) gdp_fwd_scan_bf16_16_128(ARGS);
-      if (bv == 32 && KPT == 64) gdp_fwd_scan_bf16_32_64(ARGS);
-      if (bv == 32 && KPT == 128) gdp_fwd_scan_bf16_32_128(ARGS);
-      if (bv == 64 && KPT == 64) gdp_fwd_scan_bf16_64_64(ARGS);
-      if (bv == 64 && KPT == 128) gdp_fwd_scan_bf16_64_128(ARGS);
+             P.aux.data(), 0, nullptr, nullptr, nullptr, hs_to, dn_to, c.B, c.T, c.H, c.K, c.V, c.n, \
+             c.h0, states_only ? 0 : QR, NS, nullptr
+#define PICK(PREFIX)                                     \
+  if (bv == 16 && KPT == 64) PREFIX##_16_64(ARGS);       \
+  if (bv == 16 && KPT == 128) PREFIX##_16_128(ARGS);     \
+  if (bv == 32 && KPT == 64) PREFIX##_32_64(ARGS);       \
+  if (bv == 32 && KPT == 128) PREFIX##_32_128(ARGS);     \
+  if (bv == 64 && KPT == 64) PREFIX##_64_64(ARGS);       \
+  if (bv == 64 && KPT == 128) PREFIX##_64_128(ARGS);
+      if (states_only) {
+        PICK(gdp_fwd_states_bf16)
+      } else {
+        PICK(gdp_fwd_scan_bf16)
+      }
+#undef PICK
 #undef ARGS
     });
+  };
+  rerun(true, hs.data(), dn.data());
+  {
+    std::vector<__nv_bfloat16> hs2(hs.size(), poison), dn2(dn.size(), poison);
+    rerun(false, hs2.data(), dn2.data());
     const bool same = memcmp(hs.data(), hs2.data(), hs.size() * sizeof(__nv_bfloat16)) == 0 &&
                       memcmp(dn.data(), dn2.data(), dn.size() * sizeof(__nv_bfloat16)) == 0;
     printf("%-26s %-8s %s\n", c.name, "states",
