@@ -308,23 +308,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     if (++sc == NS) sc = 0;
 
     // dS at this chunk's end (bf16) for the gradient kernel (not for a CP summary: null).
-    if (dhs != nullptr) {
-      __nv_bfloat16* dst = dhs + slot * KV + v0;
-      if (vu) {
-        constexpr int VPR = BV / 8;
-        for (int idx = tid; idx < K * VPR; idx += nthr) {
-          const int r = idx / VPR, c8 = 8 * (idx - r * VPR);
-          if (c8 < bv)
-            *reinterpret_cast<uint4*>(dst + (int64_t)r * V + c8) =
-                *reinterpret_cast<const uint4*>(sb + r * LB + c8);
-        }
-      } else {
-        for (int idx = tid; idx < K * BV; idx += nthr) {
-          const int r = idx / BV, col = idx - r * BV;
-          if (col < bv) dst[(int64_t)r * V + col] = sb[r * LB + col];
-        }
-      }
-    }
+    if (dhs != nullptr) gdpc_store_state<BV>(dhs + slot * KV + v0, sb, K, V, bv, vu, tid, nthr);
 
     // ---- Phase A: dDelta = diag(Dl) K dS + P^T dO for rows 16 mi.., this warp's columns.
     {

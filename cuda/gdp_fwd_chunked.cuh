@@ -631,6 +631,30 @@ __host__ __device__ constexpr int gdpc_scan_smem_bytes(int KP, int QR, int BV, i
          8 * NS * 2 * 64 + 12 * NS;
 }
 
+// Copies rows 0 .. K - 1, columns 0 .. bv - 1 of a bf16 state tile in shared memory (row r at
+// sb + r (BV + 8)) to global rows of stride V (row r at dst + r V): 16-byte pieces when the
+// columns allow it (vu), else element by element. Every thread of the block takes part.
+template <int BV>
+__device__ __forceinline__ void gdpc_store_state(__nv_bfloat16* dst,
+                                                 const __nv_bfloat16* sb, int K, int V, int bv,
+                                                 bool vu, int tid, int nthr) {
+  constexpr int LB = BV + 8;
+  if (vu) {
+    constexpr int VPR = BV / 8;
+    for (int idx = tid; idx < K * VPR; idx += nthr) {
+      const int r = idx / VPR, c8 = 8 * (idx - r * VPR);
+      if (c8 < bv)
+        *reinterpret_cast<uint4*>(dst + (int64_t)r * V + c8) =
+            *reinterpret_cast<const uint4*>(sb + r * LB + c8);
+    }
+  } else {
+    for (int idx = tid; idx < K * BV; idx += nthr) {
+      const int r = idx / BV, col = idx - r * BV;
+      if (col < bv) dst[(int64_t)r * V + col] = sb[r * LB + col];
+    }
+  }
+}
+
 // acc[2 p + j] += A[m0 .. m0 + 16, 0 .. KD) B[0 .. KD, n0 + 16 p + 8 j ..) for p < NP, j < 2:
 // A row-major in shared memory (ldmatrix), B row-major [k][n] (ldmatrix.trans), bf16 operands.
 template <int KD, int NP>
@@ -879,23 +903,8 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     if (ci + NS < nch) fill_table(ci + NS, sc);
     if (++sc == NS) sc = 0;
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
-    if (hs != nullptr) {  // the chunk's start state (bf16) for the backward
-      __nv_bfloat16* dst = hs + slot * KV + v0;
-      if (vu) {
-        constexpr int VPR = BV / 8;
-        for (int idx = tid; idx < K * VPR; idx += nthr) {
-          const int r = idx / VPR, c8 = 8 * (idx - r * VPR);
-          if (c8 < bv)
-            *reinterpret_cast<uint4*>(dst + (int64_t)r * V + c8) =
-                *reinterpret_cast<const uint4*>(sb + r * LB + c8);
-        }
-      } else {
-        for (int idx = tid; idx < K * BV; idx += nthr) {
-          const int r = idx / BV, col = idx - r * BV;
-          if (col < bv) dst[(int64_t)r * V + col] = sb[r * LB + col];
-        }
-      }
-    }
+    if (hs != nullptr)  // the chunk's start state (bf16) for the backward
+      gdpc_store_state<BV>(hs + slot * KV + v0, sb, K, V, bv, vu, tid, nthr);
 
     // ---- Phase A: Delta = U - W S for rows 16 mi.., this warp's columns; into Dn and Dk.
     {
