@@ -15,12 +15,23 @@ is faster), with the largest relative RMS difference of the gradients (dq dk dv 
 from FLA's. Each `--variant` adds a row per shape: gdp run again on the same inputs with
 those environment variables set and `gdp run` flags added (e.g.
 `--variant "chunked GDP_CUDA_FWD=chunked"`, `--variant "host --timing host"`).
+
+FLA's Triton kernels are autotuned on their first call, keyed by H, K, V and the chunk size but
+not by B, T or n: in one process every later shape would run the configurations tuned for the
+first. So each shape's FLA timing starts from empty autotune caches (in memory, and
+FLA_CACHE_RESULTS=0 for Triton's on-disk results): FLA is tuned for the shape it is timed on,
+as in a training run at that shape. `--shared-tuning` keeps the caches across shapes (the
+behaviour of this script before 2026-12-02, whose B1 T32768 FLA times ran B4's configurations).
 """
 import argparse
+import gc
 import os
 import re
 import subprocess
 import tempfile
+import warnings
+
+os.environ.setdefault("FLA_CACHE_RESULTS", "0")  # before fla is imported (read at import)
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +39,7 @@ from safetensors.torch import load_file, save_file
 
 import fla.ops.common.chunk_o as chunk_o
 from fla.ops.gated_delta_product import chunk_gated_delta_product
+from triton.runtime.autotuner import Autotuner
 from triton.testing import do_bench
 
 # FLA refuses its backward on Hopper with Triton 3.4-3.7.0 (issue #640); fla_gdp.md §10 found
@@ -35,6 +47,18 @@ from triton.testing import do_bench
 chunk_o.TRITON_ABOVE_3_7_1 = True
 
 SHAPES = [(4, 4096, 16, 128, 1), (4, 4096, 16, 128, 2), (4, 4096, 16, 128, 3), (1, 32768, 16, 128, 2)]
+
+
+def reset_autotuning():
+    """Forgets every Triton autotuner's chosen configurations, so the next call tunes again."""
+    n = 0
+    with warnings.catch_warnings():  # isinstance on deprecated torch aliases warns
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if isinstance(obj, Autotuner):
+                obj.cache.clear()
+                n += 1
+    return n
 
 
 def inputs(B, T, H, D, n, seed=0):
@@ -96,13 +120,18 @@ def main():
                     help='"NAME VAR=VALUE ... [--gdp-run-flag VALUE ...]"; GDP_BIN=PATH: another gdp binary')
     ap.add_argument("--timing", default="events", choices=["events", "host"],
                     help="gdp run's timing: events (as do_bench times FLA) or host")
+    ap.add_argument("--shared-tuning", action="store_true",
+                    help="keep FLA's autotuned configurations across shapes (tuned on the first)")
     args = ap.parse_args()
     shapes = {"all": SHAPES, "small": SHAPES[:1], "long": SHAPES[3:]}[args.shapes]
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, bf16, K=V=128, ms (FLA: do_bench mean; gdp: --timing {args.timing})")
+    tuning = "tuned on the first shape" if args.shared_tuning else "tuned per shape"
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, bf16, K=V=128, ms (FLA: do_bench mean, {tuning}; gdp: --timing {args.timing})")
     print(f"{'B,T,H,n':<16} {'FLA fwd':>9} {'gdp fwd':>9} {'ratio':>6} {'FLA f+b':>9} {'gdp f+b':>9} {'ratio':>6}  o rel RMS, worst grad")
     tmp = tempfile.mkdtemp()
     for B, T, H, D, n in shapes:
         q, k, v, g, beta, do = inputs(B, T, H, D, n)
+        if not args.shared_tuning:
+            reset_autotuning()
         o_fla, f_fwd, f_fb, g_fla = fla_times(q, k, v, g, beta, do, n)
         path, out = os.path.join(tmp, "in.safetensors"), os.path.join(tmp, "out.safetensors")
         cpu = lambda x: x.detach().cpu().contiguous()
