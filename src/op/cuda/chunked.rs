@@ -81,23 +81,13 @@ fn scan_threads(bv: usize) -> u32 {
 }
 
 /// Shared memory of the forward scan for `bv` value columns, `qr` staged query rows per chunk
-/// and `ns` stage buffers, bytes (`gdp_fwd_scan_bf16_impl`: `ns` stages of `gdpc_stage_bytes`,
-/// the bf16 state twice, Delta twice, `ns` chunks' row tables and geometry).
-fn scan_smem_with_rows(kpt: usize, qr: usize, bv: usize, ns: usize) -> usize {
+/// (0 for the states-only kernels) and `ns` stage buffers, bytes (`gdp_fwd_scan_bf16_impl`: `ns`
+/// stages of `gdpc_stage_bytes`, the bf16 state twice, Delta twice, `ns` chunks' row tables and
+/// geometry).
+pub fn scan_smem_bytes(kpt: usize, qr: usize, bv: usize, ns: usize) -> usize {
     let c = CHUNK;
     let stage = 2 * ((2 * c + qr) * (kpt + 8) + qr * (c + 8) + c * (bv + 8)) + 4 * 3 * c;
     ns * stage + 2 * 2 * kpt * (bv + 8) + 2 * 2 * c * (bv + 8) + 8 * ns * 2 * c + 12 * ns
-}
-
-/// Shared memory of the forward scan (with its output) for `bv` value columns and `ns` stage
-/// buffers, bytes.
-pub fn scan_smem_bytes(kpt: usize, n: usize, bv: usize, ns: usize) -> usize {
-    scan_smem_with_rows(kpt, query_rows(n), bv, ns)
-}
-
-/// Shared memory of the states-only scan (no query rows or P staged), bytes.
-pub fn states_smem_bytes(kpt: usize, _n: usize, bv: usize, ns: usize) -> usize {
-    scan_smem_with_rows(kpt, 0, bv, ns)
 }
 
 /// A scan's launch plan: value columns per block, stage buffers, query rows staged per chunk
@@ -112,9 +102,9 @@ pub(super) struct ScanPlan {
 }
 
 /// What a scan kernel family needs to be planned: its kernel-name prefix (`<prefix>_<BV>_<KPT>`),
-/// its shared memory `(kpt, n, bv, stages) -> bytes`, the largest key tile it exists for, the
-/// environment variable that forces its value tile, whether it stages query rows, and the
-/// most stage buffers worth giving it.
+/// its shared memory `(kpt, query rows, bv, stages) -> bytes`, the largest key tile it exists
+/// for, the environment variable that forces its value tile, whether it stages query rows
+/// (`query_rows(n)` of them, else none), and the most stage buffers worth giving it.
 pub(super) struct ScanKind {
     pub prefix: &'static str,
     pub smem: fn(usize, usize, usize, usize) -> usize,
@@ -142,7 +132,7 @@ pub(super) const FWD_SCAN: ScanKind = ScanKind {
 /// (BV 32) 2.397 against 2.465 and 2.586.
 pub(super) const STATES_SCAN: ScanKind = ScanKind {
     prefix: "gdp_fwd_states_bf16",
-    smem: states_smem_bytes,
+    smem: scan_smem_bytes,
     max_kpt: 256,
     env: "GDP_CUDA_STATES_BV",
     queries: false,
@@ -167,10 +157,11 @@ pub(super) fn scan_plan(
         return Ok(None);
     };
     let smem = kind.smem;
+    let qr = if kind.queries { query_rows(sh.n) } else { 0 };
     // The state lives in registers: at most 32 f32 per thread (kernels exist for these).
-    let ok = |bv: usize| !(kpt == 256 && bv == 64) && smem(kpt, sh.n, bv, 2) <= max_smem;
+    let ok = |bv: usize| !(kpt == 256 && bv == 64) && smem(kpt, qr, bv, 2) <= max_smem;
     let plan = |bv: usize| {
-        let stages = if kind.max_stages >= 3 && smem(kpt, sh.n, bv, 3) <= max_smem {
+        let stages = if kind.max_stages >= 3 && smem(kpt, qr, bv, 3) <= max_smem {
             3
         } else {
             2
@@ -178,9 +169,9 @@ pub(super) fn scan_plan(
         ScanPlan {
             bv,
             stages,
-            qr: if kind.queries { query_rows(sh.n) } else { 0 },
+            qr,
             threads: scan_threads(bv),
-            smem: smem(kpt, sh.n, bv, stages),
+            smem: smem(kpt, qr, bv, stages),
             kernel: format!("{}_{bv}_{kpt}", kind.prefix),
         }
     };

@@ -38,10 +38,9 @@ const GRAD_GROUPS: usize = 4;
 
 /// Shared memory of the state-gradient scan, bytes (`gdp_bwd_dh_bf16_impl`: `ns` stages of
 /// `gdpd_stage_bytes`, the bf16 state gradient twice, -dDelta, coef_q ⊙ dO, `ns` chunks' row
-/// tables).
-pub fn dh_smem_bytes(kpt: usize, n: usize, bv: usize, ns: usize) -> usize {
+/// tables); `qr` query rows staged per chunk.
+pub fn dh_smem_bytes(kpt: usize, qr: usize, bv: usize, ns: usize) -> usize {
     let c = CHUNK;
-    let qr = query_rows(n);
     let lb = bv + 8;
     let stage = 2 * ((2 * c + qr) * (kpt + 8) + qr * (c + 8) + qr * lb) + 4 * 3 * c;
     ns * stage + 2 * (2 * kpt * lb + c * lb + qr * lb) + 8 * ns * 3 * c + 12 * ns
