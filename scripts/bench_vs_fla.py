@@ -1,7 +1,7 @@
 """Side-by-side GPU benchmark: candle-gdp's CUDA op (through `gdp run --repeat`) against
 flash-linear-attention's `chunk_gated_delta_product` on the same inputs, in the same run.
 
-    python3 scripts/bench_vs_fla.py --gdp ./gdp [--reps 20] [--shapes all|small|long]
+    python3 scripts/bench_vs_fla.py --gdp ./gdp [--reps 20] [--shapes all|small|long|I,J,...]
                                     [--timing events|host] [--variant "NAME VAR=VALUE ..."]...
 
 Needs a CUDA build of `gdp` (`cargo build --release --features cuda --bin gdp`) and the
@@ -112,7 +112,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gdp", required=True)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--shapes", default="all", choices=["all", "small", "long"])
+    ap.add_argument("--shapes", default="all",
+                    help="all, small (the first shape), long (the last) or 1-based indices into SHAPES: 2,3")
     ap.add_argument("--variant", action="append", default=[],
                     help='"NAME VAR=VALUE ... [--gdp-run-flag VALUE ...]"; GDP_BIN=PATH: another gdp binary')
     ap.add_argument("--timing", default="events", choices=["events", "host"],
@@ -120,7 +121,14 @@ def main():
     ap.add_argument("--shared-tuning", action="store_true",
                     help="keep FLA's autotuned configurations across shapes (tuned on the first)")
     args = ap.parse_args()
-    shapes = {"all": SHAPES, "small": SHAPES[:1], "long": SHAPES[3:]}[args.shapes]
+    named = {"all": SHAPES, "small": SHAPES[:1], "long": SHAPES[3:]}
+    if args.shapes in named:
+        shapes = named[args.shapes]
+    else:
+        try:
+            shapes = [SHAPES[int(i) - 1] for i in args.shapes.split(",")]
+        except (ValueError, IndexError):
+            ap.error(f"--shapes: all, small, long or indices 1..{len(SHAPES)}, got {args.shapes!r}")
     tuning = "tuned on the first shape" if args.shared_tuning else "tuned per shape"
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, bf16, K=V=128, ms (FLA: do_bench mean, {tuning}; gdp: --timing {args.timing})")
     print(f"{'B,T,H,n':<16} {'FLA fwd':>9} {'gdp fwd':>9} {'ratio':>6} {'FLA f+b':>9} {'gdp f+b':>9} {'ratio':>6}  o rel RMS, worst grad")
