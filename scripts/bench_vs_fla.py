@@ -125,10 +125,10 @@ def main():
     if args.shapes in named:
         shapes = named[args.shapes]
     else:
-        try:
-            shapes = [SHAPES[int(i) - 1] for i in args.shapes.split(",")]
-        except (ValueError, IndexError):
+        picks = [int(i) if i.strip().isdigit() else 0 for i in args.shapes.split(",")]
+        if not all(1 <= i <= len(SHAPES) for i in picks):
             ap.error(f"--shapes: all, small, long or indices 1..{len(SHAPES)}, got {args.shapes!r}")
+        shapes = [SHAPES[i - 1] for i in picks]
     tuning = "tuned on the first shape" if args.shared_tuning else "tuned per shape"
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, bf16, K=V=128, ms (FLA: do_bench mean, {tuning}; gdp: --timing {args.timing})")
     print(f"{'B,T,H,n':<16} {'FLA fwd':>9} {'gdp fwd':>9} {'ratio':>6} {'FLA f+b':>9} {'gdp f+b':>9} {'ratio':>6}  o rel RMS, worst grad")
