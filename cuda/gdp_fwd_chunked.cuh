@@ -655,6 +655,22 @@ __device__ __forceinline__ void gdpc_store_state(__nv_bfloat16* dst,
   }
 }
 
+// One stage buffer of the forward scans at `base`: a chunk's operands, QR query rows.
+template <int KPT, int BV>
+struct GdpcStage {
+  static constexpr int C = GDP_CHUNK, LK = KPT + 8, LC = C + 8, LB = BV + 8;
+  __nv_bfloat16 *W, *Kr, *Q, *P, *U;
+  float* cf;
+  __device__ __forceinline__ GdpcStage(unsigned char* base, int QR) {
+    W = reinterpret_cast<__nv_bfloat16*>(base);  // [C][LK]
+    Kr = W + C * LK;                              // [C][LK]  key rows
+    Q = Kr + C * LK;                              // [QR][LK] query rows
+    P = Q + QR * LK;                              // [QR][LC]
+    U = P + QR * LC;                              // [C][LB]  U slice
+    cf = reinterpret_cast<float*>(U + C * LB);    // [3][C]
+  }
+};
+
 // acc[2 p + j] += A[m0 .. m0 + 16, 0 .. KD) B[0 .. KD, n0 + 16 p + 8 j ..) for p < NP, j < 2:
 // A row-major in shared memory (ldmatrix), B row-major [k][n] (ldmatrix.trans), bf16 operands.
 template <int KD, int NP>
@@ -680,7 +696,7 @@ __device__ __forceinline__ void gdpc_mma_kn(float (&acc)[2 * NP][4], const __nv_
 // states-only kernel (`gdp_fwd_states_bf16_*`: no output, launched with QR = 0, so that a stage
 // holds W, the key rows, U and the coefficients only), which the backward's states rerun and
 // context parallelism's final-state summaries run.
-template <int BV, int KPT, int NW, bool TEAM, bool OUT>
+template <int BV, int KPT, int NW, bool OUT>
 __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const __nv_bfloat16* __restrict__ qb, const __nv_bfloat16* __restrict__ kb, int split,
     const float* __restrict__ aux, const int* __restrict__ table, const __nv_bfloat16* __restrict__ wg,
@@ -711,31 +727,17 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
   const int64_t state_off = ((int64_t)sidx * H + head) * KV;
   const bool vk = gdpc_qk_vec(qb, kb, K);
   const bool vu = (V % 8 == 0) && (bv % 8 == 0);
-  // Delta and the output leave through shared memory as 16-byte row pieces, except in the TEAM
-  // kernels: compiled into them, these paths made the B1 scan 7-10% slower (docs/perf.md v20).
-  const bool dn_rows = !TEAM && dn != nullptr && vu && gdpc_aligned16(dn);
-  const bool o_rows = OUT && !TEAM && outb != nullptr && vu && gdpc_aligned16(outb);
+  // Delta and the output leave through shared memory as 16-byte row pieces.
+  const bool dn_rows = dn != nullptr && vu && gdpc_aligned16(dn);
+  const bool o_rows = OUT && outb != nullptr && vu && gdpc_aligned16(outb);
 
   extern __shared__ __align__(16) unsigned char gdpcs_smem[];
   const int stage_bytes = gdpc_stage_bytes(KPT, QR, BV);
   __nv_bfloat16* Sb = reinterpret_cast<__nv_bfloat16*>(gdpcs_smem + NS * stage_bytes);  // [2][KPT][LB]
   __nv_bfloat16* Dn = Sb + 2 * KPT * LB;  // [C][LB] bf16(Delta)
   __nv_bfloat16* Dk = Dn + C * LB;       // [C][LB] bf16(coef_k ⊙ Delta)
-  struct Stage {
-    __nv_bfloat16 *W, *Kr, *Q, *P, *U;
-    float* cf;
-  };
-  auto stage = [&](int s) {
-    unsigned char* base = gdpcs_smem + s * stage_bytes;
-    Stage st;
-    st.W = reinterpret_cast<__nv_bfloat16*>(base);  // [C][LK]
-    st.Kr = st.W + C * LK;                           // [C][LK]  key rows
-    st.Q = st.Kr + C * LK;                           // [QR][LK] query rows
-    st.P = st.Q + QR * LK;                           // [QR][LC]
-    st.U = st.P + QR * LC;                           // [C][LB]  U slice
-    st.cf = reinterpret_cast<float*>(st.U + C * LB); // [3][C]
-    return st;
-  };
+  using Stage = GdpcStage<KPT, BV>;
+  auto stage = [&](int s) { return Stage(gdpcs_smem + s * stage_bytes, QR); };
 
   // Element offsets into kb and qb of the key and query rows of chunk ci (-1 past its rows) and the
   // chunk's geometry, NS chunks' worth: chunk ci's in slot ci % NS, which is also the stage its
@@ -785,45 +787,6 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     for (int i = tid; i < 3 * C / 4; i += nthr) cp_async16(st.cf + 4 * i, cg + slot * 3 * C + 4 * i);
     cp_async_commit();
   };
-  // The TEAM kernels: given three stages (the copies two chunks ahead), an output and at most
-  // 32 query rows per chunk (n >= 2), the warps of row tiles 2 and 3 (mi >= 2) have no output
-  // rows; they issue the copies in phase B while the others compute the output, off the step's
-  // critical path (`half_copies`), through prefetch_team: prefetch's copies on those NW * 16
-  // threads. A generic lambda, instantiated only in the TEAM kernels, so that the plain kernels
-  // compile from the same code as without it (docs/perf.md v17: a team path merely compiled
-  // into them slowed the plain BV 64 scans by 6-7%; with two stages the copies issued in phase
-  // B are waited for at the next step; with four warps, two copying, 25% slower).
-  static_assert(!TEAM || NW == 8, "the copy team is the four warps of row tiles 2 and 3");
-  const bool half_copies = TEAM && NS == 3 && (out != nullptr || outb != nullptr) && QR <= 32;
-  const bool copier = mi >= 2;
-  auto prefetch_team = [&](auto nthr_tag, int ci, int s) {
-    constexpr int NTHR = decltype(nthr_tag)::value;
-    const int ttid = (warp >> 2) * 64 + (mi - 2) * 32 + lane;  // < NW * 16 on the copiers
-    const Stage st = stage(s);
-    const GdpcMeta m = meta[s];
-    const int64_t* koff = tables + s * 2 * C;
-    const int64_t* qoff = koff + C;
-    const int64_t slot = (int64_t)(cbase + ci) * H + head;
-    const __nv_bfloat16* u = ug + slot * C * V + v0;
-    gdpc_stage_wkqp<KPT, NTHR>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb, qb,
-                               pg + slot * C * C, koff, qoff, m.c, m.nq, QR, K, vk, ttid);
-    if (vu && bv == BV) {
-      gdpc_stage_tile_strided<BV, LB, C, NTHR>(st.U, u, V, C, ttid);
-    } else if (vu) {
-      const GdpcSplit sp(bv, ttid, NTHR);
-      gdpc_stage_rows(st.U, LB, u, [&](int r) { return (int64_t)r * V; }, C, C, bv, true, sp,
-                      ttid, NTHR);
-    } else {
-      for (int idx = ttid; idx < C * BV; idx += NTHR) {
-        const int r = idx / BV, col = idx - r * BV;
-        st.U[r * LB + col] = col < bv ? u[(int64_t)r * V + col] : __float2bfloat16_rn(0.f);
-      }
-    }
-    for (int i = ttid; i < 3 * C / 4; i += NTHR)
-      cp_async16(st.cf + 4 * i, cg + slot * 3 * C + 4 * i);
-    cp_async_commit();
-  };
-
   // ---- Initial state: registers (rows 16 (w + NW s) + g (+8), cols 8 j + 2 t (+1)) and Sb[0].
   float S[STW][NT][4];
   {
@@ -841,8 +804,11 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
           const int r = 16 * (warp + NW * s) + g + (e >= 2 ? 8 : 0), col = 8 * j + 2 * t + (e & 1);
           S[s][j][e] = (h0 != nullptr && r < K && col < bv) ? h0[(int64_t)r * V + v0 + col] : 0.f;
         }
-    // Padding columns of the operand tiles (never written by the copies) stay zero.
-    for (int s = 0; s < NS; ++s) {
+    // Padding columns of the operand tiles (never written by the copies) stay zero. (This loop
+    // and store_sb below run under `tid < nthr`, true for every thread: written out, it changes
+    // nvcc 13.0's code for the whole kernel, and the forward scans at BV 16 and 32 ran 7-19%
+    // faster on the H200 with it; the states-only kernels 0-4% slower. docs/perf.md v24.)
+    for (int s = 0; s < NS && tid < nthr; ++s) {
       const Stage st = stage(s);
       gdpc_zero_cols(st.W, LK, C, K, KPT, tid, nthr);
       gdpc_zero_cols(st.Kr, LK, C, K, KPT, tid, nthr);
@@ -863,7 +829,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
                 __floats2bfloat162_rn(S[s][j][2 * h], S[s][j][2 * h + 1]);
         }
   };
-  store_sb(Sb);
+  if (tid < nthr) store_sb(Sb);
   for (int ci = 0; ci < min(NS, nch); ++ci) fill_table(ci, ci);
   // The WY factors of chunk ci, when a WY kernel computes them at the same time.
   // (thread 0: chunks below ready_to are known to be ready)
@@ -888,9 +854,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const GdpcMeta m = meta[sc];
     const int nq = m.nq;
     // Chunks ci .. ci + NS - 2 are in flight (one cp.async group each): wait for chunk ci's.
-    // (With half_copies, threads that issue no copies in the loop hold only the groups of the
-    // first NS - 1 chunks: they wait for all of them.)
-    if (NS == 3 && ci + 1 < nch && (!half_copies || copier))
+    if (NS == 3 && ci + 1 < nch)
       cp_async_wait<1>();
     else
       cp_async_wait<0>();
@@ -898,7 +862,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     __syncthreads();  // chunk ci staged; chunk ci - 1 done with its stage and with Dn / Dk
     // Chunk ci + NS - 1 into the stage chunk ci - 1 used.
     const int s_prev = sc == 0 ? NS - 1 : sc - 1;
-    if (ci + NS - 1 < nch && !half_copies) prefetch(ci + NS - 1, s_prev);
+    if (ci + NS - 1 < nch) prefetch(ci + NS - 1, s_prev);
     // Row table of chunk ci + NS (its slot was last read by the prefetch of chunk ci).
     if (ci + NS < nch) fill_table(ci + NS, sc);
     if (++sc == NS) sc = 0;
@@ -981,10 +945,6 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
         }
       }
     }
-    if constexpr (TEAM) {
-      if (half_copies && copier && ci + NS - 1 < nch)
-        prefetch_team(std::integral_constant<int, NW * 16>(), ci + NS - 1, s_prev);
-    }
     {
       const float eglast = st.cf[2 * C];
 #pragma unroll
@@ -1026,7 +986,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
       }
 }
 
-#define GDPC_SCAN_ENTRY(NAME, BV, KPT, NW, TEAM, OUT)                                           \
+#define GDPC_SCAN_ENTRY(NAME, BV, KPT, NW, OUT)                                                 \
   extern "C" __global__ void __launch_bounds__(NW * 32) NAME##_##BV##_##KPT(                      \
       const __nv_bfloat16* qb, const __nv_bfloat16* kb, int split, const float* aux,            \
       const int* table, const __nv_bfloat16* wg, const __nv_bfloat16* ug,                       \
@@ -1034,31 +994,26 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
       const float* h0_override, int use_h0_override, float* out, __nv_bfloat16* outb,            \
       float* fin, __nv_bfloat16* hs, __nv_bfloat16* dn, int B, int TT, int H, int K, int V, int n, \
       int has_h0, int QR, int NS, const int* ready) {                                            \
-    gdp_fwd_scan_bf16_impl<BV, KPT, NW, TEAM, OUT>(qb, kb, split, aux, table, wg, ug, pg, cg,   \
-                                              h0_override, use_h0_override, out, outb, fin, hs, \
-                                              dn, B, TT, H, K, V, n, has_h0, QR, NS, ready);    \
+    gdp_fwd_scan_bf16_impl<BV, KPT, NW, OUT>(qb, kb, split, aux, table, wg, ug, pg, cg,         \
+                                             h0_override, use_h0_override, out, outb, fin, hs,  \
+                                             dn, B, TT, H, K, V, n, has_h0, QR, NS, ready);     \
   }
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 64, 4, false, true)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 128, 4, false, true)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 256, 4, false, true)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 64, 8, false, true)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 128, 8, false, true)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 256, 8, false, true)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 64, 64, 8, false, true)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 64, 128, 8, false, true)
-// The copy-team variant (n >= 2 with an output, three stages), where it was measured faster:
-// 32 value columns (B1 T32768 H16 n2: 2.74 -> 2.61 ms; at 64 columns no gain, v17).
-GDPC_SCAN_ENTRY(gdp_fwd_scan_team_bf16, 32, 64, 8, true, true)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_team_bf16, 32, 128, 8, true, true)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_team_bf16, 32, 256, 8, true, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 64, 4, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 128, 4, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 256, 4, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 64, 8, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 128, 8, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 256, 8, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 64, 64, 8, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 64, 128, 8, true)
 // The states-only kernels (OUT = false, QR = 0): the backward's states rerun and the final-state
 // summaries. At B4 T4096 H16 n2 (BV 64, two stages) 0.379 ms against 0.414 for the forward scan
 // without its output (docs/perf.md v21).
-GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 64, 4, false, false)
-GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 128, 4, false, false)
-GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 256, 4, false, false)
-GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 32, 64, 8, false, false)
-GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 32, 128, 8, false, false)
-GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 32, 256, 8, false, false)
-GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 64, 64, 8, false, false)
-GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 64, 128, 8, false, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 64, 4, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 128, 4, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 256, 4, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 32, 64, 8, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 32, 128, 8, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 32, 256, 8, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 64, 64, 8, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 64, 128, 8, false)

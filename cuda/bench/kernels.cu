@@ -137,11 +137,6 @@ static void forward(int B, int T, int H, int n) {
   scan(gdp_fwd_scan_bf16_16_128, 16);
   scan(gdp_fwd_scan_bf16_32_128, 32);
   scan(gdp_fwd_scan_bf16_64_128, 64);
-  if (n >= 2) {  // the copy-team variant (three stages, an output, at most 32 query rows)
-    int NS;
-    const float t = time_scan(gdp_fwd_scan_team_bf16_32_128, 32, ob, nullptr, nullptr, QR, 3, NS);
-    printf(" | team BV32/%d %.3f ms", NS, t);
-  }
   printf("\n");
 
   // The WY kernel beside the scan (src/op/cuda/pipeline.rs) where the scan's blocks (BV 32)
@@ -168,8 +163,8 @@ static void forward(int B, int T, int H, int n) {
     CK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     const int NS = gdpc_scan_smem_bytes(KP, QR, 32, 3) <= 232448 ? 3 : 2;
     const int smem = gdpc_scan_smem_bytes(KP, QR, 32, NS);
-    for (auto kern : {gdp_fwd_scan_bf16_32_128, gdp_fwd_scan_team_bf16_32_128})
-      CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CK(cudaFuncSetAttribute(gdp_fwd_scan_bf16_32_128, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            smem));
     // The WY kernel's shared memory padded so that at most 3, 2 or 1 of its blocks share a
     // multiprocessor (4 by default): fewer WY blocks at a time beside the scan.
     CK(cudaFuncSetAttribute(gdp_fwd_wy_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -188,17 +183,15 @@ static void forward(int B, int T, int H, int n) {
         gdp_fwd_wy_bf16<<<total * H, 128, wy_pad, 0>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf,
                                                         nullptr, B, T, H, K, V, n, B, scale,
                                                         dorder, ready);
-        auto kern =
-            n >= 2 && NS == 3 ? gdp_fwd_scan_team_bf16_32_128 : gdp_fwd_scan_bf16_32_128;
-        kern<<<dim3(B * H, V / 32), 256, smem, urgent>>>(
+        gdp_fwd_scan_bf16_32_128<<<dim3(B * H, V / 32), 256, smem, urgent>>>(
             dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, ob, nullptr, nullptr, nullptr,
             B, T, H, K, V, n, 0, QR, NS, ready);
         CK(cudaEventRecord(done, urgent));
         CK(cudaStreamWaitEvent(0, done, 0));
       });
-      printf("  overlapped wy + scan%s BV32/%d %.3f ms (wy %.3f + scan alone, above); wy smem %d "
+      printf("  overlapped wy + scan BV32/%d %.3f ms (wy %.3f + scan alone, above); wy smem %d "
              "bytes: alone %.3f ms\n",
-             n >= 2 && NS == 3 ? " team" : "", NS, t, t_wy, wy_pad, t_pad);
+             NS, t, t_wy, wy_pad, t_pad);
     }
     CK(cudaStreamDestroy(urgent));
     CK(cudaFree(dorder));

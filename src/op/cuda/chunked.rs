@@ -694,18 +694,7 @@ pub(super) struct ScanDest<'a> {
     pub states: Option<&'a mut ChunkStates>,
 }
 
-/// The forward scan's copy-team variant of `plan`'s kernel (`gdp_fwd_scan_team_bf16_32_<KPT>`,
-/// whose warps without output rows issue the next chunks' copies while the others compute the
-/// output), where it applies and was measured faster: an output to write, at most 32 query rows
-/// per chunk (n >= 2), 32 value columns, three stages (`docs/perf.md` v17).
-fn team_kernel(plan: &ScanPlan, sh: &GdpShape, with_output: bool) -> Option<String> {
-    let applies = with_output && query_rows(sh.n) <= 32 && plan.bv == 32 && plan.stages == 3;
-    let rest = plan.kernel.strip_prefix(FWD_SCAN.prefix)?;
-    applies.then(|| format!("gdp_fwd_scan_team_bf16{rest}"))
-}
-
-/// Runs the forward scan `plan.kernel` (or its copy-team variant, [`team_kernel`]) on the WY
-/// factors of `table`'s chunks.
+/// Runs the forward scan `plan.kernel` on the WY factors of `table`'s chunks.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run_scan(
     dev: &CudaDevice,
@@ -724,8 +713,7 @@ pub(super) fn run_scan(
     if with_output && plan.qr == 0 {
         candle_core::bail!("gdp cuda: {} writes no output", plan.kernel);
     }
-    let team = team_kernel(plan, sh, with_output);
-    let scan = load_kernel(dev, team.as_deref().unwrap_or(&plan.kernel))?;
+    let scan = load_kernel(dev, &plan.kernel)?;
     allow_smem(&scan, plan.smem)?;
     let use_override = i32::from(h0_override.is_some());
     let has_h0 = i32::from(has_h0);
