@@ -806,8 +806,9 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
         }
     // Padding columns of the operand tiles (never written by the copies) stay zero. (This loop
     // and store_sb below run under `tid < nthr`, true for every thread: written out, it changes
-    // nvcc 13.0's code for the whole kernel, and the forward scans at BV 16 and 32 ran 7-19%
-    // faster on the H200 with it; the states-only kernels 0-4% slower. docs/perf.md v24.)
+    // nvcc 13.0's register allocation for the whole kernel; the BV 32 forward scan no longer
+    // spills, and the forward scans at BV 16 and 32 ran 7-19% faster on the H200, the
+    // states-only kernels 0-4% slower. docs/perf.md v24.)
     for (int s = 0; s < NS && tid < nthr; ++s) {
       const Stage st = stage(s);
       gdpc_zero_cols(st.W, LK, C, K, KPT, tid, nthr);
