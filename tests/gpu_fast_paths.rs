@@ -84,8 +84,8 @@ fn bf16_paths_match_f64_reference() -> Result<()> {
     Ok(())
 }
 
-/// Every value tile of the forward scan (`GDP_CUDA_SCAN_BV`: BV 32 runs three stages, BV 64
-/// two) and of the backward's states-only rerun
+/// Every value tile of the forward scan (`GDP_CUDA_SCAN_BV`: three stages where they fit, as
+/// at BV 32 and K = 128, else two) and of the backward's states-only rerun
 /// (`GDP_CUDA_STATES_BV`, `gdp_fwd_states_bf16_*`): the tile rule picks one from the SM count
 /// and B·H, and the small shapes of the other tests take BV = 16. Each forced tile runs in a
 /// child process of this binary, so that no other test sees the variable (a forced tile is an
