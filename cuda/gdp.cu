@@ -417,6 +417,28 @@ __device__ __forceinline__ void gdp_step_impl(const float* __restrict__ state,
   const float* s_in = state + (int64_t)bh * K * V + (int64_t)r0 * V + col;
   float* s_out = out + BH * V + (int64_t)bh * K * V + (int64_t)r0 * V + col;
 
+  // The small inputs (q and k rows, zero past row K; the block's v columns; beta; the gate)
+  // are loaded into registers before the state, where each thread has at most one element of
+  // each (K <= 128 at n <= 3): their round trips then overlap the state loads' instead of
+  // queueing behind them one after another.
+  const int nx = (1 + n) * KP, nv = n * COLS;
+  auto x_at = [&](int i) {
+    const int j = i / KP - 1, r = i % KP;  // j = -1: the query
+    return r >= K ? 0.f : to_f(j < 0 ? q[r] : kk[(((int64_t)b * n + j) * H + h) * K + r]);
+  };
+  auto v_at = [&](int i) {
+    const int j = i / COLS, cj = col0 + i % COLS;
+    return cj < V ? to_f(vv[(((int64_t)b * n + j) * H + h) * V + cj]) : 0.f;
+  };
+  const bool one_pass = nx <= GDP_STEP_THREADS && nv <= GDP_STEP_THREADS;
+  float x_mine = 0.f, v_mine = 0.f, b_mine = 0.f;
+  if (one_pass) {
+    if (tid < nx) x_mine = x_at(tid);
+    if (tid < nv) v_mine = v_at(tid);
+    if (tid < n) b_mine = bb[((int64_t)b * n + tid) * H + h];
+  }
+  const float g_bh = gg[bh];
+
   // Row i of this thread is state row r0 + i, for i < rows; rows past K stay zero. Every row
   // valid (K a multiple of 4 ROWS) is the unguarded path: per-row guards made the compiler keep
   // per-row addresses and spill.
@@ -429,16 +451,16 @@ __device__ __forceinline__ void gdp_step_impl(const float* __restrict__ state,
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) s[i] = i < rows ? __ldcs(s_in + (int64_t)i * V) : 0.f;
   }
-  const float decay = expf(gg[bh]);
-  for (int i = tid; i < (1 + n) * KP; i += GDP_STEP_THREADS) {
-    const int j = i / KP - 1, r = i % KP;  // j = -1: the query
-    xs[i] = r >= K ? 0.f : to_f(j < 0 ? q[r] : kk[(((int64_t)b * n + j) * H + h) * K + r]);
+  if (one_pass) {
+    if (tid < nx) xs[tid] = x_mine;
+    if (tid < nv) vs[tid] = v_mine;
+    if (tid < n) bs[tid] = b_mine;
+  } else {
+    for (int i = tid; i < nx; i += GDP_STEP_THREADS) xs[i] = x_at(i);
+    for (int i = tid; i < nv; i += GDP_STEP_THREADS) vs[i] = v_at(i);
+    if (tid < n) bs[tid] = bb[((int64_t)b * n + tid) * H + h];
   }
-  for (int i = tid; i < n * COLS; i += GDP_STEP_THREADS) {
-    const int j = i / COLS, cj = col0 + i % COLS;
-    vs[i] = cj < V ? to_f(vv[(((int64_t)b * n + j) * H + h) * V + cj]) : 0.f;
-  }
-  if (tid < n) bs[tid] = bb[((int64_t)b * n + tid) * H + h];
+  const float decay = expf(g_bh);
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) s[i] *= decay;
   __syncthreads();
