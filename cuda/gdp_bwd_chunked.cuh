@@ -23,6 +23,11 @@
 //             Z_ij = β_i dM_ij + β_j dM_ji,  dM = strict_lower(-(dvb Delta^T) ⊙ dec)
 //       dβ, dg per row as in gdp_bwd.cuh (P13, P14), the gate gradient's reverse cumsum
 //       chunk-local; every output element has one writer (plain stores).
+//     Where the scan of 3 runs alone (the forward kept h and Delta) and leaves most
+//     multiprocessors idle (B1 H16: 64 blocks on 132), the `_pipe` entries run beside it as persistent blocks (gdpg_pipe below): the scan counts
+//     each group of chunks done, and the blocks take the (chunk, head) pairs in the order the
+//     scan finishes them, waiting for each chunk's group; once the scan is done, a second
+//     launch on all multiprocessors takes the pairs left.
 // dO enters as bf16 (gdp_f32_to_bf16), like FLA's; products on tensor cores with f32
 // accumulators, operands rounded to bf16 where FLA rounds them.
 
@@ -118,6 +123,12 @@ extern "C" __global__ void gdp_f32_to_bf16(const float* __restrict__ src,
     dst[i] = __float2bfloat16_rn(src[i]);
 }
 
+// The counters of a gradient kernel beside the state-gradient scan (`pipe`, zeroed): [0] the
+// next (chunk, head) pair to take, [1] the scan's blocks done, then from GDPG_PIPE_COUNTERS one
+// counter per (group of GDPC_READY_GROUP chunks, head) at gdpc_ready_index(..) * H + head,
+// incremented by each value tile's scan block once the group's dS and dDelta are written.
+#define GDPG_PIPE_COUNTERS 2
+
 // ----------------------------------------------------------------------------------------------
 // Kernel 3: the reverse scan of the state gradient. Template as the forward scan: BV value
 // columns, KPT padded keys, NW warps; warp w computes dDelta for the rows of tile w % 4 and its
@@ -137,7 +148,8 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     const float* __restrict__ cg, const __nv_bfloat16* __restrict__ dob,
     const float* __restrict__ dht, int has_dht, __nv_bfloat16* __restrict__ dhs,
     __nv_bfloat16* __restrict__ ddn, float* __restrict__ dh0, int write_dh0, int B, int TT,
-    int H, int K, int V, int n, int QR, int NS, const int* __restrict__ ready) {
+    int H, int K, int V, int n, int QR, int NS, const int* __restrict__ ready,
+    int* __restrict__ signal) {
   constexpr int C = GDP_CHUNK, NT = BV / 8, LB = BV + 8, LC = C + 8, LK = KPT + 8;
   constexpr int NTW = NT * 4 / NW, NPW = NTW / 2;
   constexpr int MT = KPT / 16, STW = (MT + NW - 1) / NW;
@@ -366,6 +378,11 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
       }
       store_sb(Sb + (cur ^ 1) * KPT * LB);
     }
+    // A gradient kernel beside this scan (gdpg_pipe): the chunk's dS and dDelta are written;
+    // one add per group of chunks, when its first chunk is done (the scan runs backwards).
+    if (signal != nullptr && ci % GDPC_READY_GROUP == 0)
+      gdpc_signal_ready(signal + GDPG_PIPE_COUNTERS + gdpc_ready_index(cbase, sidx, ci) * H + head,
+                        tid);
   }
 
   if (write_dh0) {
@@ -379,6 +396,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
           if (r < K && col < bv) dh0[state_off + (int64_t)r * V + v0 + col] = S[s][j][e];
         }
   }
+  if (signal != nullptr) gdpc_signal_ready(signal + 1, tid);  // this block is done
 }
 
 #define GDPD_SCAN_ENTRY(BV, KPT, NW)                                                          \
@@ -387,9 +405,10 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
       const __nv_bfloat16* wg,                                                                \
       const __nv_bfloat16* pg, const float* cg, const __nv_bfloat16* dob, const float* dht,   \
       int has_dht, __nv_bfloat16* dhs, __nv_bfloat16* ddn, float* dh0, int write_dh0, int B,  \
-      int TT, int H, int K, int V, int n, int QR, int NS, const int* ready) {                 \
+      int TT, int H, int K, int V, int n, int QR, int NS, const int* ready, int* signal) {     \
     gdp_bwd_dh_bf16_impl<BV, KPT, NW>(qb, kb, split, table, wg, pg, cg, dob, dht, has_dht, dhs,  \
-                                      ddn, dh0, write_dh0, B, TT, H, K, V, n, QR, NS, ready); \
+                                      ddn, dh0, write_dh0, B, TT, H, K, V, n, QR, NS, ready,  \
+                                      signal);                                                \
   }
 GDPD_SCAN_ENTRY(16, 64, 4)
 GDPD_SCAN_ENTRY(16, 128, 4)
@@ -446,7 +465,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
     float* __restrict__ out, __nv_bfloat16* __restrict__ dqb, __nv_bfloat16* __restrict__ dkb,
     __nv_bfloat16* __restrict__ dvb_out,
     float* __restrict__ dgates, int B, int TT, int H, int K, int V, int n, int N, float scale,
-    int QR) {
+    int QR, int chunk, int head) {
   constexpr int C = GDP_CHUNK, LK = KP + 8, LV = VP + 8, LC = C + 8, LF = 68;
   constexpr int NG = GDPG_GROUPS;
   // 16-column pairs of a warp's column group in products with K, V and 64 columns.
@@ -458,7 +477,6 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   const int g = lane >> 2, t = lane & 3;
   const int mi = warp & 3, hf = warp >> 2;  // row tile, column group
   const int m0 = 16 * mi;
-  const int chunk = blockIdx.x, head = blockIdx.y;
   const int sidx = table[4 * N + 2 * chunk], ci = table[4 * N + 2 * chunk + 1];
   const int seq_b = table[4 * sidx], seq_start = table[4 * sidx + 1], seq_len = table[4 * sidx + 2];
   const int64_t tok0 = (int64_t)seq_b * TT + seq_start;
@@ -857,19 +875,87 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
     });
 }
 
-// gdp_bwd_grads_bf16_<KP>_<VP>[_tiles]: `_tiles` stores dv and dk through shared memory (TILES).
+// Persistent gradient blocks beside the state-gradient scan (or, with beside = 0, after it):
+// each block takes the pairs `pipe[0]++` (every head of a chunk in turn, the chunks in the
+// order `order`: table ids from the sequences' ends), waits (beside) for the chunk's group of
+// dS and dDelta (`ready_count` value tiles' adds), and computes its gradients. Thread 0 takes
+// the next pair while the block computes the current one, so that the atomic's round trip
+// overlaps the products. Beside the scan, a block that finds it done (all `scan_blocks`
+// blocks counted in pipe[1]) computes the pair it holds and leaves the rest to the launch
+// after the scan. The launcher gives the blocks beside the scan at most the multiprocessors
+// the scan leaves, so the scan's blocks always find room and the waits end.
+template <class Grads>
+__device__ __forceinline__ void gdpg_pipe(int* pipe, const int* order, const int* table, int N,
+                                          int H, int items, int ready_count, int beside,
+                                          int scan_blocks, Grads grads) {
+#ifdef GDP_EMU
+  static int taken;  // the emulation runs one block at a time
+  auto take = [&] { return __atomic_fetch_add(pipe, 1, __ATOMIC_RELAXED); };
+  auto scan_done = [&] { return __atomic_load_n(pipe + 1, __ATOMIC_RELAXED) >= scan_blocks; };
+#else
+  __shared__ int taken;
+  auto take = [&] { return atomicAdd(pipe, 1); };
+  auto scan_done = [&] { return *reinterpret_cast<volatile int*>(pipe + 1) >= scan_blocks; };
+#endif
+  // Thread 0's: the pair index taken, and whether the scan was done when it was taken.
+  int it = threadIdx.x == 0 ? take() : 0;
+  bool last = false;
+  for (;;) {
+    if (threadIdx.x == 0) {
+      int pair = -1;
+      if (it < items) {
+        const int chunk = order[it / H];
+        if (beside) {
+          const int sidx = table[4 * N + 2 * chunk], ci = table[4 * N + 2 * chunk + 1];
+          gdpc_wait_ready(pipe + GDPG_PIPE_COUNTERS +
+                              gdpc_ready_index(table[4 * sidx + 3], sidx, ci) * H + it % H,
+                          ready_count);
+        }
+        pair = chunk * H + it % H;
+      }
+      taken = pair;
+    }
+    __syncthreads();
+    const int pair = taken;
+    if (pair < 0) return;
+    if (threadIdx.x == 0) {
+      if (last) {
+        it = items;
+      } else {
+        last = beside && scan_done();
+        it = take();
+      }
+    }
+    grads(pair / H, pair % H);
+    __syncthreads();  // every thread has read `taken` and left the shared tiles
+  }
+}
+
+// gdp_bwd_grads_bf16_<KP>_<VP>[_tiles]: `_tiles` stores dv and dk through shared memory (TILES);
+// grid (chunks, H). gdp_bwd_grads_bf16_<KP>_<VP>[_tiles]_pipe: persistent blocks (gdpg_pipe).
+#define GDPG_PARAMS                                                                            \
+  const __nv_bfloat16 *qb, const __nv_bfloat16 *kb, int split, const __nv_bfloat16 *v,         \
+      const float *aux, const int *table, const __nv_bfloat16 *ag, const __nv_bfloat16 *hs,    \
+      const __nv_bfloat16 *dhs, const __nv_bfloat16 *dn, const __nv_bfloat16 *ddn,             \
+      const __nv_bfloat16 *dob, float *out, __nv_bfloat16 *dqb, __nv_bfloat16 *dkb,            \
+      __nv_bfloat16 *dvb_out, float *dgates, int B, int TT, int H, int K, int V, int n, int N, \
+      float scale, int QR
+#define GDPG_ARGS(KP, VP, TILES, CHUNK, HEAD)                                                  \
+  gdp_bwd_grads_bf16_impl<KP, VP, TILES>(qb, kb, split, v, aux, table, ag, hs, dhs, dn, ddn,  \
+                                         dob, out, dqb, dkb, dvb_out, dgates, B, TT, H, K, V,  \
+                                         n, N, scale, QR, CHUNK, HEAD)
 #define GDPG_ENTRY(KP, VP, TILES, SUFFIX)                                                      \
   extern "C" __global__ void __launch_bounds__(GDPG_THREADS)                                   \
-      gdp_bwd_grads_bf16_##KP##_##VP##SUFFIX(                                                  \
-          const __nv_bfloat16* qb, const __nv_bfloat16* kb, int split, const __nv_bfloat16* v, \
-          const float* aux, const int* table, const __nv_bfloat16* ag,                         \
-          const __nv_bfloat16* hs, const __nv_bfloat16* dhs, const __nv_bfloat16* dn,          \
-          const __nv_bfloat16* ddn, const __nv_bfloat16* dob, float* out,                      \
-          __nv_bfloat16* dqb, __nv_bfloat16* dkb, __nv_bfloat16* dvb_out, float* dgates,       \
-          int B, int TT, int H, int K, int V, int n, int N, float scale, int QR) {             \
-    gdp_bwd_grads_bf16_impl<KP, VP, TILES>(qb, kb, split, v, aux, table, ag, hs, dhs, dn, ddn, \
-                                           dob, out, dqb, dkb, dvb_out, dgates, B, TT, H, K,   \
-                                           V, n, N, scale, QR);                                \
+      gdp_bwd_grads_bf16_##KP##_##VP##SUFFIX(GDPG_PARAMS) {                                    \
+    GDPG_ARGS(KP, VP, TILES, blockIdx.x, blockIdx.y);                                          \
+  }                                                                                            \
+  extern "C" __global__ void __launch_bounds__(GDPG_THREADS)                                   \
+      gdp_bwd_grads_bf16_##KP##_##VP##SUFFIX##_pipe(GDPG_PARAMS, int* pipe, const int* order,  \
+                                                    int items, int ready_count, int beside,    \
+                                                    int scan_blocks) {                         \
+    gdpg_pipe(pipe, order, table, N, H, items, ready_count, beside,                            \
+                             scan_blocks,                                                      \
+                             [&](int chunk, int head) { GDPG_ARGS(KP, VP, TILES, chunk, head); }); \
   }
 GDPG_ENTRY(64, 64, false, )
 GDPG_ENTRY(64, 128, false, )

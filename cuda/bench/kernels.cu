@@ -246,7 +246,7 @@ static void forward(int B, int T, int H, int n) {
     const float t = median_ms([&] {
       kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
           dq, dk, 1, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, NS,
-          nullptr);
+          nullptr, nullptr);
     });
     best_dh = std::min(best_dh, t);
     printf(" | dh BV%d/%d %.3f", bv, NS, t);
@@ -265,6 +265,69 @@ static void forward(int B, int T, int H, int n) {
   });
   printf(" | grads %.3f ms (smem %d) | bwd total %.3f ms\n", t_gr, gsmem,
          t_wya + best_states + best_dh + t_gr);
+
+  // The gradient kernel beside the state-gradient scan (BV 32, src/op/cuda/chunked_bwd.rs)
+  // where the scan's blocks fill fewer than half the multiprocessors: the scan on a
+  // high-priority stream counting its groups done, persistent gradient blocks on the
+  // multiprocessors it leaves, then (after the scan) on all of them; against the scan and the
+  // gradient kernel one after the other. Timed from before the counters' zeroing.
+  const int scan_blocks = B * H * (V / 32);
+  if (2 * scan_blocks < sms) {
+    const int nch = (T * n + C - 1) / C;
+    std::vector<int> order;  // from the sequences' ends
+    for (int c = nch - 1; c >= 0; --c)
+      for (int s = 0; s < B; ++s) order.push_back(s * nch + c);
+    int* dorder = upload(order);
+    const size_t counters = GDPG_PIPE_COUNTERS + (total / GDPC_READY_GROUP + B + 1) * H;
+    int* pipe;
+    CK(cudaMalloc(&pipe, counters * sizeof(int)));
+    int least, greatest;
+    CK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    cudaStream_t urgent;
+    CK(cudaStreamCreateWithPriority(&urgent, cudaStreamNonBlocking, greatest));
+    cudaEvent_t zeroed, done;
+    CK(cudaEventCreateWithFlags(&zeroed, cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    const int LB = 32 + 8;
+    auto smem_of = [&](int ns) {
+      return ns * gdpd_stage_bytes(KP, QR, 32) + 2 * (2 * KP * LB + C * LB + QR * LB) + 8 * ns * 3 * C + 12 * ns;
+    };
+    const int NS = smem_of(3) <= 232448 && !getenv("KB_NS2") ? 3 : 2, dsmem = smem_of(NS);
+    const auto pipe_kern = n >= 2 ? gdp_bwd_grads_bf16_128_128_tiles_pipe : gdp_bwd_grads_bf16_128_128_pipe;
+    CK(cudaFuncSetAttribute(pipe_kern, cudaFuncAttributeMaxDynamicSharedMemorySize, gsmem));
+    const int items = total * H;
+    auto dh32 = [&](cudaStream_t st, int* signal) {
+      gdp_bwd_dh_bf16_32_128<<<dim3(B * H, V / 32), 256, dsmem, st>>>(
+          dq, dk, 1, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, NS,
+          nullptr, signal);
+    };
+    auto grads_pipe = [&](int blocks, int beside) {
+      pipe_kern<<<std::min(blocks, items), GDPG_THREADS, gsmem, 0>>>(
+          dq, dk, 1, dv, daux, dtab, ag, hs, dhs, dn, ddn, dob, nullptr, gq, gk, gv, gout, B, T, H,
+          K, V, n, B, scale, QR, pipe, dorder, items, V / 32, beside, scan_blocks);
+    };
+    const float t_seq = median_ms([&] {
+      dh32(0, nullptr);
+      grads<<<dim3(total, H), GDPG_THREADS, gsmem>>>(dq, dk, 1, dv, daux, dtab, ag, hs, dhs, dn,
+                                                     ddn, dob, nullptr, gq, gk, gv, gout, B, T, H,
+                                                     K, V, n, B, scale, QR);
+    });
+    const float t_pipe = median_ms([&] {
+      CK(cudaMemsetAsync(pipe, 0, counters * sizeof(int), 0));
+      CK(cudaEventRecord(zeroed, 0));
+      CK(cudaStreamWaitEvent(urgent, zeroed, 0));
+      dh32(urgent, pipe);
+      grads_pipe(sms - scan_blocks, 1);
+      CK(cudaEventRecord(done, urgent));
+      CK(cudaStreamWaitEvent(0, done, 0));
+      grads_pipe(2 * sms, 0);
+    });
+    printf("  dh BV32/%d + grads: one after the other %.3f ms, beside %.3f ms\n", NS, t_seq,
+           t_pipe);
+    CK(cudaStreamDestroy(urgent));
+    CK(cudaFree(dorder));
+    CK(cudaFree(pipe));
+  }
   for (void* x : {(void*)dq, (void*)dk, (void*)dv, (void*)daux, (void*)dtab, (void*)w, (void*)u, (void*)p,
                   (void*)cf, (void*)ag, (void*)hs, (void*)dn, (void*)dhs, (void*)ddn,
                   (void*)dob, (void*)dht, (void*)gout, (void*)gq, (void*)gk, (void*)gv, (void*)ob})

@@ -499,10 +499,11 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
   }
   std::vector<float> out(qk_len + v_len + BTH * (1 + n) + (c.h0 ? sl : 0), 0.f);
   float* dh0 = out.data() + qk_len + v_len + BTH * (1 + n);
-  auto dh_scan = [&](__nv_bfloat16* dhs_to, __nv_bfloat16* ddn_to, float* dh0_to, const int* rdy) {
+  auto dh_scan = [&](__nv_bfloat16* dhs_to, __nv_bfloat16* ddn_to, float* dh0_to, const int* rdy,
+                     int* signal) {
     launch(N * H, (V + bv - 1) / bv, nthr, [&] {
 #define ARGS a.q, a.k, a.split, tab.data(), wg.data(), pg.data(), cg.data(), dob_ptr, P.dht.data(), 1, \
-             dhs_to, ddn_to, dh0_to, c.h0, c.B, c.T, c.H, c.K, c.V, c.n, QR, NS, rdy
+             dhs_to, ddn_to, dh0_to, c.h0, c.B, c.T, c.H, c.K, c.V, c.n, QR, NS, rdy, signal
       if (bv == 16 && KPT == 64) gdp_bwd_dh_bf16_16_64(ARGS);
       if (bv == 16 && KPT == 128) gdp_bwd_dh_bf16_16_128(ARGS);
       if (bv == 32 && KPT == 64) gdp_bwd_dh_bf16_32_64(ARGS);
@@ -512,7 +513,11 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
 #undef ARGS
     });
   };
-  dh_scan(dhs.data(), ddn.data(), dh0, nullptr);
+  dh_scan(dhs.data(), ddn.data(), dh0, nullptr, nullptr);
+  // The gradient kernel's pipe (GDPG_PIPE_COUNTERS, then a counter per group and head), filled
+  // by the scan beside the WY kernel below.
+  const int scan_blocks = N * H * ((V + bv - 1) / bv);
+  std::vector<int> pipe(GDPG_PIPE_COUNTERS + (total / GDPC_READY_GROUP + N + 1) * H, 0);
   // The state-gradient scan beside a WY kernel that takes the chunks from the sequences' ends,
   // counting them ready per group (as the op runs the two at small B·H): the WY factors
   // poisoned and written again in that order, the scan waiting on the counters (the
@@ -530,9 +535,9 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
     });
     std::vector<__nv_bfloat16> dhs2(dhs.size(), poison), ddn2(ddn.size(), poison);
     std::vector<float> dh0b(c.h0 ? sl : 1, 0.f);
-    dh_scan(dhs2.data(), ddn2.data(), dh0b.data(), ready.data());
+    dh_scan(dhs2.data(), ddn2.data(), dh0b.data(), ready.data(), pipe.data());
     const bool same =
-        (long)order.size() == total &&
+        (long)order.size() == total && pipe[1] == scan_blocks &&
         memcmp(dhs.data(), dhs2.data(), dhs.size() * sizeof(__nv_bfloat16)) == 0 &&
         memcmp(ddn.data(), ddn2.data(), ddn.size() * sizeof(__nv_bfloat16)) == 0 &&
         (!c.h0 || memcmp(dh0, dh0b.data(), sl * sizeof(float)) == 0);
@@ -542,20 +547,71 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
   }
   std::vector<__nv_bfloat16> dqb(parts ? BTH * K : 0, poison), dkb(parts ? BTH * n * K : 0, poison),
       dvb(parts ? v_len : 0, poison);
-  if (total > 0)
-    launch(total, H, GDPG_THREADS, [&] {
+  const std::vector<int> order = wy_chunk_order(P, tab, true);
+  // The gradient kernel into `o` (the packed f32 or its gates part) and dq, dk, dv: one block
+  // per (chunk, head), or (pipe) `blocks` persistent blocks taking the pairs from `pipe`.
+  auto grads = [&](float* o, __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
+                   int* pp, int blocks, int beside, int done_at) {
+    launch(pp ? blocks : total, pp ? 1 : H, GDPG_THREADS, [&] {
 #define ARGS a.q, a.k, a.split, vb.data(), P.aux.data(), tab.data(), ag.data(), hs.data(),        \
-             dhs.data(), dn.data(), ddn.data(), dob_ptr, parts ? nullptr : out.data(),       \
-             parts ? dqb.data() : nullptr, parts ? dkb.data() : nullptr,                        \
-             parts ? dvb.data() : nullptr,                                                      \
-             out.data() + qk_len + v_len, c.B, c.T, c.H, c.K, c.V, c.n, N, scale, QR
-      if (KPT == 64 && VPT == 64) gdp_bwd_grads_bf16_64_64(ARGS);
-      if (KPT == 64 && VPT == 128) gdp_bwd_grads_bf16_64_128(ARGS);
-      if (KPT == 128 && VPT == 64) gdp_bwd_grads_bf16_128_64(ARGS);
-      if (KPT == 128 && VPT == 128 && c.n == 1) gdp_bwd_grads_bf16_128_128(ARGS);
-      if (KPT == 128 && VPT == 128 && c.n >= 2) gdp_bwd_grads_bf16_128_128_tiles(ARGS);
+             dhs.data(), dn.data(), ddn.data(), dob_ptr, parts ? nullptr : o,                \
+             parts ? dq : nullptr, parts ? dk : nullptr, parts ? dv : nullptr,                  \
+             o + qk_len + v_len, c.B, c.T, c.H, c.K, c.V, c.n, N, scale, QR
+#define PIPE ARGS, pp, order.data(), (int)total * H, (V + bv - 1) / bv, beside, done_at
+#define PICK(A, SUFFIX)                                                                        \
+  if (KPT == 64 && VPT == 64) gdp_bwd_grads_bf16_64_64##SUFFIX(A);                              \
+  if (KPT == 64 && VPT == 128) gdp_bwd_grads_bf16_64_128##SUFFIX(A);                            \
+  if (KPT == 128 && VPT == 64) gdp_bwd_grads_bf16_128_64##SUFFIX(A);                            \
+  if (KPT == 128 && VPT == 128 && c.n == 1) gdp_bwd_grads_bf16_128_128##SUFFIX(A);              \
+  if (KPT == 128 && VPT == 128 && c.n >= 2) gdp_bwd_grads_bf16_128_128_tiles##SUFFIX(A);
+      if (pp == nullptr) {
+        PICK(ARGS, )
+      } else {
+        PICK(PIPE, _pipe)
+      }
+#undef PICK
+#undef PIPE
 #undef ARGS
     });
+  };
+  if (total > 0) grads(out.data(), dqb.data(), dkb.data(), dvb.data(), nullptr, 0, 0, 0);
+  // The persistent blocks (as the op runs them beside the scan at small B·H, then after it)
+  // must write the same gradients: three blocks after the scan taking every pair; three beside
+  // it, told it is still running (each waits for its chunk's group: the emulation's wait asserts
+  // it complete); and three beside it told it is done, which compute the pairs they hold and
+  // leave, then three after it taking the rest.
+  if (total > 0) {
+    bool same = true;
+    for (int mode = 0; mode <= 2; ++mode) {
+      std::vector<float> o2(out.size(), 0.f);
+      std::vector<__nv_bfloat16> dq2(dqb.size(), poison), dk2(dkb.size(), poison),
+          dv2(dvb.size(), poison);
+      pipe[0] = 0;
+      if (mode > 0)
+        grads(o2.data(), dq2.data(), dk2.data(), dv2.data(), pipe.data(), 3, 1,
+              mode == 1 ? scan_blocks + 1 : scan_blocks);
+      if (mode == 2) same = same && pipe[0] > 0 && pipe[0] <= 9;
+      if (mode != 1)
+        grads(o2.data(), dq2.data(), dk2.data(), dv2.data(), pipe.data(), 3, 0, scan_blocks);
+      // dq, dk, dv bit-identical; dg and dβ sum per-row terms with float atomics in shared
+      // memory (in any order, on the GPU as here), so within 1e-5 of their scale.
+      const float* g2 = o2.data() + qk_len + v_len;
+      const float* g1 = out.data() + qk_len + v_len;
+      const long glen = BTH * (1 + n);
+      double scale2 = 0, worst = 0;
+      for (long i = 0; i < glen; ++i) scale2 += (double)g1[i] * g1[i];
+      const double rms = sqrt(scale2 / std::max(glen, 1L));
+      for (long i = 0; i < glen; ++i) worst = std::max(worst, fabs((double)g2[i] - g1[i]) / (rms + 1e-30));
+      same = same && worst <= 1e-5 &&
+             (parts || memcmp(o2.data(), out.data(), (qk_len + v_len) * sizeof(float)) == 0) &&
+             memcmp(dq2.data(), dqb.data(), dqb.size() * sizeof(__nv_bfloat16)) == 0 &&
+             memcmp(dk2.data(), dkb.data(), dkb.size() * sizeof(__nv_bfloat16)) == 0 &&
+             memcmp(dv2.data(), dvb.data(), dvb.size() * sizeof(__nv_bfloat16)) == 0;
+    }
+    printf("%-26s %-8s %s\n", c.name, "grads pipe",
+           same ? "persistent blocks: the same gradients" : "persistent blocks DIFFERENT");
+    if (!same) ++fails;
+  }
   // dq, dk back into the packed layout of the reference.
   for (long tk = 0; parts && tk < BTH / H; ++tk)
     for (long s = 0; s <= n; ++s)

@@ -6,7 +6,12 @@
 //! (`gdp_bwd_grads_bf16_<KP>_<VP>`; `_tiles` at K = V = 128 and n >= 2: dv and dk stored
 //! through shared memory, measured faster there and slower at n = 1). The per-value-tile kernel
 //! of `backward.rs` redoes the WY factors and all the chunk's gradient products on its
-//! sequential path; this takes them off it. The bf16 default where it fits (K, V <= 128);
+//! sequential path; this takes them off it. Where the forward kept its intermediates and the
+//! state-gradient scan's blocks fill fewer than half the multiprocessors (B1 T32768 H16: 64 of
+//! 132), the gradient kernel runs beside it: persistent blocks on the multiprocessors the scan leaves take the (chunk, head) pairs in
+//! the order the scan finishes them and wait for each group of chunks (`gdpg_pipe` in the
+//! kernel file), and once the scan is done a second launch takes the pairs left on every
+//! multiprocessor. The bf16 default where it fits (K, V <= 128);
 //! `GDP_CUDA_BWD=fused` forces the other, `GDP_CUDA_BWD=chunked` this one (an error where it
 //! does not fit).
 
@@ -144,26 +149,27 @@ pub(crate) fn split_backward_fits(dev: &CudaDevice, sh: &GdpShape) -> Result<boo
     Ok(plan(dev, sh)?.is_some())
 }
 
-/// The side stream of the backward's state-gradient scan: forked after the WY kernel, or
-/// beside it (a [`Pipeline`] taking the chunks from the sequences' ends).
+/// The side stream of the backward's state-gradient scan: forked after the WY kernel, or an
+/// overlapped launch of a [`Pipeline`] (the scan beside the gradient kernel, and, with `waits`,
+/// beside a WY kernel taking the chunks from the sequences' ends).
 enum Side {
     Plain(SideStream),
-    Beside(OverlapRun),
+    Beside { run: OverlapRun, waits: bool },
 }
 
 impl Side {
     fn stream(&self) -> &Arc<CudaStream> {
         match self {
             Side::Plain(s) => s.stream(),
-            Side::Beside(run) => run.side.stream(),
+            Side::Beside { run, .. } => run.side.stream(),
         }
     }
 
-    /// The WY kernel's readiness counters, beside it.
+    /// The WY kernel's readiness counters, where the scan runs beside it.
     fn ready(&self) -> Option<&CudaSlice<i32>> {
         match self {
-            Side::Plain(_) => None,
-            Side::Beside(run) => Some(&run.ready),
+            Side::Beside { run, waits: true } => Some(&run.ready),
+            _ => None,
         }
     }
 
@@ -172,7 +178,7 @@ impl Side {
     fn finish(self) -> Result<()> {
         match self {
             Side::Plain(s) => s.join(),
-            Side::Beside(run) => run.finish(),
+            Side::Beside { run, .. } => run.finish(),
         }
     }
 }
@@ -257,12 +263,16 @@ pub fn try_backward_bf16(
     // or beside the state-gradient scan), and the buffers of every chunk's start state and Delta
     // (kept by the forward, or computed again in 3).
     let rerun = cache.is_none();
-    let beside = match rerun {
-        true => {
-            let order = sh.chunks_from_the_end();
-            Pipeline::plan(dev, sh, &table, &dh, smem_and_sms(dev)?.1, order)?
-        }
-        false => None,
+    let sms = smem_and_sms(dev)?.1;
+    let pipeline = Pipeline::plan(dev, sh, &table, &dh, sms, sh.chunks_from_the_end())?;
+    // The gradient kernel's counters where it runs beside the state-gradient scan (zeroed
+    // before the side stream forks): with the forward's intermediates, where the scan alone
+    // would leave most multiprocessors idle. A rerun of the forward's scan takes them instead
+    // (measured: the gradient kernel after it beside the scan's end cost 0.2 ms at B1 T32768,
+    // `docs/perf.md` v25).
+    let grads_pipe = match (&pipeline, rerun) {
+        (Some(p), false) => Some(dev.alloc_zeros::<i32>(GRADS_PIPE_COUNTERS + p.counters())?),
+        _ => None,
     };
     let (mut wy, mut states) = match cache {
         Some(cache) => cache.into_parts(),
@@ -286,12 +296,14 @@ pub fn try_backward_bf16(
     // 3. The state-gradient scan on a side stream, beside the forward's rerun (when the forward
     // kept no states) on the device's stream: the two are independent, each sequential over the
     // chunks with a block per (sequence, head, value tile), and at small B·H (B1 H16: 64 blocks
-    // each on 132 multiprocessors) one alone leaves half the GPU idle.
+    // each on 132 multiprocessors) one alone leaves half the GPU idle. There (`pipeline`) the
+    // scan starts on a high-priority stream, beside the WY kernel when it reruns, else counting
+    // its chunks done for the gradient kernel of 4.
     // SAFETY (dhs, ddn): the scan writes every element of every slot of the table's chunks
     // before the gradient kernel reads them; slots of no chunk are never read.
     let mut dhs = unsafe { dev.alloc::<bf16>(slots * kv)? };
     let mut ddn = unsafe { dev.alloc::<bf16>(slots * CHUNK * sh.dv)? };
-    {
+    let side = {
         let dh0_at = aux_len - if has_h0 { s_len } else { 0 };
         let mut dh0 = match &mut out {
             Grads::Packed(p) => p.slice_mut(sh.qk_len() + sh.v_len() + dh0_at..),
@@ -306,16 +318,18 @@ pub fn try_backward_bf16(
             dh0: has_h0.then_some(&mut dh0),
         };
         let dht = dht.as_ref();
-        // Beside: the side stream forked before the WY kernel, the scan waiting for its
-        // counters; else forked after it.
-        let overlap = match &beside {
+        // With a pipeline: the side stream forked before the WY kernel (the scan waiting for
+        // its counters when it reruns); else forked after it.
+        let overlap = match &pipeline {
             Some(p) => p.start(dev)?.map(|run| (p, run)),
             None => None,
         };
         let side = match overlap {
             Some((p, run)) => {
-                wy.launch(dev, &inp, &table, sh, scale, Some(p.signal(&run, false)))?;
-                Side::Beside(run)
+                if rerun {
+                    wy.launch(dev, &inp, &table, sh, scale, Some(p.signal(&run, false)))?;
+                }
+                Side::Beside { run, waits: rerun }
             }
             None => {
                 if rerun {
@@ -323,6 +337,10 @@ pub fn try_backward_bf16(
                 }
                 Side::Plain(SideStream::fork(dev)?)
             }
+        };
+        let signal = match &side {
+            Side::Beside { .. } => grads_pipe.as_ref(),
+            Side::Plain(_) => None,
         };
         run_dh_scan(
             dev,
@@ -336,6 +354,7 @@ pub fn try_backward_bf16(
             &dh,
             dest,
             side.ready(),
+            signal,
         )?;
         if rerun {
             let dest = ScanDest {
@@ -355,27 +374,109 @@ pub fn try_backward_bf16(
                 None,
             )?;
         }
-        side.finish()?;
-    }
+        side
+    };
 
-    // 4. Every gradient, per (chunk, head).
-    if table.chunks > 0 {
+    // 4. Every gradient, per (chunk, head): beside the state-gradient scan where it counts its
+    // chunks (persistent blocks on the multiprocessors it leaves, then the pairs left on all of
+    // them once it is done), else after it.
+    let ainv = wy
+        .ainv
+        .as_ref()
+        .ok_or_else(|| candle_core::Error::Msg("gdp cuda: Ainv was not kept".into()))?;
+    let grads = GradsLaunch {
+        inp: &inp,
+        table: &table,
+        sh,
+        kp,
+        vp,
+        qr,
+        ainv,
+        states: &states,
+        dhs: untracked(dev, &dhs),
+        ddn: untracked(dev, &ddn),
+        dob: &dob,
+        scale,
+    };
+    match (&side, &pipeline, &grads_pipe) {
+        (Side::Beside { .. }, Some(p), Some(pipe)) if table.chunks > 0 => {
+            let scan_blocks = sh.num_seqs() * sh.heads * sh.dv.div_ceil(dh.bv);
+            let pipe = PipeArgs {
+                pipe: untracked(dev, pipe),
+                order: untracked(dev, p.order()),
+                ready_count: to_i32(sh.dv.div_ceil(dh.bv), "value tiles")?,
+                scan_blocks: to_i32(scan_blocks, "scan blocks")?,
+            };
+            // The scan's blocks take at most half the multiprocessors (`Pipeline::plan`).
+            grads.launch(dev, &mut out, Some((&pipe, true, sms - scan_blocks)))?;
+            side.finish()?;
+            grads.launch(dev, &mut out, Some((&pipe, false, 2 * sms)))?;
+        }
+        _ => {
+            side.finish()?;
+            if table.chunks > 0 {
+                grads.launch(dev, &mut out, None)?;
+            }
+        }
+    }
+    Ok(Some(out))
+}
+
+/// Counters ahead of the per-group ones in the gradient kernel's pipe (`GDPG_PIPE_COUNTERS`:
+/// the next pair to take, the state-gradient scan's blocks done).
+const GRADS_PIPE_COUNTERS: usize = 2;
+
+/// A gradient kernel's persistent blocks (`gdpg_pipe`): the pipe's counters and the chunk order
+/// (device addresses outside cudarc's tracking: the state-gradient scan writes the counters, dS
+/// and dDelta on its stream while the blocks beside it read them), the value tiles of the scan
+/// that count each group done, and the scan's blocks.
+struct PipeArgs {
+    pipe: u64,
+    order: u64,
+    ready_count: i32,
+    scan_blocks: i32,
+}
+
+/// The gradient kernel's inputs (`gdp_bwd_grads_bf16_impl`).
+struct GradsLaunch<'a> {
+    inp: &'a Bf16Inputs<'a>,
+    table: &'a ChunkTable,
+    sh: &'a GdpShape,
+    kp: usize,
+    vp: usize,
+    qr: usize,
+    ainv: &'a CudaSlice<bf16>,
+    states: &'a ChunkStates,
+    dhs: u64,
+    ddn: u64,
+    dob: &'a CudaView<'a, bf16>,
+    scale: f32,
+}
+
+impl GradsLaunch<'_> {
+    /// Launches the gradient kernel on the device's stream into `out`: a block per (chunk,
+    /// head), or with `pipe` at most `blocks` persistent blocks, beside the state-gradient scan
+    /// (waiting for its groups, leaving when it is done) or after it.
+    fn launch(
+        &self,
+        dev: &CudaDevice,
+        out: &mut Grads,
+        pipe: Option<(&PipeArgs, bool, usize)>,
+    ) -> Result<()> {
+        let (sh, inp) = (self.sh, self.inp);
         let [b, t, h, k, vd, n] = shape_i32(sh)?;
-        let tiles = if kp == 128 && vp == 128 && n >= 2 {
+        let tiles = if self.kp == 128 && self.vp == 128 && n >= 2 {
             "_tiles"
         } else {
             ""
         };
-        let name = format!("gdp_bwd_grads_bf16_{kp}_{vp}{tiles}");
-        let smem = grads_smem_bytes(kp, vp, qr);
+        let suffix = if pipe.is_some() { "_pipe" } else { "" };
+        let name = format!("gdp_bwd_grads_bf16_{}_{}{tiles}{suffix}", self.kp, self.vp);
+        let smem = grads_smem_bytes(self.kp, self.vp, self.qr);
         let func = load_kernel(dev, &name)?;
         allow_smem(&func, smem)?;
-        let ainv = wy
-            .ainv
-            .as_ref()
-            .ok_or_else(|| candle_core::Error::Msg("gdp cuda: Ainv was not kept".into()))?;
         let nseq = to_i32(sh.num_seqs(), "N")?;
-        let qr_i = qr as i32;
+        let qr_i = self.qr as i32;
         let null = 0u64;
         let mut args = func.builder();
         args.arg(&inp.q);
@@ -383,15 +484,15 @@ pub fn try_backward_bf16(
         args.arg(&inp.split);
         args.arg(&inp.v);
         args.arg(&inp.aux);
-        args.arg(&table.table);
-        args.arg(ainv);
-        args.arg(&states.hs);
-        args.arg(&dhs);
-        args.arg(&states.dn);
-        args.arg(&ddn);
-        args.arg(&dob);
+        args.arg(&self.table.table);
+        args.arg(self.ainv);
+        args.arg(&self.states.hs);
+        args.arg(&self.dhs);
+        args.arg(&self.states.dn);
+        args.arg(&self.ddn);
+        args.arg(self.dob);
         // The kernel's `out, dqb, dkb, dvb_out, dgates` (a null `dkb` with a packed `dqk`).
-        match &mut out {
+        match out {
             Grads::Packed(p) => {
                 args.arg(p);
                 for _ in 0..4 {
@@ -417,20 +518,39 @@ pub fn try_backward_bf16(
         for x in [&b, &t, &h, &k, &vd, &n, &nseq] {
             args.arg(x);
         }
-        args.arg(&scale);
+        args.arg(&self.scale);
         args.arg(&qr_i);
+        let pairs = self.table.chunks * sh.heads;
+        let items = to_i32(pairs, "chunk-head pairs")?;
+        let beside_i;
+        let grid_dim = match pipe {
+            None => (self.table.chunks as u32, sh.heads as u32, 1),
+            Some((p, beside, blocks)) => {
+                beside_i = i32::from(beside);
+                args.arg(&p.pipe);
+                args.arg(&p.order);
+                args.arg(&items);
+                args.arg(&p.ready_count);
+                args.arg(&beside_i);
+                args.arg(&p.scan_blocks);
+                (blocks.clamp(1, pairs) as u32, 1, 1)
+            }
+        };
         let cfg = LaunchConfig {
-            grid_dim: (table.chunks as u32, sh.heads as u32, 1),
+            grid_dim,
             block_dim: (GRAD_THREADS, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        // SAFETY: the arguments match `gdp_bwd_grads_bf16_impl`: every per-slot buffer was
-        // sized from the same table and filled above on this stream; the gradients are either
-        // the packed f32 layout (null part pointers) or the parts (a null packed pointer),
-        // sized above; the dynamic shared memory is `grads_smem_bytes`.
+        // SAFETY: the arguments match `gdp_bwd_grads_bf16_impl` (and `gdpg_pipe` for the
+        // `_pipe` entries): every per-slot buffer was sized from the same table and filled
+        // above on this stream, or (dS and dDelta, beside the scan) is read only after the
+        // scan's counter of its group says it is written; the gradients are either the packed
+        // f32 layout (null part pointers) or the parts (a null packed pointer), sized above;
+        // the pipe holds `GRADS_PIPE_COUNTERS` plus the pipeline's counters, the order every
+        // chunk of the table; the dynamic shared memory is `grads_smem_bytes`.
         unsafe { args.launch(cfg) }.w()?;
+        Ok(())
     }
-    Ok(Some(out))
 }
 
 /// `src` rounded to bf16, in a new buffer.
@@ -484,6 +604,7 @@ pub(super) fn run_dh_scan(
     plan: &ScanPlan,
     dest: DhDest,
     ready: Option<&CudaSlice<i32>>,
+    signal: Option<&CudaSlice<i32>>,
 ) -> Result<()> {
     let [b, t, h, k, vd, n] = shape_i32(sh)?;
     let func = load_kernel(dev, &plan.kernel)?;
@@ -500,6 +621,7 @@ pub(super) fn run_dh_scan(
         untracked(dev, &wy.coef),
     ];
     let ready = ready.map_or(0, |r| untracked(dev, r));
+    let signal = signal.map_or(0, |r| untracked(dev, r));
     let mut args = func.builder_on(stream);
     args.arg(&inp.q);
     args.arg(&inp.k);
@@ -534,6 +656,7 @@ pub(super) fn run_dh_scan(
         args.arg(x);
     }
     args.arg(&ready);
+    args.arg(&signal);
     let cfg = LaunchConfig {
         grid_dim: (
             (sh.num_seqs() * sh.heads) as u32,

@@ -1,6 +1,7 @@
 //! The bf16 forward's WY kernel and state scan running at the same time; the same for the
 //! backward's WY kernel and its state-gradient scan (the same [`Pipeline`], with the chunks
-//! taken from the sequences' ends).
+//! taken from the sequences' ends), and for that scan and the backward's gradient kernel
+//! (`chunked_bwd.rs`: the scan counts its chunks done in the same groups).
 //!
 //! The WY kernel is parallel over every (chunk, head); the scan is sequential over the chunks
 //! with one block per (sequence, head, value tile). Where the scan has blocks for at most half
@@ -81,6 +82,17 @@ impl Pipeline {
     /// Starts the overlap ([`OverlapRun::start`] with this pipeline's counters).
     pub fn start(&self, dev: &CudaDevice) -> Result<Option<OverlapRun>> {
         OverlapRun::start(dev, self.counters)
+    }
+
+    /// The chunk order on the device (table ids): the WY kernel's, and the gradient kernel's
+    /// beside the state-gradient scan (`chunked_bwd.rs`).
+    pub fn order(&self) -> &CudaSlice<i32> {
+        &self.order
+    }
+
+    /// The number of readiness counters (per group of chunks and head).
+    pub fn counters(&self) -> usize {
+        self.counters
     }
 
     /// What the WY kernel is told: this order, `run`'s counters, and whether it keeps to two

@@ -246,6 +246,7 @@ pub fn backward_summaries_bf16(
             &plan,
             dest,
             None,
+            None,
         )?;
     }
     let mut all = dev.clone_dtoh(&out)?;
