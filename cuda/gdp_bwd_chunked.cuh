@@ -24,10 +24,11 @@
 //       dβ, dg per row as in gdp_bwd.cuh (P13, P14), the gate gradient's reverse cumsum
 //       chunk-local; every output element has one writer (plain stores).
 //     Where the scan of 3 runs alone (the forward kept h and Delta) and leaves most
-//     multiprocessors idle (B1 H16: 64 blocks on 132), the `_pipe` entries run beside it as persistent blocks (gdpg_pipe below): the scan counts
-//     each group of chunks done, and the blocks take the (chunk, head) pairs in the order the
-//     scan finishes them, waiting for each chunk's group; once the scan is done, a second
-//     launch on all multiprocessors takes the pairs left.
+//     multiprocessors idle (B1 H16: 64 blocks on 132), the `_pipe` entries run beside it as
+//     persistent blocks (gdpg_pipe below): the scan counts each group of chunks done, and the
+//     blocks take the (chunk, head) pairs in the order the scan finishes them, waiting for
+//     each chunk's group; once the scan is done, a second launch on all multiprocessors takes
+//     the pairs left.
 // dO enters as bf16 (gdp_f32_to_bf16), like FLA's; products on tensor cores with f32
 // accumulators, operands rounded to bf16 where FLA rounds them.
 

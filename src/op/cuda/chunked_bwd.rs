@@ -8,10 +8,10 @@
 //! of `backward.rs` redoes the WY factors and all the chunk's gradient products on its
 //! sequential path; this takes them off it. Where the forward kept its intermediates and the
 //! state-gradient scan's blocks fill fewer than half the multiprocessors (B1 T32768 H16: 64 of
-//! 132), the gradient kernel runs beside it: persistent blocks on the multiprocessors the scan leaves take the (chunk, head) pairs in
-//! the order the scan finishes them and wait for each group of chunks (`gdpg_pipe` in the
-//! kernel file), and once the scan is done a second launch takes the pairs left on every
-//! multiprocessor. The bf16 default where it fits (K, V <= 128);
+//! 132), the gradient kernel runs beside it: persistent blocks on the multiprocessors the scan
+//! leaves take the (chunk, head) pairs in the order the scan finishes them and wait for each
+//! group of chunks (`gdpg_pipe` in the kernel file), and once the scan is done a second launch
+//! takes the pairs left on every multiprocessor. The bf16 default where it fits (K, V <= 128);
 //! `GDP_CUDA_BWD=fused` forces the other, `GDP_CUDA_BWD=chunked` this one (an error where it
 //! does not fit).
 
@@ -268,8 +268,8 @@ pub fn try_backward_bf16(
     // The gradient kernel's counters where it runs beside the state-gradient scan (zeroed
     // before the side stream forks): with the forward's intermediates, where the scan alone
     // would leave most multiprocessors idle. A rerun of the forward's scan takes them instead
-    // (measured: the gradient kernel after it beside the scan's end cost 0.2 ms at B1 T32768,
-    // `docs/perf.md` v25).
+    // (measured: the gradient kernel after it, beside the scan's end, was 0.12–0.22 ms slower
+    // at B1 T32768 than after the scan, `docs/perf.md` v25).
     let grads_pipe = match (&pipeline, rerun) {
         (Some(p), false) => Some(dev.alloc_zeros::<i32>(GRADS_PIPE_COUNTERS + p.counters())?),
         _ => None,
