@@ -268,8 +268,8 @@ pub fn try_backward_bf16(
     // The gradient kernel's counters where it runs beside the state-gradient scan (zeroed
     // before the side stream forks): with the forward's intermediates, where the scan alone
     // would leave most multiprocessors idle. A rerun of the forward's scan takes them instead
-    // (measured: the gradient kernel after it, beside the scan's end, was 0.12–0.22 ms slower
-    // at B1 T32768 than after the scan, `docs/perf.md` v25).
+    // (measured: the gradient kernel after it, beside the scan's end, gained nothing at B1
+    // T32768, `docs/perf.md` v25).
     let grads_pipe = match (&pipeline, rerun) {
         (Some(p), false) => Some(dev.alloc_zeros::<i32>(GRADS_PIPE_COUNTERS + p.counters())?),
         _ => None,
