@@ -1,8 +1,8 @@
 // Kernel-only timings (CUDA events, median of repeated launches) of the bf16 two-kernel forward
 // (gdp_fwd_wy_bf16, gdp_fwd_scan_bf16_<BV>_128), of the split bf16 backward (the same two with
 // the states kept, gdp_bwd_dh_bf16_<BV>_128, gdp_bwd_grads_bf16_128_128[_tiles]) at the
-// benchmark shapes of docs/perf.md (with the WY kernel beside the scan where the op overlaps
-// them), and of the fused decode step (gdp_step_f32_k128) at B64 H16 K=V=128 n = 1..3, with
+// benchmark shapes of docs/perf.md (with the WY kernel beside the scan, and the gradient kernel
+// beside the state-gradient scan, where the op overlaps them), and of the fused decode step (gdp_step_f32_k128) at B64 H16 K=V=128 n = 1..3, with
 // achieved bandwidth. No Rust needed, so it separates kernel time from the op's host-side work:
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icuda cuda/bench/kernels.cu -o kbench && ./kbench
 #include "gdp.cu"
