@@ -24,11 +24,11 @@
 //       dβ, dg per row as in gdp_bwd.cuh (P13, P14), the gate gradient's reverse cumsum
 //       chunk-local; every output element has one writer (plain stores).
 //     Where the scan of 3 runs alone (the forward kept h and Delta) and leaves most
-//     multiprocessors idle (B1 H16: 64 blocks on 132), the `_pipe` entries run beside it as
-//     persistent blocks (gdpg_pipe below): the scan counts each group of chunks done, and the
-//     blocks take the (chunk, head) pairs in the order the scan finishes them, waiting for
-//     each chunk's group; once the scan is done, a second launch on all multiprocessors takes
-//     the pairs left.
+//     multiprocessors idle (B1 H16: 64 blocks on 132), the `_pipe` entry (K = V = 128,
+//     n >= 2) runs beside it as persistent blocks (gdpg_pipe below): the scan counts each
+//     group of chunks done, and the blocks take the (chunk, head) pairs in the order the scan
+//     finishes them, waiting for each chunk's group; once the scan is done, a second launch on
+//     all multiprocessors takes the pairs left.
 // dO enters as bf16 (gdp_f32_to_bf16), like FLA's; products on tensor cores with f32
 // accumulators, operands rounded to bf16 where FLA rounds them.
 
@@ -933,7 +933,9 @@ __device__ __forceinline__ void gdpg_pipe(int* pipe, const int* order, const int
 }
 
 // gdp_bwd_grads_bf16_<KP>_<VP>[_tiles]: `_tiles` stores dv and dk through shared memory (TILES);
-// grid (chunks, H). gdp_bwd_grads_bf16_<KP>_<VP>[_tiles]_pipe: persistent blocks (gdpg_pipe).
+// grid (chunks, H). gdp_bwd_grads_bf16_128_128_tiles_pipe: persistent blocks (gdpg_pipe), only
+// where they were measured (K = V = 128, n >= 2; `ptxas` gives the other shapes' persistent
+// kernels spills, and the 64 x 64 one twice its grid kernel's registers).
 #define GDPG_PARAMS                                                                            \
   const __nv_bfloat16 *qb, const __nv_bfloat16 *kb, int split, const __nv_bfloat16 *v,         \
       const float *aux, const int *table, const __nv_bfloat16 *ag, const __nv_bfloat16 *hs,    \
@@ -949,14 +951,6 @@ __device__ __forceinline__ void gdpg_pipe(int* pipe, const int* order, const int
   extern "C" __global__ void __launch_bounds__(GDPG_THREADS)                                   \
       gdp_bwd_grads_bf16_##KP##_##VP##SUFFIX(GDPG_PARAMS) {                                    \
     GDPG_ARGS(KP, VP, TILES, blockIdx.x, blockIdx.y);                                          \
-  }                                                                                            \
-  extern "C" __global__ void __launch_bounds__(GDPG_THREADS)                                   \
-      gdp_bwd_grads_bf16_##KP##_##VP##SUFFIX##_pipe(GDPG_PARAMS, int* pipe, const int* order,  \
-                                                    int items, int ready_count, int beside,    \
-                                                    int scan_blocks) {                         \
-    gdpg_pipe(pipe, order, table, N, H, items, ready_count, beside,                            \
-                             scan_blocks,                                                      \
-                             [&](int chunk, int head) { GDPG_ARGS(KP, VP, TILES, chunk, head); }); \
   }
 GDPG_ENTRY(64, 64, false, )
 GDPG_ENTRY(64, 128, false, )
@@ -964,3 +958,9 @@ GDPG_ENTRY(128, 64, false, )
 GDPG_ENTRY(128, 128, false, )
 // Only where it was measured faster: K = V = 128 at n >= 2 (the launch picks it).
 GDPG_ENTRY(128, 128, true, _tiles)
+extern "C" __global__ void __launch_bounds__(GDPG_THREADS)
+    gdp_bwd_grads_bf16_128_128_tiles_pipe(GDPG_PARAMS, int* pipe, const int* order, int items,
+                                          int ready_count, int beside, int scan_blocks) {
+  gdpg_pipe(pipe, order, table, N, H, items, ready_count, beside, scan_blocks,
+            [&](int chunk, int head) { GDPG_ARGS(128, 128, true, chunk, head); });
+}

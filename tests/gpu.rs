@@ -269,7 +269,10 @@ fn saved_intermediates_give_the_same_results() -> Result<()> {
     // split backward's dg, dbeta; the per-value-tile backward, which serves K, V > 128 and
     // keeps nothing, sums dq, dk over value tiles: an element may round to the neighbouring
     // bf16 value, ~3e-5 relative RMS in all; a wrong cache would differ by O(1)). Every result
-    // is within the bf16 tolerance of the reference.
+    // is within the bf16 tolerance of the reference. At K = V = 128, n = 2 (two heads: few
+    // state-gradient scan blocks) the saved backward runs its gradient kernel beside that scan
+    // (persistent blocks waiting for each group of chunks' dS, then the rest after the scan:
+    // `src/op/cuda/chunked_bwd.rs`).
     let dev = cuda()?;
     let dtype = DType::BF16;
     for c in cases() {
@@ -313,9 +316,7 @@ fn overlapped_forward_is_bit_identical_and_matches_f64_reference() -> Result<()>
     // Sequences of 35, 13 and 25 chunks with 6 scan blocks: the bf16 forward runs its WY
     // kernel and its scan side by side, the scan waiting for each group of chunks
     // (`src/op/cuda/pipeline.rs`); the recomputing backward runs its state-gradient scan beside
-    // its WY kernel the same way, and the backward from saved intermediates its gradient
-    // kernel beside that scan (persistent blocks waiting for each group of chunks' dS, then the
-    // rest after the scan: `src/op/cuda/chunked_bwd.rs`). Outputs, final states and (through the saved
+    // its WY kernel the same way. Outputs, final states and (through the saved
     // intermediates, and recomputed) every gradient must be bit-identical to those of the
     // kernels one after the other (GDP_CUDA_OVERLAP=0; dg and dβ up to the order of float
     // atomics), and within the bf16 tolerance of the f64 reference; so must the

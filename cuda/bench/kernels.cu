@@ -272,7 +272,7 @@ static void forward(int B, int T, int H, int n) {
   // multiprocessors it leaves, then (after the scan) on all of them; against the scan and the
   // gradient kernel one after the other. Timed from before the counters' zeroing.
   const int scan_blocks = B * H * (V / 32);
-  if (2 * scan_blocks < sms) {
+  if (2 * scan_blocks < sms && n >= 2) {
     const int nch = (T * n + C - 1) / C;
     std::vector<int> order;  // from the sequences' ends
     for (int c = nch - 1; c >= 0; --c)
@@ -293,7 +293,7 @@ static void forward(int B, int T, int H, int n) {
       return ns * gdpd_stage_bytes(KP, QR, 32) + 2 * (2 * KP * LB + C * LB + QR * LB) + 8 * ns * 3 * C + 12 * ns;
     };
     const int NS = smem_of(3) <= 232448 && !getenv("KB_NS2") ? 3 : 2, dsmem = smem_of(NS);
-    const auto pipe_kern = n >= 2 ? gdp_bwd_grads_bf16_128_128_tiles_pipe : gdp_bwd_grads_bf16_128_128_pipe;
+    const auto pipe_kern = gdp_bwd_grads_bf16_128_128_tiles_pipe;
     CK(cudaFuncSetAttribute(pipe_kern, cudaFuncAttributeMaxDynamicSharedMemorySize, gsmem));
     const int items = total * H;
     auto dh32 = [&](cudaStream_t st, int* signal) {

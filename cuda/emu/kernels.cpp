@@ -557,30 +557,26 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
              dhs.data(), dn.data(), ddn.data(), dob_ptr, parts ? nullptr : o,                \
              parts ? dq : nullptr, parts ? dk : nullptr, parts ? dv : nullptr,                  \
              o + qk_len + v_len, c.B, c.T, c.H, c.K, c.V, c.n, N, scale, QR
-#define PIPE ARGS, pp, order.data(), (int)total * H, (V + bv - 1) / bv, beside, done_at
-#define PICK(A, SUFFIX)                                                                        \
-  if (KPT == 64 && VPT == 64) gdp_bwd_grads_bf16_64_64##SUFFIX(A);                              \
-  if (KPT == 64 && VPT == 128) gdp_bwd_grads_bf16_64_128##SUFFIX(A);                            \
-  if (KPT == 128 && VPT == 64) gdp_bwd_grads_bf16_128_64##SUFFIX(A);                            \
-  if (KPT == 128 && VPT == 128 && c.n == 1) gdp_bwd_grads_bf16_128_128##SUFFIX(A);              \
-  if (KPT == 128 && VPT == 128 && c.n >= 2) gdp_bwd_grads_bf16_128_128_tiles##SUFFIX(A);
-      if (pp == nullptr) {
-        PICK(ARGS, )
-      } else {
-        PICK(PIPE, _pipe)
+      if (pp != nullptr) {  // only the `_tiles` kernel has persistent blocks
+        gdp_bwd_grads_bf16_128_128_tiles_pipe(ARGS, pp, order.data(), (int)total * H,
+                                              (V + bv - 1) / bv, beside, done_at);
+        return;
       }
-#undef PICK
-#undef PIPE
+      if (KPT == 64 && VPT == 64) gdp_bwd_grads_bf16_64_64(ARGS);
+      if (KPT == 64 && VPT == 128) gdp_bwd_grads_bf16_64_128(ARGS);
+      if (KPT == 128 && VPT == 64) gdp_bwd_grads_bf16_128_64(ARGS);
+      if (KPT == 128 && VPT == 128 && c.n == 1) gdp_bwd_grads_bf16_128_128(ARGS);
+      if (KPT == 128 && VPT == 128 && c.n >= 2) gdp_bwd_grads_bf16_128_128_tiles(ARGS);
 #undef ARGS
     });
   };
   if (total > 0) grads(out.data(), dqb.data(), dkb.data(), dvb.data(), nullptr, 0, 0, 0);
-  // The persistent blocks (as the op runs them beside the scan at small B·H, then after it)
-  // must write the same gradients: three blocks after the scan taking every pair; three beside
+  // The persistent blocks of the `_tiles` kernel (as the op runs them beside the scan at small
+  // B·H, then after it) must write the same gradients: three blocks after the scan taking every pair; three beside
   // it, told it is still running (each waits for its chunk's group: the emulation's wait asserts
   // it complete); and three beside it told it is done, which compute the pairs they hold and
   // leave, then three after it taking the rest.
-  if (total > 0) {
+  if (total > 0 && KPT == 128 && VPT == 128 && c.n >= 2) {
     bool same = true;
     for (int mode = 0; mode <= 2; ++mode) {
       std::vector<float> o2(out.size(), 0.f);

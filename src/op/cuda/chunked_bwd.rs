@@ -8,10 +8,11 @@
 //! of `backward.rs` redoes the WY factors and all the chunk's gradient products on its
 //! sequential path; this takes them off it. Where the forward kept its intermediates and the
 //! state-gradient scan's blocks fill fewer than half the multiprocessors (B1 T32768 H16: 64 of
-//! 132), the gradient kernel runs beside it: persistent blocks on the multiprocessors the scan
-//! leaves take the (chunk, head) pairs in the order the scan finishes them and wait for each
-//! group of chunks (`gdpg_pipe` in the kernel file), and once the scan is done a second launch
-//! takes the pairs left on every multiprocessor. The bf16 default where it fits (K, V <= 128);
+//! 132), the gradient kernel (its `_tiles` form: K = V = 128 tiles, n >= 2) runs beside it:
+//! persistent blocks on the multiprocessors the scan leaves take the (chunk, head) pairs in the
+//! order the scan finishes them and wait for each group of chunks (`gdpg_pipe` in the kernel
+//! file), and once the scan is done a second launch takes the pairs left on every
+//! multiprocessor. The bf16 default where it fits (K, V <= 128);
 //! `GDP_CUDA_BWD=fused` forces the other, `GDP_CUDA_BWD=chunked` this one (an error where it
 //! does not fit).
 
@@ -269,9 +270,12 @@ pub fn try_backward_bf16(
     // before the side stream forks): with the forward's intermediates, where the scan alone
     // would leave most multiprocessors idle. A rerun of the forward's scan takes them instead
     // (measured: the gradient kernel after it, beside the scan's end, gained nothing at B1
-    // T32768, `docs/perf.md` v25).
+    // T32768, `docs/perf.md` v25). Only the kernel measured so (`_tiles`: K, V in (64, 128],
+    // n >= 2) has persistent blocks.
     let grads_pipe = match (&pipeline, rerun) {
-        (Some(p), false) => Some(dev.alloc_zeros::<i32>(GRADS_PIPE_COUNTERS + p.counters())?),
+        (Some(p), false) if grads_tiles(kp, vp, sh.n) => {
+            Some(dev.alloc_zeros::<i32>(GRADS_PIPE_COUNTERS + p.counters())?)
+        }
         _ => None,
     };
     let (mut wy, mut states) = match cache {
@@ -422,6 +426,13 @@ pub fn try_backward_bf16(
     Ok(Some(out))
 }
 
+/// Whether the gradient kernel with `kp`, `vp` tiles stores dv and dk through shared memory
+/// (`_tiles`): K = V = 128 tiles at n >= 2, where it measured 3% faster (slower at n = 1,
+/// `docs/perf.md` v21). Only that kernel has persistent blocks (`_tiles_pipe`).
+fn grads_tiles(kp: usize, vp: usize, n: usize) -> bool {
+    kp == 128 && vp == 128 && n >= 2
+}
+
 /// Counters ahead of the per-group ones in the gradient kernel's pipe (`GDPG_PIPE_COUNTERS`:
 /// the next pair to take, the state-gradient scan's blocks done).
 const GRADS_PIPE_COUNTERS: usize = 2;
@@ -465,7 +476,7 @@ impl GradsLaunch<'_> {
     ) -> Result<()> {
         let (sh, inp) = (self.sh, self.inp);
         let [b, t, h, k, vd, n] = shape_i32(sh)?;
-        let tiles = if self.kp == 128 && self.vp == 128 && n >= 2 {
+        let tiles = if grads_tiles(self.kp, self.vp, sh.n) {
             "_tiles"
         } else {
             ""
