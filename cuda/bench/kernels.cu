@@ -2,8 +2,9 @@
 // (gdp_fwd_wy_bf16, gdp_fwd_scan_bf16_<BV>_128), of the split bf16 backward (the same two with
 // the states kept, gdp_bwd_dh_bf16_<BV>_128, gdp_bwd_grads_bf16_128_128[_tiles]) at the
 // benchmark shapes of docs/perf.md (with the WY kernel beside the scan, and the gradient kernel
-// beside the state-gradient scan, where the op overlaps them), and of the fused decode step (gdp_step_f32_k128) at B64 H16 K=V=128 n = 1..3, with
-// achieved bandwidth. No Rust needed, so it separates kernel time from the op's host-side work:
+// beside the state-gradient scan, where the op overlaps them), and of the fused decode step
+// (gdp_step_f32_k128) at B64 H16 K=V=128 n = 1..3, with achieved bandwidth. No Rust needed, so
+// it separates kernel time from the op's host-side work:
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icuda cuda/bench/kernels.cu -o kbench && ./kbench
 #include "gdp.cu"
 
@@ -236,12 +237,20 @@ static void forward(int B, int T, int H, int n) {
   states(gdp_fwd_states_bf16_64_128, 64, 0, 2, "states");
   states(gdp_fwd_scan_bf16_32_128, 32, QR, 3, "scan-no-out");
   states(gdp_fwd_scan_bf16_64_128, 64, QR, 3, "scan-no-out");
-  auto dh = [&](auto kern, int bv) {
+  // The state-gradient scan's stages (three where they fit, unless KB_NS2) and shared memory
+  // at value tile bv (dh_smem_bytes in src/op/cuda/chunked_bwd.rs).
+  auto dh_stages = [&](int bv, int& smem) {
     const int LB = bv + 8;
     auto smem_of = [&](int ns) {
       return ns * gdpd_stage_bytes(KP, QR, bv) + 2 * (2 * KP * LB + C * LB + QR * LB) + 8 * ns * 3 * C + 12 * ns;
     };
-    const int NS = smem_of(3) <= 232448 && !getenv("KB_NS2") ? 3 : 2, smem = smem_of(NS);
+    const int NS = smem_of(3) <= 232448 && !getenv("KB_NS2") ? 3 : 2;
+    smem = smem_of(NS);
+    return NS;
+  };
+  auto dh = [&](auto kern, int bv) {
+    int smem;
+    const int NS = dh_stages(bv, smem);
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const float t = median_ms([&] {
       kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
@@ -288,11 +297,8 @@ static void forward(int B, int T, int H, int n) {
     cudaEvent_t zeroed, done;
     CK(cudaEventCreateWithFlags(&zeroed, cudaEventDisableTiming));
     CK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    const int LB = 32 + 8;
-    auto smem_of = [&](int ns) {
-      return ns * gdpd_stage_bytes(KP, QR, 32) + 2 * (2 * KP * LB + C * LB + QR * LB) + 8 * ns * 3 * C + 12 * ns;
-    };
-    const int NS = smem_of(3) <= 232448 && !getenv("KB_NS2") ? 3 : 2, dsmem = smem_of(NS);
+    int dsmem;
+    const int NS = dh_stages(32, dsmem);
     const auto pipe_kern = gdp_bwd_grads_bf16_128_128_tiles_pipe;
     CK(cudaFuncSetAttribute(pipe_kern, cudaFuncAttributeMaxDynamicSharedMemorySize, gsmem));
     const int items = total * H;
@@ -324,6 +330,8 @@ static void forward(int B, int T, int H, int n) {
     });
     printf("  dh BV32/%d + grads: one after the other %.3f ms, beside %.3f ms\n", NS, t_seq,
            t_pipe);
+    CK(cudaEventDestroy(zeroed));
+    CK(cudaEventDestroy(done));
     CK(cudaStreamDestroy(urgent));
     CK(cudaFree(dorder));
     CK(cudaFree(pipe));
