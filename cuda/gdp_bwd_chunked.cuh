@@ -417,6 +417,9 @@ GDPD_SCAN_ENTRY(32, 64, 8)
 GDPD_SCAN_ENTRY(32, 128, 8)
 GDPD_SCAN_ENTRY(64, 64, 8)
 GDPD_SCAN_ENTRY(64, 128, 8)
+// BV 128 (219 registers at K = 128, no spills): beside the states rerun at BV 128 (v26).
+GDPD_SCAN_ENTRY(128, 64, 8)
+GDPD_SCAN_ENTRY(128, 128, 8)
 
 // ----------------------------------------------------------------------------------------------
 // Kernel 4: every gradient of one (chunk, head), 16 warps: warp w takes the rows of 16-row tile

@@ -1018,3 +1018,8 @@ GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 32, 128, 8, false)
 GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 32, 256, 8, false)
 GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 64, 64, 8, false)
 GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 64, 128, 8, false)
+// BV 128 (64 state values per thread at K = 128, 200 registers, no spills): beside the
+// state-gradient scan at BV 128, 64 blocks of each at B4 T4096 H16 share the GPU (docs/perf.md
+// v26).
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 128, 64, 8, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 128, 128, 8, false)

@@ -85,17 +85,21 @@ fn bf16_paths_match_f64_reference() -> Result<()> {
 }
 
 /// Every value tile of the forward scan (`GDP_CUDA_SCAN_BV`: three stages where they fit, as
-/// at BV 32 and K = 128, else two) and of the backward's states-only rerun
-/// (`GDP_CUDA_STATES_BV`, `gdp_fwd_states_bf16_*`): the tile rule picks one from the SM count
-/// and B·H, and the small shapes of the other tests take BV = 16. Each forced tile runs in a
-/// child process of this binary, so that no other test sees the variable (a forced tile is an
-/// error where it does not exist, e.g. BV 64 at K = 256), and every output and gradient is
-/// checked against the f64 reference.
+/// at BV 32 and K = 128, else two), of the backward's states-only rerun (`GDP_CUDA_STATES_BV`,
+/// `gdp_fwd_states_bf16_*`) and of its state-gradient scan (`GDP_CUDA_DH_BV`), the last two
+/// also at 128 columns: the tile rule picks one from the SM count and B·H, and the small shapes
+/// of the other tests take BV = 16. Each forced tile runs in a child process of this binary, so
+/// that no other test sees the variable (a forced tile is an error where it does not exist,
+/// e.g. BV 64 at K = 256), and every output and gradient is checked against the f64 reference.
 #[test]
 fn every_scan_tile_matches_f64_reference() -> Result<()> {
     if std::env::var_os(CHILD).is_none() {
-        for var in ["GDP_CUDA_SCAN_BV", "GDP_CUDA_STATES_BV"] {
-            for bv in ["16", "32", "64"] {
+        for (var, tiles) in [
+            ("GDP_CUDA_SCAN_BV", &["16", "32", "64"][..]),
+            ("GDP_CUDA_STATES_BV", &["16", "32", "64", "128"][..]),
+            ("GDP_CUDA_DH_BV", &["16", "32", "64", "128"][..]),
+        ] {
+            for &bv in tiles {
                 let name = "every_scan_tile_matches_f64_reference";
                 run_child(name, &[(var, bv)], &format!("{var}={bv}"))?;
             }
@@ -119,6 +123,22 @@ fn every_scan_tile_matches_f64_reference() -> Result<()> {
         let want = run_reference(&c, &x)?;
         assert_close(&c, &got, &want, 1e-2)?;
     }
+    Ok(())
+}
+
+/// B4 H16 with K = V = 128, where on a 132-multiprocessor H200 the recomputing backward runs its
+/// states rerun and state-gradient scan side by side at 128 value columns (64 blocks each):
+/// outputs and gradients against the f64 reference.
+#[test]
+fn side_by_side_scans_match_f64_reference() -> Result<()> {
+    let dev = cuda()?;
+    let c = Case::new("B4 H16 n2 T100 K128 V128 h0", 4, 100, 16, 128, 128, 2)
+        .h0()
+        .seed(53);
+    let x = inputs(&c, DType::BF16)?;
+    let got = run_op_on(&c, &x, DType::BF16, &dev)?;
+    let want = run_reference(&c, &x)?;
+    assert_close(&c, &got, &want, 1e-2)?;
     Ok(())
 }
 

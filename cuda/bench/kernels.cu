@@ -275,6 +275,179 @@ static void forward(int B, int T, int H, int n) {
   printf(" | grads %.3f ms (smem %d) | bwd total %.3f ms\n", t_gr, gsmem,
          t_wya + best_states + best_dh + t_gr);
 
+  // KB_CORES=1, where the scans' blocks fill the GPU (B4): the WY kernel beside a scan of two
+  // stages, which leaves room for one unpadded WY block next to each scan block, against the
+  // launches one after the other. Forward: WY (time-major, counting) with the forward scan
+  // waiting on it. Backward: WY (+ Ainv) with the state-gradient scan (chunks from the ends) or
+  // the states rerun beside it, the other scan after the WY kernel; against the op's order (WY,
+  // then the rerun and the state-gradient scan on two streams).
+  if (getenv("KB_CORES") != nullptr && 2 * B * H * (V / 32) >= sms) {
+    const int nch = (T * n + C - 1) / C;
+    std::vector<int> fo, bo;
+    for (int c = 0; c < nch; ++c)
+      for (int s = 0; s < B; ++s) fo.push_back(s * nch + c);
+    for (int c = nch - 1; c >= 0; --c)
+      for (int s = 0; s < B; ++s) bo.push_back(s * nch + c);
+    int* dfo = upload(fo);
+    int* dbo = upload(bo);
+    const size_t counters = (total / GDPC_READY_GROUP + B + 1) * H;
+    int* ready;
+    CK(cudaMalloc(&ready, counters * sizeof(int)));
+    int least, greatest;
+    CK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    cudaStream_t urgent, side;
+    CK(cudaStreamCreateWithPriority(&urgent, cudaStreamNonBlocking, greatest));
+    CK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    cudaEvent_t zeroed, done;
+    CK(cudaEventCreateWithFlags(&zeroed, cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    auto wy = [&](int* order, int* rdy, __nv_bfloat16* ainv) {
+      if (order == nullptr)
+        gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem, 0>>>(dq, dk, 1, dv, daux, dtab, w, u, p,
+                                                             cf, ainv, B, T, H, K, V, n, B,
+                                                             scale, nullptr, nullptr);
+      else
+        gdp_fwd_wy_bf16<<<total * H, 128, wy_smem, 0>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf,
+                                                        ainv, B, T, H, K, V, n, B, scale, order,
+                                                        rdy);
+    };
+    // `first` on the device's stream (the WY kernel), `second` on `st` once the counters are
+    // zeroed, then `after` on the device's stream; joined.
+    auto run = [&](cudaStream_t st, auto first, auto second, auto after) {
+      CK(cudaMemsetAsync(ready, 0, counters * sizeof(int), 0));
+      CK(cudaEventRecord(zeroed, 0));
+      CK(cudaStreamWaitEvent(st, zeroed, 0));
+      first();
+      second();
+      after();
+      CK(cudaEventRecord(done, st));
+      CK(cudaStreamWaitEvent(0, done, 0));
+    };
+    auto fscan = [&](auto kern, int bv, int ns, cudaStream_t st, int* rdy) {
+      const int smem = gdpc_scan_smem_bytes(KP, QR, bv, ns);
+      kern<<<dim3(B * H, V / bv), 256, smem, st>>>(dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0,
+                                                   nullptr, ob, nullptr, nullptr, nullptr, B, T,
+                                                   H, K, V, n, 0, QR, ns, rdy);
+    };
+    auto nothing = [] {};
+    printf("  co-resident (WY %d bytes beside a two-stage scan):", wy_smem);
+    auto fwd_pair = [&](auto kern, int bv) {
+      const float t_seq = median_ms([&] {
+        wy(dfo, nullptr, nullptr);
+        fscan(kern, bv, 2, 0, nullptr);
+      });
+      const float t_ovl = median_ms([&] {
+        run(urgent, [&] { wy(dfo, ready, nullptr); },
+            [&] { fscan(kern, bv, 2, urgent, ready); }, nothing);
+      });
+      printf(" | fwd BV%d/2 one after the other %.3f, beside %.3f", bv, t_seq, t_ovl);
+    };
+    fwd_pair(gdp_fwd_scan_bf16_64_128, 64);
+    printf("\n");
+    auto dh64 = [&](int ns, cudaStream_t st, int* rdy) {
+      const int LB = 64 + 8;
+      const int smem = ns * gdpd_stage_bytes(KP, QR, 64) + 2 * (2 * KP * LB + C * LB + QR * LB) +
+                       8 * ns * 3 * C + 12 * ns;
+      gdp_bwd_dh_bf16_64_128<<<dim3(B * H, V / 64), 256, smem, st>>>(
+          dq, dk, 1, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, ns,
+          rdy, nullptr);
+    };
+    auto states64 = [&](cudaStream_t st, int* rdy) {
+      const int smem = gdpc_scan_smem_bytes(KP, 0, 64, 2);
+      gdp_fwd_states_bf16_64_128<<<dim3(B * H, V / 64), 256, smem, st>>>(
+          dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, nullptr, nullptr, hs, dn, B, T, H,
+          K, V, n, 0, 0, 2, rdy);
+    };
+    // (Shared-memory limits set above, at least as large: three-stage dS and forward scans.)
+    const float t_op = median_ms([&] {
+      wy(nullptr, nullptr, ag);
+      CK(cudaEventRecord(zeroed, 0));
+      CK(cudaStreamWaitEvent(side, zeroed, 0));
+      dh64(3, side, nullptr);
+      states64(0, nullptr);
+      CK(cudaEventRecord(done, side));
+      CK(cudaStreamWaitEvent(0, done, 0));
+    });
+    const float t_dh = median_ms([&] {
+      run(urgent, [&] { wy(dbo, ready, ag); }, [&] { dh64(2, urgent, ready); },
+          [&] { states64(0, nullptr); });
+    });
+    const float t_st = median_ms([&] {
+      run(urgent, [&] { wy(dfo, ready, ag); }, [&] { states64(urgent, ready); },
+          [&] { dh64(3, 0, nullptr); });
+    });
+    printf("  bwd WY + both scans: the op's order %.3f | dS scan BV64/2 beside WY %.3f | states "
+           "BV64/2 beside WY %.3f ms\n",
+           t_op, t_dh, t_st);
+    // The two scans side by side without the WY kernel: the op's tiles (BV 64; 128 blocks each,
+    // which cannot share a multiprocessor) against BV 128 (64 blocks each, two stages), with
+    // the BV 128 results checked against the BV 64 ones.
+    const int LB128 = 128 + 8;
+    const int dh128_smem = 2 * gdpd_stage_bytes(KP, QR, 128) +
+                           2 * (2 * KP * LB128 + C * LB128 + QR * LB128) + 8 * 2 * 3 * C + 12 * 2;
+    const int st128_smem = gdpc_scan_smem_bytes(KP, 0, 128, 2);
+    CK(cudaFuncSetAttribute(gdp_bwd_dh_bf16_128_128, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            dh128_smem));
+    CK(cudaFuncSetAttribute(gdp_fwd_states_bf16_128_128,
+                            cudaFuncAttributeMaxDynamicSharedMemorySize, st128_smem));
+    auto dh128 = [&](cudaStream_t st) {
+      gdp_bwd_dh_bf16_128_128<<<dim3(B * H, 1), 256, dh128_smem, st>>>(
+          dq, dk, 1, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, 2,
+          nullptr, nullptr);
+    };
+    auto states128 = [&](cudaStream_t st) {
+      gdp_fwd_states_bf16_128_128<<<dim3(B * H, 1), 256, st128_smem, st>>>(
+          dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, nullptr, nullptr, hs, dn, B, T, H,
+          K, V, n, 0, 0, 2, nullptr);
+    };
+    auto pair = [&](auto a, auto b) {  // a on the device's stream, b on `side`
+      return median_ms([&] {
+        CK(cudaEventRecord(zeroed, 0));
+        CK(cudaStreamWaitEvent(side, zeroed, 0));
+        a();
+        b();
+        CK(cudaEventRecord(done, side));
+        CK(cudaStreamWaitEvent(0, done, 0));
+      });
+    };
+    const size_t nst = slots * K * V, ndn = slots * C * V;
+    auto fetch = [&](const __nv_bfloat16* d, size_t len) {
+      std::vector<__nv_bfloat16> h(len);
+      CK(cudaDeviceSynchronize());
+      CK(cudaMemcpy(h.data(), d, len * 2, cudaMemcpyDeviceToHost));
+      return h;
+    };
+    auto max_diff = [](const std::vector<__nv_bfloat16>& a, const std::vector<__nv_bfloat16>& b) {
+      float m = 0.f;
+      for (size_t i = 0; i < a.size(); ++i)
+        m = std::max(m, fabsf(__bfloat162float(a[i]) - __bfloat162float(b[i])));
+      return m;
+    };
+    wy(nullptr, nullptr, ag);
+    states64(0, nullptr);
+    dh64(3, 0, nullptr);
+    const auto hs64 = fetch(hs, nst), dn64 = fetch(dn, ndn), dhs64 = fetch(dhs, nst),
+               ddn64 = fetch(ddn, ndn);
+    states128(0);
+    dh128(0);
+    const float e_st = std::max(max_diff(hs64, fetch(hs, nst)), max_diff(dn64, fetch(dn, ndn)));
+    const float e_dh =
+        std::max(max_diff(dhs64, fetch(dhs, nst)), max_diff(ddn64, fetch(ddn, ndn)));
+    const float t_pair64 = pair([&] { states64(0, nullptr); }, [&] { dh64(3, side, nullptr); });
+    const float t_st128 = median_ms([&] { states128(0); });
+    const float t_dh128 = median_ms([&] { dh128(0); });
+    const float t_pair128 = pair([&] { states128(0); }, [&] { dh128(side); });
+    const float t_mixed = pair([&] { states128(0); }, [&] { dh64(3, side, nullptr); });
+    printf("  bwd scans side by side: BV64 (op) %.3f | BV128/2 %.3f (states alone %.3f, dS alone "
+           "%.3f; max diff to BV64 %.2g / %.2g) | states BV128 + dS BV64/3 %.3f ms\n",
+           t_pair64, t_pair128, t_st128, t_dh128, e_st, e_dh, t_mixed);
+    CK(cudaEventDestroy(zeroed));
+    CK(cudaEventDestroy(done));
+    CK(cudaStreamDestroy(urgent));
+    CK(cudaStreamDestroy(side));
+    for (void* x : {(void*)dfo, (void*)dbo, (void*)ready}) CK(cudaFree(x));
+  }
+
   // The gradient kernel beside the state-gradient scan (BV 32, src/op/cuda/chunked_bwd.rs)
   // where the scan's blocks fill fewer than half the multiprocessors: the scan on a
   // high-priority stream counting its groups done, persistent gradient blocks on the
@@ -387,7 +560,10 @@ static void step() {
 // KB_ONLY_N2=1 skips the n = 1 shape; KB_ONLY_B1=1 runs only B1 T32768 n2 (for profilers);
 // KB_ONLY_STEP=1 only the decode step; KB_ONLY_WY=1 only the WY kernel's times; KB_WY_PAD=1
 // adds the overlap with the WY kernel's shared memory padded (at most 3, 2, 1 blocks per SM);
-// KB_NS2=1 gives the forward and state-gradient scans two stages where three fit.
+// KB_NS2=1 gives the forward and state-gradient scans two stages where three fit; KB_CORES=1
+// adds, at B4, the WY kernel beside two-stage scans that leave it room (co-resident blocks),
+// and the backward's two scans side by side at BV 64 (128 blocks each) and 128 (64 each, the
+// op's choice there since docs/perf.md v26).
 int main() {
   setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a pipe even if a timeout stops the run
   if (getenv("KB_ONLY_STEP") != nullptr) {  // the decode step only

@@ -465,21 +465,25 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
   const int nthr = bv == 16 ? 128 : 256;
   // The states rerun as the op runs it: the states-only kernel (no query rows staged, QR = 0)
   // into hs, dn; then the forward scan without an output into hs2, dn2, which must be
-  // bit-identical (the same products on the same staged values).
+  // bit-identical (the same products on the same staged values; there is no forward scan of
+  // 128 columns, so at BV 128 the one of 64, on twice as many blocks).
   auto rerun = [&](bool states_only, __nv_bfloat16* hs_to, __nv_bfloat16* dn_to) {
-    launch(N * H, (V + bv - 1) / bv, nthr, [&] {
+    const int lbv = states_only ? bv : std::min(bv, 64);
+    launch(N * H, (V + lbv - 1) / lbv, nthr, [&] {
 #define ARGS a.q, a.k, a.split, P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(), cg.data(), \
              P.aux.data(), 0, nullptr, nullptr, nullptr, hs_to, dn_to, c.B, c.T, c.H, c.K, c.V, c.n, \
              c.h0, states_only ? 0 : QR, NS, nullptr
 #define PICK(PREFIX)                                     \
-  if (bv == 16 && KPT == 64) PREFIX##_16_64(ARGS);       \
-  if (bv == 16 && KPT == 128) PREFIX##_16_128(ARGS);     \
-  if (bv == 32 && KPT == 64) PREFIX##_32_64(ARGS);       \
-  if (bv == 32 && KPT == 128) PREFIX##_32_128(ARGS);     \
-  if (bv == 64 && KPT == 64) PREFIX##_64_64(ARGS);       \
-  if (bv == 64 && KPT == 128) PREFIX##_64_128(ARGS);
+  if (lbv == 16 && KPT == 64) PREFIX##_16_64(ARGS);      \
+  if (lbv == 16 && KPT == 128) PREFIX##_16_128(ARGS);    \
+  if (lbv == 32 && KPT == 64) PREFIX##_32_64(ARGS);      \
+  if (lbv == 32 && KPT == 128) PREFIX##_32_128(ARGS);    \
+  if (lbv == 64 && KPT == 64) PREFIX##_64_64(ARGS);      \
+  if (lbv == 64 && KPT == 128) PREFIX##_64_128(ARGS);
       if (states_only) {
         PICK(gdp_fwd_states_bf16)
+        if (lbv == 128 && KPT == 64) gdp_fwd_states_bf16_128_64(ARGS);
+        if (lbv == 128 && KPT == 128) gdp_fwd_states_bf16_128_128(ARGS);
       } else {
         PICK(gdp_fwd_scan_bf16)
       }
@@ -510,6 +514,8 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
       if (bv == 32 && KPT == 128) gdp_bwd_dh_bf16_32_128(ARGS);
       if (bv == 64 && KPT == 64) gdp_bwd_dh_bf16_64_64(ARGS);
       if (bv == 64 && KPT == 128) gdp_bwd_dh_bf16_64_128(ARGS);
+      if (bv == 128 && KPT == 64) gdp_bwd_dh_bf16_128_64(ARGS);
+      if (bv == 128 && KPT == 128) gdp_bwd_dh_bf16_128_128(ARGS);
 #undef ARGS
     });
   };
@@ -760,6 +766,9 @@ int main(int argc, char** argv) {
   const Case tiles{"n3 T100 K64 V128 strong", 1, 100, 2, 64, 128, 3, false, {0, 37, 100}, 20.f, 32};
   run_bf16_bwd(tiles, 16, 2);
   run_bf16_bwd(tiles, 32, 3);
+  // The scans of 128 value columns (two stages), as the op runs them side by side at B4 H16.
+  run_bf16_bwd(cases.back(), 128, 2);
+  run_bf16_bwd(tiles, 128, 2);
   if (only_bwd) {
     printf("fails: %d\n", fails);
     return fails != 0;

@@ -104,7 +104,9 @@ pub(super) struct ScanPlan {
 /// What a scan kernel family needs to be planned: its kernel-name prefix (`<prefix>_<BV>_<KPT>`),
 /// its shared memory `(kpt, query rows, bv, stages) -> bytes`, the largest key tile it exists
 /// for, the environment variable that forces its value tile, whether it stages query rows
-/// (`query_rows(n)` of them, else none), and the most stage buffers worth giving it.
+/// (`query_rows(n)` of them, else none), the most stage buffers worth giving it, and whether
+/// it has kernels of 128 value columns (for K <= 128), planned only for two scans side by side
+/// ([`scan_pair_plan`]) or when forced.
 pub(super) struct ScanKind {
     pub prefix: &'static str,
     pub smem: fn(usize, usize, usize, usize) -> usize,
@@ -112,6 +114,7 @@ pub(super) struct ScanKind {
     pub env: &'static str,
     pub queries: bool,
     pub max_stages: usize,
+    pub wide: bool,
 }
 
 /// The forward scan (`gdp_fwd_scan_bf16_<BV>_<KPT>`).
@@ -122,6 +125,7 @@ pub(super) const FWD_SCAN: ScanKind = ScanKind {
     env: "GDP_CUDA_SCAN_BV",
     queries: true,
     max_stages: 3,
+    wide: false,
 };
 
 /// The forward scan without an output (`gdp_fwd_states_bf16_<BV>_<KPT>`): each chunk's start
@@ -137,15 +141,18 @@ pub(super) const STATES_SCAN: ScanKind = ScanKind {
     env: "GDP_CUDA_STATES_BV",
     queries: false,
     max_stages: 2,
+    wide: true,
 };
 
-/// Picks a scan's value tile: `kind.env` (16, 32 or 64) when set; else the widest tile that
-/// still gives about one block per two multiprocessors, or 16. Fewer, wider blocks stage each
-/// chunk's W, K and Q fewer times, and a scan's chunk step is latency-bound: at B1 T32768 H16
-/// (H200, `docs/perf.md` v9) 64 blocks of BV = 32 (eight warps) took 2.85 / 2.86 / 3.30 ms for
-/// the forward scan, its rerun and the dS scan against 3.20 / 3.22 / 3.74 ms for 128 blocks of
-/// BV = 16 (four warps). Three stage buffers (copies two chunks ahead) where they fit and
-/// `kind.max_stages` allows, else two. `None` where nothing fits (K too large, or shared
+/// Picks a scan's value tile: `kind.env` (16, 32 or 64, or 128 for a [`ScanKind::wide`] kind
+/// at K <= 128) when set; else the widest of 64, 32 and 16 that still gives about one block per
+/// two multiprocessors, or 16. Fewer, wider blocks stage each chunk's W, K and Q fewer times,
+/// and a scan's chunk step is latency-bound: at B1 T32768 H16 (H200, `docs/perf.md` v9) 64
+/// blocks of BV = 32 (eight warps) took 2.85 / 2.86 / 3.30 ms for the forward scan, its rerun
+/// and the dS scan against 3.20 / 3.22 / 3.74 ms for 128 blocks of BV = 16 (four warps); a scan
+/// alone at BV 128 is slower than at 64 where both give enough blocks (B4 T4096 H16 n2: the dS
+/// scan 0.774 ms against 0.493, v26). Three stage buffers (copies two chunks ahead) where they
+/// fit and `kind.max_stages` allows, else two. `None` where nothing fits (K too large, or shared
 /// memory).
 pub(super) fn scan_plan(
     kind: &ScanKind,
@@ -153,15 +160,95 @@ pub(super) fn scan_plan(
     max_smem: usize,
     sms: usize,
 ) -> Result<Option<ScanPlan>> {
-    let Some(kpt) = key_tile(sh.dk).filter(|&t| t <= kind.max_kpt) else {
+    let Some(tiles) = ScanTiles::new(kind, sh, max_smem) else {
         return Ok(None);
     };
-    let smem = kind.smem;
-    let qr = if kind.queries { query_rows(sh.n) } else { 0 };
-    // The state lives in registers: at most 32 f32 per thread (kernels exist for these).
-    let ok = |bv: usize| !(kpt == 256 && bv == 64) && smem(kpt, qr, bv, 2) <= max_smem;
-    let plan = |bv: usize| {
-        let stages = if kind.max_stages >= 3 && smem(kpt, qr, bv, 3) <= max_smem {
+    if let Some(bv) = forced_tile(kind, sh, &tiles, max_smem)? {
+        return Ok(Some(tiles.plan(bv)));
+    }
+    let rows = sh.num_seqs() * sh.heads;
+    let fitting: Vec<usize> = [64, 32, 16]
+        .into_iter()
+        .filter(|&bv| tiles.fits(bv))
+        .collect();
+    let enough = |bv: usize| 20 * rows * sh.dv.div_ceil(bv) >= 9 * sms;
+    Ok(fitting
+        .iter()
+        .copied()
+        .find(|&bv| enough(bv))
+        .or(fitting.last().copied())
+        .map(|bv| tiles.plan(bv)))
+}
+
+/// Plans two scans that run side by side (the backward's states rerun and state-gradient scan)
+/// with one value tile: the widest (128 where both kinds have it) at which their blocks
+/// together fill from about 90% to all of the multiprocessors, one block of each per
+/// multiprocessor. Tiles that [`scan_plan`] picks for one scan can give each scan blocks for
+/// the whole GPU, so that the two, which cannot share a multiprocessor, run one after the other:
+/// at B4 T4096 H16 n2 (H200, `docs/perf.md` v26) 128 blocks each of BV 64 took 0.883 ms side by
+/// side, 64 each of BV 128 0.793 (n3: 1.309 against 1.176). `None` where no tile does that, or
+/// where either scan's tile is forced (`kind.env`): then each is planned alone.
+pub(super) fn scan_pair_plan(
+    kinds: [&ScanKind; 2],
+    sh: &GdpShape,
+    max_smem: usize,
+    sms: usize,
+) -> Result<Option<[ScanPlan; 2]>> {
+    if kinds.iter().any(|k| std::env::var_os(k.env).is_some()) {
+        return Ok(None);
+    }
+    let (Some(a), Some(b)) = (
+        ScanTiles::new(kinds[0], sh, max_smem),
+        ScanTiles::new(kinds[1], sh, max_smem),
+    ) else {
+        return Ok(None);
+    };
+    let blocks = |bv: usize| sh.num_seqs() * sh.heads * sh.dv.div_ceil(bv);
+    Ok([128, 64, 32, 16]
+        .into_iter()
+        .filter(|&bv| a.fits(bv) && b.fits(bv))
+        .find(|&bv| 2 * blocks(bv) <= sms && 20 * blocks(bv) >= 9 * sms)
+        .map(|bv| [a.plan(bv), b.plan(bv)]))
+}
+
+/// The value tiles of one scan kind at one shape: which kernels exist and fit, and their plans.
+struct ScanTiles<'a> {
+    kind: &'a ScanKind,
+    kpt: usize,
+    qr: usize,
+    max_smem: usize,
+}
+
+impl<'a> ScanTiles<'a> {
+    /// `None` where the kind has no kernel for this key dimension.
+    fn new(kind: &'a ScanKind, sh: &GdpShape, max_smem: usize) -> Option<Self> {
+        let kpt = key_tile(sh.dk).filter(|&t| t <= kind.max_kpt)?;
+        let qr = if kind.queries { query_rows(sh.n) } else { 0 };
+        Some(Self {
+            kind,
+            kpt,
+            qr,
+            max_smem,
+        })
+    }
+
+    /// Whether a kernel of `bv` value columns exists for this key tile (the state lives in
+    /// registers: at most 32 f32 per thread, 64 at BV 128) and fits with two stages.
+    fn fits(&self, bv: usize) -> bool {
+        let exists = match bv {
+            16 | 32 => true,
+            64 => self.kpt <= 128,
+            128 => self.kind.wide && self.kpt <= 128,
+            _ => false,
+        };
+        exists && (self.kind.smem)(self.kpt, self.qr, bv, 2) <= self.max_smem
+    }
+
+    /// Three stages where they fit and the kind allows, else two.
+    fn plan(&self, bv: usize) -> ScanPlan {
+        let smem = self.kind.smem;
+        let stages = if self.kind.max_stages >= 3 && smem(self.kpt, self.qr, bv, 3) <= self.max_smem
+        {
             3
         } else {
             2
@@ -169,34 +256,40 @@ pub(super) fn scan_plan(
         ScanPlan {
             bv,
             stages,
-            qr,
+            qr: self.qr,
             threads: scan_threads(bv),
-            smem: smem(kpt, qr, bv, stages),
-            kernel: format!("{}_{bv}_{kpt}", kind.prefix),
+            smem: smem(self.kpt, self.qr, bv, stages),
+            kernel: format!("{}_{bv}_{}", self.kind.prefix, self.kpt),
         }
-    };
-    if let Ok(s) = std::env::var(kind.env) {
-        let bv: usize = s.trim().parse().unwrap_or(0);
-        if !matches!(bv, 16 | 32 | 64) || !ok(bv) {
-            candle_core::bail!(
-                "gdp cuda: {} must be 16, 32 or 64 and fit (K = {}, n = {}, {max_smem} bytes \
-                 of shared memory), got {s:?}",
-                kind.env,
-                sh.dk,
-                sh.n
-            );
-        }
-        return Ok(Some(plan(bv)));
     }
-    let rows = sh.num_seqs() * sh.heads;
-    let fitting: Vec<usize> = [64, 32, 16].into_iter().filter(|&bv| ok(bv)).collect();
-    let enough = |bv: usize| 20 * rows * sh.dv.div_ceil(bv) >= 9 * sms;
-    Ok(fitting
-        .iter()
-        .copied()
-        .find(|&bv| enough(bv))
-        .or(fitting.last().copied())
-        .map(plan))
+}
+
+/// The value tile forced by `kind.env`, checked against the kernels that exist and fit.
+fn forced_tile(
+    kind: &ScanKind,
+    sh: &GdpShape,
+    tiles: &ScanTiles,
+    max_smem: usize,
+) -> Result<Option<usize>> {
+    let Ok(s) = std::env::var(kind.env) else {
+        return Ok(None);
+    };
+    let bv: usize = s.trim().parse().unwrap_or(0);
+    if !tiles.fits(bv) {
+        let allowed = if kind.wide {
+            "16, 32, 64 or 128"
+        } else {
+            "16, 32 or 64"
+        };
+        candle_core::bail!(
+            "gdp cuda: {} must be {allowed} and fit (K = {}, n = {}, {max_smem} bytes of shared \
+             memory), got {s:?}",
+            kind.env,
+            sh.dk,
+            sh.n
+        );
+    }
+    Ok(Some(bv))
 }
 
 /// The device's opt-in shared memory per block and its multiprocessor count.

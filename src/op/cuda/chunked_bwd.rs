@@ -17,9 +17,9 @@
 //! does not fit).
 
 use super::chunked::{
-    choice, key_tile, query_rows, run_scan, scan_plan, smem_and_sms, untracked, wy_smem_bytes,
-    Bf16Inputs, Choice, ChunkStates, ChunkTable, ForwardCache, QkIn, ScanDest, ScanKind, ScanOut,
-    ScanPlan, WyFactors, STATES_SCAN,
+    choice, key_tile, query_rows, run_scan, scan_pair_plan, scan_plan, smem_and_sms, untracked,
+    wy_smem_bytes, Bf16Inputs, Choice, ChunkStates, ChunkTable, ForwardCache, QkIn, ScanDest,
+    ScanKind, ScanOut, ScanPlan, WyFactors, STATES_SCAN,
 };
 use super::launch::{allow_smem, check_states, shape_i32, to_i32, view};
 use super::module::load_kernel;
@@ -60,6 +60,7 @@ pub(super) const DH_SCAN: ScanKind = ScanKind {
     env: "GDP_CUDA_DH_BV",
     queries: true,
     max_stages: 3,
+    wide: true,
 };
 
 /// Shared memory of the gradient kernel, bytes (`gdpg_smem_bytes` in the kernel file).
@@ -132,8 +133,18 @@ fn plan(dev: &CudaDevice, sh: &GdpShape) -> Result<Option<SplitPlan>> {
         }
         _ => None,
     };
+    let side_by_side = match scans {
+        Some(_) => scan_pair_plan([&STATES_SCAN, &DH_SCAN], sh, max_smem, sms)?,
+        None => None,
+    };
     match (tiles, scans) {
-        (Some((kp, vp)), Some((rerun, dh))) => Ok(Some(SplitPlan { kp, vp, rerun, dh })),
+        (Some((kp, vp)), Some((rerun, dh))) => Ok(Some(SplitPlan {
+            kp,
+            vp,
+            rerun,
+            dh,
+            side_by_side,
+        })),
         _ if choice == Choice::Chunked => candle_core::bail!(
             "gdp cuda: GDP_CUDA_BWD=chunked does not fit K = {}, V = {}, n = {} (needs K, V <= \
              128 and {max_smem} bytes of shared memory)",
@@ -188,8 +199,13 @@ impl Side {
 struct SplitPlan {
     kp: usize,
     vp: usize,
+    /// The states rerun and the state-gradient scan, each planned alone (the scan runs alone
+    /// where the forward kept its intermediates).
     rerun: ScanPlan,
     dh: ScanPlan,
+    /// The two planned to run side by side ([`scan_pair_plan`]), where a common tile lets them
+    /// share the GPU.
+    side_by_side: Option<[ScanPlan; 2]>,
 }
 
 /// Runs the split bf16 backward if `GDP_CUDA_BWD` allows it and it fits this shape (the
@@ -215,12 +231,14 @@ pub fn try_backward_bf16(
     let Some(SplitPlan {
         kp,
         vp,
-        rerun: rerun_plan,
-        dh,
+        rerun: rerun_alone,
+        dh: dh_alone,
+        side_by_side,
     }) = plan(dev, sh)?
     else {
         return Ok(None);
     };
+    let rerun = cache.is_none();
     let qr = query_rows(sh.n);
     let inp = Bf16Inputs::new(qk, v, aux, sh, has_h0)?;
     check_states(h0_override, sh, "initial-state override")?;
@@ -263,9 +281,22 @@ pub fn try_backward_bf16(
     // 1. WY factors with Ainv (kept by the forward, or computed again below: before both scans,
     // or beside the state-gradient scan), and the buffers of every chunk's start state and Delta
     // (kept by the forward, or computed again in 3).
-    let rerun = cache.is_none();
+    let alone_bv = dh_alone.bv;
+    let [rerun_plan, dh] = match side_by_side {
+        Some(pair) if rerun => pair,
+        _ => [rerun_alone, dh_alone],
+    };
     let sms = smem_and_sms(dev)?.1;
-    let pipeline = Pipeline::plan(dev, sh, &table, &dh, sms, sh.chunks_from_the_end())?;
+    // The WY kernel beside the state-gradient scan only where the scan runs at the tile it
+    // would have alone (the pipeline's own rule then decides: B1 T32768 H16), not beside a
+    // side-by-side pair of wider scans: at B4 T4096 H16 n2 the scan's 64 blocks of 128 columns
+    // then waited for a WY kernel on the other half of the GPU and the rerun for its end
+    // (forward+backward 4.666 ms against 4.332 with the WY kernel first, `docs/perf.md` v26).
+    let pipeline = if dh.bv == alone_bv {
+        Pipeline::plan(dev, sh, &table, &dh, sms, sh.chunks_from_the_end())?
+    } else {
+        None
+    };
     // The gradient kernel's counters where it runs beside the state-gradient scan (zeroed
     // before the side stream forks): with the forward's intermediates, where the scan alone
     // would leave most multiprocessors idle. A rerun of the forward's scan takes them instead
