@@ -287,24 +287,23 @@ pub fn try_backward_bf16(
         _ => [rerun_alone, dh_alone],
     };
     let sms = smem_and_sms(dev)?.1;
-    // The WY kernel beside the state-gradient scan only where the scan runs at the tile it
-    // would have alone (the pipeline's own rule then decides: B1 T32768 H16), not beside a
-    // side-by-side pair of wider scans: at B4 T4096 H16 n2 the scan's 64 blocks of 128 columns
-    // then waited for a WY kernel on the other half of the GPU and the rerun for its end
-    // (forward+backward 4.666 ms against 4.332 with the WY kernel first, `docs/perf.md` v26).
-    let pipeline = if dh.bv == alone_bv {
-        Pipeline::plan(dev, sh, &table, &dh, sms, sh.chunks_from_the_end())?
-    } else {
-        None
-    };
+    let pipeline = Pipeline::plan(dev, sh, &table, &dh, sms, sh.chunks_from_the_end())?;
+    // With a pipeline, the WY kernel runs beside the state-gradient scan only where the scan
+    // runs at the tile it would have alone (B1 T32768 H16), not beside a side-by-side pair of
+    // wider scans: at B4 T4096 H16 n2 the scan's 64 blocks of 128 columns then waited for a WY
+    // kernel on the other half of the GPU and the rerun for its end (forward+backward 4.666 ms
+    // against 4.332 with the WY kernel first, `docs/perf.md` v26).
+    let side_by_side = rerun && dh.bv != alone_bv;
+    let wy_beside = rerun && !side_by_side;
     // The gradient kernel's counters where it runs beside the state-gradient scan (zeroed
     // before the side stream forks): with the forward's intermediates, where the scan alone
-    // would leave most multiprocessors idle. A rerun of the forward's scan takes them instead
-    // (measured: the gradient kernel after it, beside the scan's end, gained nothing at B1
-    // T32768, `docs/perf.md` v25). Only the kernel measured so (`_tiles`: K, V in (64, 128],
-    // n >= 2) has persistent blocks.
-    let grads_pipe = match (&pipeline, rerun) {
-        (Some(p), false) if grads_tiles(kp, vp, sh.n) => {
+    // would leave most multiprocessors idle, and after the rerun of a side-by-side pair, on the
+    // multiprocessors the rerun leaves when it ends before the scan. A rerun at the scan's own
+    // tile takes them instead (measured: the gradient kernel after it, beside the scan's end,
+    // gained nothing at B1 T32768, `docs/perf.md` v25). Only the kernel measured so (`_tiles`:
+    // K, V in (64, 128], n >= 2) has persistent blocks.
+    let grads_pipe = match &pipeline {
+        Some(p) if !wy_beside && grads_tiles(kp, vp, sh.n) => {
             Some(dev.alloc_zeros::<i32>(GRADS_PIPE_COUNTERS + p.counters())?)
         }
         _ => None,
@@ -353,21 +352,27 @@ pub fn try_backward_bf16(
             dh0: has_h0.then_some(&mut dh0),
         };
         let dht = dht.as_ref();
-        // With a pipeline: the side stream forked before the WY kernel (the scan waiting for
-        // its counters when it reruns); else forked after it.
+        // With a pipeline: the side stream forked before the WY kernel where the scan runs
+        // beside it (waiting for its counters); else forked after it.
+        if side_by_side {
+            wy.launch(dev, &inp, &table, sh, scale, None)?;
+        }
         let overlap = match &pipeline {
             Some(p) => p.start(dev)?.map(|run| (p, run)),
             None => None,
         };
         let side = match overlap {
             Some((p, run)) => {
-                if rerun {
+                if wy_beside {
                     wy.launch(dev, &inp, &table, sh, scale, Some(p.signal(&run, false)))?;
                 }
-                Side::Beside { run, waits: rerun }
+                Side::Beside {
+                    run,
+                    waits: wy_beside,
+                }
             }
             None => {
-                if rerun {
+                if wy_beside {
                     wy.launch(dev, &inp, &table, sh, scale, None)?;
                 }
                 Side::Plain(SideStream::fork(dev)?)
