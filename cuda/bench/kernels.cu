@@ -274,6 +274,22 @@ static void forward(int B, int T, int H, int n) {
   });
   printf(" | grads %.3f ms (smem %d) | bwd total %.3f ms\n", t_gr, gsmem,
          t_wya + best_states + best_dh + t_gr);
+  // KB_GRADS_PIPE=1 (n >= 2): the persistent gradient kernel as the op runs it after the scan
+  // where no pipeline runs it beside (a block per multiprocessor, the table's chunk order).
+  if (getenv("KB_GRADS_PIPE") != nullptr && n >= 2) {
+    int* counters;
+    CK(cudaMalloc(&counters, GDPG_PIPE_COUNTERS * sizeof(int)));
+    const auto kern = gdp_bwd_grads_bf16_128_128_tiles_pipe;
+    CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, gsmem));
+    const float t = median_ms([&] {
+      CK(cudaMemsetAsync(counters, 0, GDPG_PIPE_COUNTERS * sizeof(int), 0));
+      kern<<<sms, GDPG_THREADS, gsmem>>>(dq, dk, 1, dv, daux, dtab, ag, hs, dhs, dn, ddn, dob,
+                                         nullptr, gq, gk, gv, gout, B, T, H, K, V, n, B, scale, QR,
+                                         counters, nullptr, total * H, 1, 0, 0);
+    });
+    printf("  grads persistent (%d blocks) %.3f ms\n", sms, t);
+    CK(cudaFree(counters));
+  }
 
   // KB_CORES=1, where the scans' blocks fill the GPU (B4): the WY kernel beside a scan of two
   // stages, which leaves room for one unpadded WY block next to each scan block, against the
@@ -563,7 +579,8 @@ static void step() {
 // KB_NS2=1 gives the forward and state-gradient scans two stages where three fit; KB_CORES=1
 // adds, at B4, the WY kernel beside two-stage scans that leave it room (co-resident blocks),
 // and the backward's two scans side by side at BV 64 (128 blocks each) and 128 (64 each, the
-// op's choice there since docs/perf.md v26).
+// op's choice there since docs/perf.md v26); KB_GRADS_PIPE=1 adds, at n >= 2, the persistent
+// gradient kernel after the scan (the op's launch there since v27).
 int main() {
   setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a pipe even if a timeout stops the run
   if (getenv("KB_ONLY_STEP") != nullptr) {  // the decode step only

@@ -454,7 +454,19 @@ pub fn try_backward_bf16(
         }
         _ => {
             side.finish()?;
-            if table.chunks > 0 {
+            if table.chunks > 0 && grads_tiles(kp, vp, sh.n) {
+                // Persistent blocks, one per multiprocessor, over the table's chunks: 1.5-2%
+                // faster than a block per pair (B4 T4096 H16 n2 1.131 ms against 1.150, n3
+                // 1.678 against 1.700, B1 T32768 n2 2.234 against 2.273, `docs/perf.md` v27).
+                let counters = dev.alloc_zeros::<i32>(GRADS_PIPE_COUNTERS)?;
+                let pipe = PipeArgs {
+                    pipe: untracked(dev, &counters),
+                    order: 0,
+                    ready_count: 0,
+                    scan_blocks: 0,
+                };
+                grads.launch(dev, &mut out, Some((&pipe, false, sms)))?;
+            } else if table.chunks > 0 {
                 grads.launch(dev, &mut out, None)?;
             }
         }
@@ -475,8 +487,8 @@ const GRADS_PIPE_COUNTERS: usize = 2;
 
 /// A gradient kernel's persistent blocks (`gdpg_pipe`): the pipe's counters and the chunk order
 /// (device addresses outside cudarc's tracking: the state-gradient scan writes the counters, dS
-/// and dDelta on its stream while the blocks beside it read them), the value tiles of the scan
-/// that count each group done, and the scan's blocks.
+/// and dDelta on its stream while the blocks beside it read them; a null order takes the
+/// table's), the value tiles of the scan that count each group done, and the scan's blocks.
 struct PipeArgs {
     pipe: u64,
     order: u64,
