@@ -455,9 +455,10 @@ pub fn try_backward_bf16(
         _ => {
             side.finish()?;
             if table.chunks > 0 && grads_tiles(kp, vp, sh.n) {
-                // Persistent blocks, one per multiprocessor, over the table's chunks: 1.5-2%
-                // faster than a block per pair (B4 T4096 H16 n2 1.131 ms against 1.150, n3
-                // 1.678 against 1.700, B1 T32768 n2 2.234 against 2.273, `docs/perf.md` v27).
+                // Persistent blocks, one per multiprocessor, over the table's chunks: ~1%
+                // faster than a block per pair (kernel-only, B4 T4096 H16 n2 1.137 / 1.144 ms
+                // against 1.151 / 1.152, B1 T32768 n2 2.246 / 2.253 against 2.278 / 2.273,
+                // `docs/perf.md` v27).
                 let counters = dev.alloc_zeros::<i32>(GRADS_PIPE_COUNTERS)?;
                 let pipe = PipeArgs {
                     pipe: untracked(dev, &counters),
