@@ -883,9 +883,8 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
 // each block takes the pairs `pipe[0]++` (every head of a chunk in turn, the chunks in the
 // order `order`, table ids from the sequences' ends, or the table's where it is null), waits
 // (beside) for the chunk's group of dS and dDelta (`ready_count` value tiles' adds), and
-// computes its gradients. Thread 0 takes
-// the next pair while the block computes the current one, so that the atomic's round trip
-// overlaps the products. Beside the scan, a block that finds it done (all `scan_blocks`
+// computes its gradients. Thread 0 takes the next pair while the block computes the current
+// one, so that the atomic's round trip overlaps the products. Beside the scan, a block that finds it done (all `scan_blocks`
 // blocks counted in pipe[1]) computes the pair it holds and leaves the rest to the launch
 // after the scan. The launcher gives the blocks beside the scan at most the multiprocessors
 // the scan leaves, so the scan's blocks always find room and the waits end.

@@ -454,7 +454,9 @@ pub fn try_backward_bf16(
         }
         _ => {
             side.finish()?;
-            if table.chunks > 0 && grads_tiles(kp, vp, sh.n) {
+            if table.chunks == 0 {
+                // No pair to compute.
+            } else if grads_tiles(kp, vp, sh.n) {
                 // Persistent blocks, one per multiprocessor, over the table's chunks: ~1%
                 // faster than a block per pair (kernel-only, B4 T4096 H16 n2 1.137 / 1.144 ms
                 // against 1.151 / 1.152, B1 T32768 n2 2.246 / 2.253 against 2.278 / 2.273,
@@ -467,7 +469,7 @@ pub fn try_backward_bf16(
                     scan_blocks: 0,
                 };
                 grads.launch(dev, &mut out, Some((&pipe, false, sms)))?;
-            } else if table.chunks > 0 {
+            } else {
                 grads.launch(dev, &mut out, None)?;
             }
         }
