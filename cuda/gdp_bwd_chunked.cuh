@@ -551,13 +551,13 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   const bool dk_rows = bf16_out && LV >= KP + 8 && K % 8 == 0 && gdpc_aligned16(dk_out);
   __nv_bfloat16* const DVt = reinterpret_cast<__nv_bfloat16*>(DM);
   auto red = [&](int q, int grp, int i) -> float& { return RED[(q * NG + grp) * C + i]; };
-  // Sums this warp's per-thread partials x[h] (rows m0 + g + 8 h) over the quad and stores them
-  // as the partials of quantity q of its column group.
-  auto put_rows = [&](int q, const float (&x)[2]) {
+  // Sums this warp's per-thread partials x[h] (rows r0 + g + 8 h) over the quad and stores them
+  // as the partials of quantity q of column group grp.
+  auto put_rows = [&](int q, int grp, int r0, const float (&x)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float sum = gdpg_quad_sum(x[h]);
-      if (t == 0) red(q, hf, m0 + g + 8 * h) = sum;
+      if (t == 0) red(q, grp, r0 + g + 8 * h) = sum;
     }
   };
 
@@ -604,21 +604,21 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   cp_async_wait<0>();
   __syncthreads();
 
-  // ---- Phase 1: dvb = Ainvᵀ dDelta (dv, dvb, k·dkbg and v·dvb per row); ds.
+  // ---- Phase 1: dvb = Ainvᵀ dDelta (dv, dvb and v·dvb per row); ds.
   {
-    const int n0 = hf * (VP / NG);
-    float kh[2 * NPV][4] = {}, dvb[2 * NPV][4] = {};
-    gdpg_mma<NPV, false, false>(kh, Ks, LK, m0, HB, LV, n0, KP, lane);
-    gdpg_mma<NPV, true, false>(dvb, Ab, LC, m0, Dd, LV, n0, C, lane);
-    float kb[2] = {0.f, 0.f}, vb[2] = {0.f, 0.f};
+    // Ainvᵀ is upper triangular: row tile r0 sums dDelta's rows from r0 on. The row tile
+    // (warp + warp / 4) % 4 gives every multiprocessor quarter (warp % 4) one of each length.
+    const int r0 = 16 * ((mi + hf) & 3), n0 = hf * (VP / NG);
+    float dvb[2 * NPV][4] = {};
+    gdpg_mma<NPV, true, false>(dvb, Ab + r0 * LC, LC, r0, Dd + r0 * LV, LV, n0, C - r0, lane);
+    float vb[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < 2 * NPV; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int i = m0 + g + 8 * h, col = n0 + 8 * j + 2 * t;
+        const int i = r0 + g + 8 * h, col = n0 + 8 * j + 2 * t;
         const float d0 = dvb[j][2 * h], d1 = dvb[j][2 * h + 1];
         const float2 vx = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Vs + i * LV + col));
-        kb[h] -= d0 * kh[j][2 * h] + d1 * kh[j][2 * h + 1];
         vb[h] += d0 * vx.x + d1 * vx.y;
         *reinterpret_cast<__nv_bfloat162*>(DVB + i * LV + col) = __floats2bfloat162_rn(d0, d1);
         if (dv_rows)
@@ -629,22 +629,27 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
       }
     if (dv_rows) {
       __syncwarp();
-      gdpc_warp_tile_out<2 * NPV, LT>(dvb_out, v_row, DVt, m0, n0, c, V, lane);
+      gdpc_warp_tile_out<2 * NPV, LT>(dvb_out, v_row, DVt, r0, n0, c, V, lane);
     }
-    put_rows(R_KB, kb);
-    put_rows(R_VB, vb);
+    put_rows(R_VB, hf, r0, vb);
   }
-  if (mi < mq) {
-    const int n0 = hf * (C / NG);
+  // ds by 16 x 16 tiles, the row tile warp / 4 and the column tile (warp - warp / 4) % 4
+  // (as dM's below), so that the multiprocessor quarters (warp % 4) share the tiles below the
+  // causal limit evenly where the query rows fill fewer than four row tiles (n >= 2) and where
+  // they fill four (n = 1: 3, 2, 3, 2 of the ten); tiles wholly above it skip the product.
+  static_assert(NPC == 1, "the 64 x 64 products go by 16 x 16 tiles, one per warp");
+  if ((warp >> 2) < mq) {
+    const int r0 = 16 * (warp >> 2), n0 = (((warp & 3) - (warp >> 2)) & 3) * (C / NG);
+    const int last_query = min(first + min(r0 + 15, nq - 1) * n, C - 1);
     float acc[2 * NPC][4] = {};
-    gdpg_mma<NPC, false, true>(acc, DOs, LV, m0, Dn, LV, n0, VP, lane);
+    if (n0 <= last_query) gdpg_mma<NPC, false, true>(acc, DOs, LV, r0, Dn, LV, n0, VP, lane);
     // This thread's two query rows: their chunk row and gate cumsum in registers (gdpb_dec's
     // arithmetic, without reloading the row's values for every element).
     int ri[2];
     float gi[2], gli[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      ri[h] = min(first + (m0 + g + 8 * h) * n, C - 1);
+      ri[h] = min(first + (r0 + g + 8 * h) * n, C - 1);
       gi[h] = G[ri[h]];
       gli[h] = Gl[ri[h]];
     }
@@ -655,7 +660,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
       const float2 glj = *reinterpret_cast<const float2*>(Gl + col);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int r = m0 + g + 8 * h;
+        const int r = r0 + g + 8 * h;
         float x[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -723,15 +728,21 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
     }
   }
   {
-    const int n0 = hf * (C / NG);
+    // dM by 16 x 16 tiles: the row tile warp / 4, the column tile (warp - warp / 4) % 4, so
+    // that the ten tiles on or below the diagonal (the others are zero) fall 3, 2, 3, 2 on the
+    // multiprocessor quarters (warp % 4) instead of 1, 2, 3, 4.
+    const int r0 = 16 * (warp >> 2), ct = ((warp & 3) - (warp >> 2)) & 3, n0 = ct * (C / NG);
+    const bool live = n0 <= r0;
     float da[2 * NPC][4] = {}, kk[2 * NPC][4] = {};
-    gdpg_mma<NPC, false, true>(da, DVB, LV, m0, Dn, LV, n0, VP, lane);
-    gdpg_mma<NPC, false, true>(kk, Ks, LK, m0, Ks, LK, n0, KP, lane);
+    if (live) {
+      gdpg_mma<NPC, false, true>(da, DVB, LV, r0, Dn, LV, n0, VP, lane);
+      gdpg_mma<NPC, false, true>(kk, Ks, LK, r0, Ks, LK, n0, KP, lane);
+    }
     float mk[2] = {0.f, 0.f};
     float gi[2], gli[2], bi[2];  // this thread's rows' gate cumsum and beta
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int i = m0 + g + 8 * h;
+      const int i = r0 + g + 8 * h;
       gi[h] = G[i];
       gli[h] = Gl[i];
       bi[h] = Bt[i];
@@ -744,7 +755,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
       const float2 glj = *reinterpret_cast<const float2*>(Gl + col);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int i = m0 + g + 8 * h;
+        const int i = r0 + g + 8 * h;
         float dmp[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -764,35 +775,37 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float s = gdpg_column_sum(cs[e]);
-        if (g == 0) atomicAdd(&CS[n0 + 8 * j + 2 * t + e], s);
+        if (live && g == 0) atomicAdd(&CS[n0 + 8 * j + 2 * t + e], s);
       }
     }
-    put_rows(R_MK, mk);
+    put_rows(R_MK, ct, r0, mk);
   }
+  // dk = -diag(β e^G) dvb hᵀ + dsᵀ Q. The row sums k·dkbg = -Σ_v dvb (K h) are taken here as
+  // -Σ_k K ⊙ (dvb hᵀ), from this product's accumulators: no K h product of their own.
   float dk[2 * NPK][4] = {};
   {
     gdpg_mma<NPK, false, true>(dk, DVB, LV, m0, HB, LV, nk0, VP, lane);
+    float acc[2 * NPK][4] = {};
+    if (mq > 0) gdpg_mma<NPK, true, false>(acc, DSb, LC, m0, Qs, LK, nk0, 16 * mq, lane);
+    float s[2], a2[2] = {0.f, 0.f}, kb[2] = {0.f, 0.f};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int i = m0 + g + 8 * h;
-      const float s = -(Bt[i] * Eg[i]);
-#pragma unroll
-      for (int j = 0; j < 2 * NPK; ++j) dk[j][2 * h] *= s, dk[j][2 * h + 1] *= s;
+      s[h] = -(Bt[i] * Eg[i]);
     }
-    float acc[2 * NPK][4] = {};
-    if (mq > 0) gdpg_mma<NPK, true, false>(acc, DSb, LC, m0, Qs, LK, nk0, 16 * mq, lane);
-    float a2[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < 2 * NPK; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = m0 + g + 8 * h, col = nk0 + 8 * j + 2 * t;
         const float2 kx = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Ks + i * LK + col));
+        kb[h] -= dk[j][2 * h] * kx.x + dk[j][2 * h + 1] * kx.y;
         a2[h] += acc[j][2 * h] * kx.x + acc[j][2 * h + 1] * kx.y;
-        dk[j][2 * h] += acc[j][2 * h];
-        dk[j][2 * h + 1] += acc[j][2 * h + 1];
+        dk[j][2 * h] = s[h] * dk[j][2 * h] + acc[j][2 * h];
+        dk[j][2 * h + 1] = s[h] * dk[j][2 * h + 1] + acc[j][2 * h + 1];
       }
-    put_rows(R_A2, a2);
+    put_rows(R_A2, hf, m0, a2);
+    put_rows(R_KB, hf, m0, kb);
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -845,7 +858,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
       gdpc_warp_tile_out<2 * NPK, LV>(dk_out, [&](int i) { return rows.key(i); }, DVB, m0, nk0,
                                       c, K, lane);
     }
-    put_rows(R_A1, a1);
+    put_rows(R_A1, hf, m0, a1);
   }
   __syncthreads();
 

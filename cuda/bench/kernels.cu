@@ -274,8 +274,8 @@ static void forward(int B, int T, int H, int n) {
   });
   printf(" | grads %.3f ms (smem %d) | bwd total %.3f ms\n", t_gr, gsmem,
          t_wya + best_states + best_dh + t_gr);
-  // KB_GRADS_PIPE=1 (n >= 2): the persistent gradient kernel as the op runs it after the scan
-  // where no pipeline runs it beside (a block per multiprocessor, the table's chunk order).
+  // KB_GRADS_PIPE=1 (n >= 2): the persistent gradient kernel after the scan (a block per
+  // multiprocessor, the table's chunk order), against the grid the op launches there.
   if (getenv("KB_GRADS_PIPE") != nullptr && n >= 2) {
     int* counters;
     CK(cudaMalloc(&counters, GDPG_PIPE_COUNTERS * sizeof(int)));
@@ -580,7 +580,7 @@ static void step() {
 // adds, at B4, the WY kernel beside two-stage scans that leave it room (co-resident blocks),
 // and the backward's two scans side by side at BV 64 (128 blocks each) and 128 (64 each, the
 // op's choice there since docs/perf.md v26); KB_GRADS_PIPE=1 adds, at n >= 2, the persistent
-// gradient kernel after the scan (the op's launch there since v27).
+// gradient kernel after the scan (the op's launch there in v27; the grid again since v28).
 int main() {
   setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a pipe even if a timeout stops the run
   if (getenv("KB_ONLY_STEP") != nullptr) {  // the decode step only

@@ -454,22 +454,9 @@ pub fn try_backward_bf16(
         }
         _ => {
             side.finish()?;
-            if table.chunks == 0 {
-                // No pair to compute.
-            } else if grads_tiles(kp, vp, sh.n) {
-                // Persistent blocks, one per multiprocessor, over the table's chunks: ~1%
-                // faster than a block per pair (kernel-only, B4 T4096 H16 n2 1.137 / 1.144 ms
-                // against 1.151 / 1.152, B1 T32768 n2 2.246 / 2.253 against 2.278 / 2.273,
-                // `docs/perf.md` v27).
-                let counters = dev.alloc_zeros::<i32>(GRADS_PIPE_COUNTERS)?;
-                let pipe = PipeArgs {
-                    pipe: untracked(dev, &counters),
-                    order: 0,
-                    ready_count: 0,
-                    scan_blocks: 0,
-                };
-                grads.launch(dev, &mut out, Some((&pipe, false, sms)))?;
-            } else {
+            // A block per pair: since the gradient kernel lost its K h product, 5% faster than
+            // persistent blocks over the table's chunks (`docs/perf.md` v28).
+            if table.chunks > 0 {
                 grads.launch(dev, &mut out, None)?;
             }
         }
@@ -490,8 +477,7 @@ const GRADS_PIPE_COUNTERS: usize = 2;
 
 /// A gradient kernel's persistent blocks (`gdpg_pipe`): the pipe's counters and the chunk order
 /// (device addresses outside cudarc's tracking: the state-gradient scan writes the counters, dS
-/// and dDelta on its stream while the blocks beside it read them; a null order takes the
-/// table's), the value tiles of the scan that count each group done, and the scan's blocks.
+/// and dDelta on its stream while the blocks beside it read them), the value tiles of the scan that count each group done, and the scan's blocks.
 struct PipeArgs {
     pipe: u64,
     order: u64,
