@@ -894,10 +894,10 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
 
 // Persistent gradient blocks beside the state-gradient scan (or, with beside = 0, after it):
 // each block takes the pairs `pipe[0]++` (every head of a chunk in turn, the chunks in the
-// order `order`, table ids from the sequences' ends, or the table's where it is null), waits
-// (beside) for the chunk's group of dS and dDelta (`ready_count` value tiles' adds), and
-// computes its gradients. Thread 0 takes the next pair while the block computes the current
-// one, so that the atomic's round trip overlaps the products. Beside the scan, a block that finds it done (all `scan_blocks`
+// order `order`: table ids from the sequences' ends), waits (beside) for the chunk's group of
+// dS and dDelta (`ready_count` value tiles' adds), and computes its gradients. Thread 0 takes
+// the next pair while the block computes the current one, so that the atomic's round trip
+// overlaps the products. Beside the scan, a block that finds it done (all `scan_blocks`
 // blocks counted in pipe[1]) computes the pair it holds and leaves the rest to the launch
 // after the scan. The launcher gives the blocks beside the scan at most the multiprocessors
 // the scan leaves, so the scan's blocks always find room and the waits end.
@@ -921,7 +921,7 @@ __device__ __forceinline__ void gdpg_pipe(int* pipe, const int* order, const int
     if (threadIdx.x == 0) {
       int pair = -1;
       if (it < items) {
-        const int chunk = order != nullptr ? order[it / H] : it / H;
+        const int chunk = order[it / H];
         if (beside) {
           const int sidx = table[4 * N + 2 * chunk], ci = table[4 * N + 2 * chunk + 1];
           gdpc_wait_ready(pipe + GDPG_PIPE_COUNTERS +

@@ -275,20 +275,25 @@ static void forward(int B, int T, int H, int n) {
   printf(" | grads %.3f ms (smem %d) | bwd total %.3f ms\n", t_gr, gsmem,
          t_wya + best_states + best_dh + t_gr);
   // KB_GRADS_PIPE=1 (n >= 2): the persistent gradient kernel after the scan (a block per
-  // multiprocessor, the table's chunk order), against the grid the op launches there.
+  // multiprocessor, the chunks in the table's order), against the grid the op launches there.
   if (getenv("KB_GRADS_PIPE") != nullptr && n >= 2) {
-    int* counters;
+    int *counters, *table_order;
     CK(cudaMalloc(&counters, GDPG_PIPE_COUNTERS * sizeof(int)));
+    std::vector<int> identity(total);
+    for (int i = 0; i < total; ++i) identity[i] = i;
+    CK(cudaMalloc(&table_order, total * sizeof(int)));
+    CK(cudaMemcpy(table_order, identity.data(), total * sizeof(int), cudaMemcpyHostToDevice));
     const auto kern = gdp_bwd_grads_bf16_128_128_tiles_pipe;
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, gsmem));
     const float t = median_ms([&] {
       CK(cudaMemsetAsync(counters, 0, GDPG_PIPE_COUNTERS * sizeof(int), 0));
       kern<<<sms, GDPG_THREADS, gsmem>>>(dq, dk, 1, dv, daux, dtab, ag, hs, dhs, dn, ddn, dob,
                                          nullptr, gq, gk, gv, gout, B, T, H, K, V, n, B, scale, QR,
-                                         counters, nullptr, total * H, 1, 0, 0);
+                                         counters, table_order, total * H, 1, 0, 0);
     });
     printf("  grads persistent (%d blocks) %.3f ms\n", sms, t);
     CK(cudaFree(counters));
+    CK(cudaFree(table_order));
   }
 
   // KB_CORES=1, where the scans' blocks fill the GPU (B4): the WY kernel beside a scan of two

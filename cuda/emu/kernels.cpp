@@ -557,14 +557,14 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
   // The gradient kernel into `o` (the packed f32 or its gates part) and dq, dk, dv: one block
   // per (chunk, head), or (pipe) `blocks` persistent blocks taking the pairs from `pipe`.
   auto grads = [&](float* o, __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
-                   int* pp, int blocks, int beside, int done_at, const int* ord) {
+                   int* pp, int blocks, int beside, int done_at) {
     launch(pp ? blocks : total, pp ? 1 : H, GDPG_THREADS, [&] {
 #define ARGS a.q, a.k, a.split, vb.data(), P.aux.data(), tab.data(), ag.data(), hs.data(),        \
              dhs.data(), dn.data(), ddn.data(), dob_ptr, parts ? nullptr : o,                \
              parts ? dq : nullptr, parts ? dk : nullptr, parts ? dv : nullptr,                  \
              o + qk_len + v_len, c.B, c.T, c.H, c.K, c.V, c.n, N, scale, QR
       if (pp != nullptr) {  // only the `_tiles` kernel has persistent blocks
-        gdp_bwd_grads_bf16_128_128_tiles_pipe(ARGS, pp, ord, (int)total * H,
+        gdp_bwd_grads_bf16_128_128_tiles_pipe(ARGS, pp, order.data(), (int)total * H,
                                               (V + bv - 1) / bv, beside, done_at);
         return;
       }
@@ -576,27 +576,25 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
 #undef ARGS
     });
   };
-  if (total > 0) grads(out.data(), dqb.data(), dkb.data(), dvb.data(), nullptr, 0, 0, 0, nullptr);
+  if (total > 0) grads(out.data(), dqb.data(), dkb.data(), dvb.data(), nullptr, 0, 0, 0);
   // The persistent blocks of the `_tiles` kernel (as the op runs them beside the scan at small
-  // B·H, then after it) must write the same gradients: three blocks after the scan taking every
-  // pair; three beside it, told it is still running (each waits for its chunk's group: the
-  // emulation's wait asserts it complete); three beside it told it is done, which compute the
-  // pairs they hold and leave, then three after it taking the rest; and three after it in the
-  // table's chunk order (a null order, as the op runs them where no scan runs beside).
+  // B·H, then after it) must write the same gradients: three blocks after the scan taking every pair; three beside
+  // it, told it is still running (each waits for its chunk's group: the emulation's wait asserts
+  // it complete); and three beside it told it is done, which compute the pairs they hold and
+  // leave, then three after it taking the rest.
   if (total > 0 && KPT == 128 && VPT == 128 && c.n >= 2) {
     bool same = true;
-    for (int mode = 0; mode <= 3; ++mode) {
+    for (int mode = 0; mode <= 2; ++mode) {
       std::vector<float> o2(out.size(), 0.f);
       std::vector<__nv_bfloat16> dq2(dqb.size(), poison), dk2(dkb.size(), poison),
           dv2(dvb.size(), poison);
       pipe[0] = 0;
-      if (mode == 1 || mode == 2)
+      if (mode > 0)
         grads(o2.data(), dq2.data(), dk2.data(), dv2.data(), pipe.data(), 3, 1,
-              mode == 1 ? scan_blocks + 1 : scan_blocks, order.data());
+              mode == 1 ? scan_blocks + 1 : scan_blocks);
       if (mode == 2) same = same && pipe[0] > 0 && pipe[0] <= 9;
       if (mode != 1)
-        grads(o2.data(), dq2.data(), dk2.data(), dv2.data(), pipe.data(), 3, 0, scan_blocks,
-              mode == 3 ? nullptr : order.data());
+        grads(o2.data(), dq2.data(), dk2.data(), dv2.data(), pipe.data(), 3, 0, scan_blocks);
       // dq, dk, dv bit-identical; dg and dβ sum per-row terms with float atomics in shared
       // memory (in any order, on the GPU as here), so within 1e-5 of their scale.
       const float* g2 = o2.data() + qk_len + v_len;

@@ -477,7 +477,8 @@ const GRADS_PIPE_COUNTERS: usize = 2;
 
 /// A gradient kernel's persistent blocks (`gdpg_pipe`): the pipe's counters and the chunk order
 /// (device addresses outside cudarc's tracking: the state-gradient scan writes the counters, dS
-/// and dDelta on its stream while the blocks beside it read them), the value tiles of the scan that count each group done, and the scan's blocks.
+/// and dDelta on its stream while the blocks beside it read them), the value tiles of the scan
+/// that count each group done, and the scan's blocks.
 struct PipeArgs {
     pipe: u64,
     order: u64,
