@@ -974,17 +974,9 @@ GDPG_ENTRY(128, 64, false, )
 GDPG_ENTRY(128, 128, false, )
 // Only where it was measured faster: K = V = 128 at n >= 2 (the launch picks it).
 GDPG_ENTRY(128, 128, true, _tiles)
-// One pair of the persistent kernel, out of line: inlined into gdpg_pipe's loop, the compiler
-// keeps values across pairs and the kernel runs at 128 registers with spills.
-__device__ __noinline__ void gdpg_pipe_pair(GDPG_PARAMS, int chunk, int head) {
-  GDPG_ARGS(128, 128, true, chunk, head);
-}
 extern "C" __global__ void __launch_bounds__(GDPG_THREADS)
     gdp_bwd_grads_bf16_128_128_tiles_pipe(GDPG_PARAMS, int* pipe, const int* order, int items,
                                           int ready_count, int beside, int scan_blocks) {
   gdpg_pipe(pipe, order, table, N, H, items, ready_count, beside, scan_blocks,
-            [&](int chunk, int head) {
-              gdpg_pipe_pair(qb, kb, split, v, aux, table, ag, hs, dhs, dn, ddn, dob, out, dqb,
-                             dkb, dvb_out, dgates, B, TT, H, K, V, n, N, scale, QR, chunk, head);
-            });
+            [&](int chunk, int head) { GDPG_ARGS(128, 128, true, chunk, head); });
 }

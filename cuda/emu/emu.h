@@ -27,7 +27,6 @@ extern dim3 blockIdx, blockDim, gridDim;
 #define __host__
 #define __global__
 #define __forceinline__ inline
-#define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __restrict__
 #define __shared__
