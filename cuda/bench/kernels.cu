@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -292,7 +293,7 @@ static void forward(int B, int T, int H, int n) {
     int *counters, *table_order;
     CK(cudaMalloc(&counters, GDPG_PIPE_COUNTERS * sizeof(int)));
     std::vector<int> identity(total);
-    for (int i = 0; i < total; ++i) identity[i] = i;
+    std::iota(identity.begin(), identity.end(), 0);
     CK(cudaMalloc(&table_order, total * sizeof(int)));
     CK(cudaMemcpy(table_order, identity.data(), total * sizeof(int), cudaMemcpyHostToDevice));
     const auto kern = gdp_bwd_grads_bf16_128_128_tiles_pipe;

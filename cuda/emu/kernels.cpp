@@ -589,10 +589,10 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
   };
   if (total > 0) grads(out.data(), dqb.data(), dkb.data(), dvb.data(), nullptr, 0, 0, 0);
   // The persistent blocks of the `_tiles` kernel (as the op runs them beside the scan at small
-  // B·H, then after it) must write the same gradients: three blocks after the scan taking every pair; three beside
-  // it, told it is still running (each waits for its chunk's group: the emulation's wait asserts
-  // it complete); and three beside it told it is done, which compute the pairs they hold and
-  // leave, then three after it taking the rest.
+  // B·H, then after it) must write the same gradients: three blocks after the scan taking every
+  // pair; three beside it, told it is still running (each waits for its chunk's group: the
+  // emulation's wait asserts it complete); and three beside it told it is done, which compute
+  // the pairs they hold and leave, then three after it taking the rest.
   if (total > 0 && KPT == 128 && VPT == 128 && c.n >= 2) {
     bool same = true;
     for (int mode = 0; mode <= 2; ++mode) {
