@@ -464,14 +464,17 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
     });
   const int nthr = bv == 16 ? 128 : 256;
   // The states rerun as the op runs it: the states-only kernel (no query rows staged, QR = 0)
-  // into hs, dn; then the forward scan without an output into hs2, dn2, which must be
-  // bit-identical (the same products on the same staged values; there is no forward scan of
-  // 128 columns, so at BV 128 the one of 64, on twice as many blocks).
+  // into hs, dn; then the forward scan with its output (as the forward of save_intermediates
+  // runs it: at n >= 2 the warps without output rows store the states) into hs2, dn2, which
+  // must be bit-identical (the same products on the same staged values; there is no forward
+  // scan of 128 columns, so at BV 128 the one of 64, on twice as many blocks).
+  std::vector<__nv_bfloat16> o_scan(BTH * V);
   auto rerun = [&](bool states_only, __nv_bfloat16* hs_to, __nv_bfloat16* dn_to) {
     const int lbv = states_only ? bv : std::min(bv, 64);
     launch(N * H, (V + lbv - 1) / lbv, nthr, [&] {
 #define ARGS a.q, a.k, a.split, P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(), cg.data(), \
-             P.aux.data(), 0, nullptr, nullptr, nullptr, hs_to, dn_to, c.B, c.T, c.H, c.K, c.V, c.n, \
+             P.aux.data(), 0, nullptr, states_only ? nullptr : o_scan.data(), nullptr, hs_to, dn_to, \
+             c.B, c.T, c.H, c.K, c.V, c.n, \
              c.h0, states_only ? 0 : QR, NS, nullptr
 #define PICK(PREFIX)                                     \
   if (lbv == 16 && KPT == 64) PREFIX##_16_64(ARGS);      \
@@ -500,6 +503,14 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
     printf("%-26s %-8s %s\n", c.name, "states",
            same ? "states-only kernel identical to the scan" : "states-only kernel DIFFERENT");
     if (!same) ++fails;
+    // The scan's output with the states stored beside it, against the scan without them.
+    const std::vector<__nv_bfloat16> o_states = o_scan;
+    rerun(false, nullptr, nullptr);
+    const bool same_o =
+        memcmp(o_states.data(), o_scan.data(), o_scan.size() * sizeof(__nv_bfloat16)) == 0;
+    printf("%-26s %-8s %s\n", c.name, "scan out",
+           same_o ? "identical with and without the states" : "output DIFFERENT with the states");
+    if (!same_o) ++fails;
   }
   std::vector<float> out(qk_len + v_len + BTH * (1 + n) + (c.h0 ? sl : 0), 0.f);
   float* dh0 = out.data() + qk_len + v_len + BTH * (1 + n);
