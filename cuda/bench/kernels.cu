@@ -237,13 +237,17 @@ static void forward(int B, int T, int H, int n) {
   states(gdp_fwd_states_bf16_64_128, 64, 0, 2, "states");
   states(gdp_fwd_scan_bf16_32_128, 32, QR, 3, "scan-no-out");
   states(gdp_fwd_scan_bf16_64_128, 64, QR, 3, "scan-no-out");
-  // The forward scan writing its output and the states (the forward of save_intermediates).
+  // The forward scan writing its output and the states (the forward of save_intermediates),
+  // then its output with the start states (hs) only and with Delta (dn) only.
   {
     int NS;
     const float t32 = time_scan(gdp_fwd_scan_bf16_32_128, 32, ob, hs, dn, QR, 3, NS);
     printf(" | scan+states BV32/%d %.3f", NS, t32);
     const float t64 = time_scan(gdp_fwd_scan_bf16_64_128, 64, ob, hs, dn, QR, 3, NS);
     printf(" | scan+states BV64/%d %.3f", NS, t64);
+    const float h32 = time_scan(gdp_fwd_scan_bf16_32_128, 32, ob, hs, nullptr, QR, 3, NS);
+    const float d32 = time_scan(gdp_fwd_scan_bf16_32_128, 32, ob, nullptr, dn, QR, 3, NS);
+    printf(" | scan+hs BV32/%d %.3f | scan+dn BV32/%d %.3f", NS, h32, NS, d32);
   }
   // The state-gradient scan's stages (three where they fit, unless KB_NS2) and shared memory
   // at value tile bv (dh_smem_bytes in src/op/cuda/chunked_bwd.rs).
