@@ -871,8 +871,9 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     // Where the query rows fill at most two row tiles (n >= 2), the warps of row tiles 2 and 3
     // have no output rows: they store the chunk's start state and Delta for the backward after
     // their part of the state update, off the output warps' path. (Sb[cur] is next written at
-    // the end of the next step, Dn in its phase A: both after its first barrier.)
-    const bool store_team = OUT && (out != nullptr || outb != nullptr) && nq <= 32;
+    // the end of the next step, Dn in its phase A: both after its first barrier.) At BV 64 only:
+    // at BV 32 it made the B1 scan 2% slower and its stores no faster (docs/perf.md v30).
+    const bool store_team = OUT && BV >= 64 && (out != nullptr || outb != nullptr) && nq <= 32;
     if (hs != nullptr && !store_team)  // the chunk's start state (bf16) for the backward
       gdpc_store_state<BV>(hs + slot * KV + v0, sb, K, V, bv, vu, tid, nthr);
 
