@@ -868,7 +868,13 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     if (ci + NS < nch) fill_table(ci + NS, sc);
     if (++sc == NS) sc = 0;
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
-    if (hs != nullptr)  // the chunk's start state (bf16) for the backward
+    // Where the query rows fill at most two row tiles (n >= 2), the warps of row tiles 2 and 3
+    // have no output rows: they store the chunk's start state and Delta for the backward after
+    // their part of the state update, off the output warps' path. (Sb[cur] is next written at
+    // the end of the next step, Dn in its phase A: both after its first barrier.) At BV 64 only:
+    // at BV 32 it made the B1 scan 2% slower and its stores no faster (docs/perf.md v30).
+    const bool store_team = OUT && BV >= 64 && (out != nullptr || outb != nullptr) && nq <= 32;
+    if (hs != nullptr && !store_team)  // the chunk's start state (bf16) for the backward
       gdpc_store_state<BV>(hs + slot * KV + v0, sb, K, V, bv, vu, tid, nthr);
 
     // ---- Phase A: Delta = U - W S for rows 16 mi.., this warp's columns; into Dn and Dk.
@@ -897,7 +903,8 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     __syncthreads();
     // Delta for the backward (the states rerun) from Dn, whose bf16 values the pair stores
     // above would write, as 16-byte row pieces: a quarter of the store instructions.
-    if (dn_rows) gdpc_copy_tile_out<BV, LB, C, NW * 32>(dn + slot * C * V + v0, V, Dn, bv, tid, 0u);
+    if (dn_rows && !store_team)
+      gdpc_copy_tile_out<BV, LB, C, NW * 32>(dn + slot * C * V + v0, V, Dn, bv, tid, 0u);
 
     // ---- Phase B: output rows 16 mi.. (if query rows), this warp's columns; then its state.
     if (OUT && (out != nullptr || outb != nullptr) && 16 * mi < nq) {
@@ -971,6 +978,12 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
         }
       }
       store_sb(Sb + (cur ^ 1) * KPT * LB);
+    }
+    if (store_team && mi >= 2) {
+      constexpr int TEAM = NW * 16;  // the threads of row tiles 2 and 3
+      const int ttid = ((warp >> 2) * 2 + (mi - 2)) * 32 + lane;
+      if (hs != nullptr) gdpc_store_state<BV>(hs + slot * KV + v0, sb, K, V, bv, vu, ttid, TEAM);
+      if (dn_rows) gdpc_copy_tile_out<BV, LB, C, TEAM>(dn + slot * C * V + v0, V, Dn, bv, ttid, 0u);
     }
   }
 

@@ -465,9 +465,9 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
   const int nthr = bv == 16 ? 128 : 256;
   // The states rerun as the op runs it: the states-only kernel (no query rows staged, QR = 0)
   // into hs, dn; then the forward scan with its output (as the forward of save_intermediates
-  // runs it) into hs2, dn2, which must be bit-identical (the same products on the same staged
-  // values; there is no forward scan of 128 columns, so at BV 128 the one of 64, on twice as
-  // many blocks).
+  // runs it: at n >= 2 and BV 64 the warps without output rows store the states) into hs2,
+  // dn2, which must be bit-identical (the same products on the same staged values; there is no
+  // forward scan of 128 columns, so at BV 128 the one of 64, on twice as many blocks).
   std::vector<__nv_bfloat16> o_scan(BTH * V);
   auto rerun = [&](bool states_only, __nv_bfloat16* hs_to, __nv_bfloat16* dn_to) {
     const int lbv = states_only ? bv : std::min(bv, 64);
