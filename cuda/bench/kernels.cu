@@ -292,6 +292,37 @@ static void forward(int B, int T, int H, int n) {
   dh(gdp_bwd_dh_bf16_16_128, 16);
   dh(gdp_bwd_dh_bf16_32_128, 32);
   dh(gdp_bwd_dh_bf16_64_128, 64);
+  // Where the op runs the states rerun and the state-gradient scan side by side at BV 32 (both
+  // fit on the GPU at once, scan_pair_plan in src/op/cuda/chunked.rs: B1 T32768 H16): the two
+  // on two streams, joined.
+  if (2 * B * H * (V / 32) <= sms && 20 * B * H * (V / 32) >= 9 * sms) {
+    const int ssmem = gdpc_scan_smem_bytes(KP, 0, 32, 2);
+    int dsmem;
+    const int dns = dh_stages(32, dsmem);
+    cudaStream_t sa, sb;
+    CK(cudaStreamCreateWithFlags(&sa, cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&sb, cudaStreamNonBlocking));
+    cudaEvent_t go, da, db;
+    for (cudaEvent_t* e : {&go, &da, &db}) CK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+    const float t = median_ms([&] {
+      CK(cudaEventRecord(go, 0));
+      CK(cudaStreamWaitEvent(sa, go, 0));
+      CK(cudaStreamWaitEvent(sb, go, 0));
+      gdp_fwd_states_bf16_32_128<<<dim3(B * H, V / 32), 256, ssmem, sa>>>(
+          dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, nullptr, nullptr, hs, dn, B, T, H,
+          K, V, n, 0, 0, 2, nullptr);
+      gdp_bwd_dh_bf16_32_128<<<dim3(B * H, V / 32), 256, dsmem, sb>>>(
+          dq, dk, 1, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, dns,
+          nullptr, nullptr);
+      CK(cudaEventRecord(da, sa));
+      CK(cudaEventRecord(db, sb));
+      CK(cudaStreamWaitEvent(0, da, 0));
+      CK(cudaStreamWaitEvent(0, db, 0));
+    });
+    printf(" | states BV32/2 + dh BV32/%d side by side %.3f", dns, t);
+    CK(cudaStreamDestroy(sa));
+    CK(cudaStreamDestroy(sb));
+  }
   const int gsmem = gdpg_smem_bytes(KP, V, QR);
   // The launch's choice: dv and dk through shared memory at n >= 2.
   const auto grads = n >= 2 ? gdp_bwd_grads_bf16_128_128_tiles : gdp_bwd_grads_bf16_128_128;
