@@ -303,7 +303,8 @@ static void forward(int B, int T, int H, int n) {
     CK(cudaStreamCreateWithFlags(&sa, cudaStreamNonBlocking));
     CK(cudaStreamCreateWithFlags(&sb, cudaStreamNonBlocking));
     cudaEvent_t go, da, db;
-    for (cudaEvent_t* e : {&go, &da, &db}) CK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+    for (cudaEvent_t* ev : {&go, &da, &db})
+      CK(cudaEventCreateWithFlags(ev, cudaEventDisableTiming));
     const float t = median_ms([&] {
       CK(cudaEventRecord(go, 0));
       CK(cudaStreamWaitEvent(sa, go, 0));
