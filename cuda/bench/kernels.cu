@@ -232,10 +232,11 @@ static void forward(int B, int T, int H, int n) {
     // Under ncu: the BV 32 forward scan with its output, then with the start states and Delta
     // beside it, both without the output, with the start states only, with Delta only (the
     // launches in this order); then the next shape.
-    __nv_bfloat16* const runs[5][3] = {
-        {ob, nullptr, nullptr}, {ob, hs, dn}, {nullptr, hs, dn}, {ob, hs, nullptr}, {ob, nullptr, dn}};
+    __nv_bfloat16* const runs[5][3] = {{ob, nullptr, nullptr}, {ob, hs, dn}, {nullptr, hs, dn},
+                                       {ob, hs, nullptr}, {ob, nullptr, dn}};
     int NS;
-    for (const auto& r : runs) time_scan(gdp_fwd_scan_bf16_32_128, 32, r[0], r[1], r[2], QR, 3, NS);
+    for (const auto& r : runs)
+      time_scan(gdp_fwd_scan_bf16_32_128, 32, r[0], r[1], r[2], QR, 3, NS);
     CK(cudaDeviceSynchronize());
     printf(" | profiled\n");
     return;
