@@ -324,6 +324,7 @@ static void forward(int B, int T, int H, int n) {
     printf(" | states BV32/2 + dh BV32/%d side by side %.3f", dns, t);
     CK(cudaStreamDestroy(sa));
     CK(cudaStreamDestroy(sb));
+    for (cudaEvent_t ev : {go, da, db}) CK(cudaEventDestroy(ev));
   }
   const int gsmem = gdpg_smem_bytes(KP, V, QR);
   // The launch's choice: dv and dk through shared memory at n >= 2.
