@@ -26,7 +26,11 @@
     }                                                                             \
   } while (0)
 
-// KB_PROFILE=1: one launch per timing, no warm-up (for ncu, which replays each launch).
+// KB_PROFILE=1: one launch per timing, no warm-up (for ncu, which replays each launch). Under
+// `ncu -k regex:gdp_fwd_scan_bf16_32` with KB_ONLY_B1=1 the BV 32 forward scan then runs once per
+// row that times it, in this order: with its output (`scan`), beside the WY kernel
+// (`overlapped`), with the states and Delta and no output (`scan-no-out`), with the output and
+// both (`scan+states`), the output and the states (`scan+hs`), the output and Delta (`scan+dn`).
 static const bool kb_profile = getenv("KB_PROFILE") != nullptr;
 
 template <class F>
@@ -228,19 +232,6 @@ static void forward(int B, int T, int H, int n) {
                                                        H, K, V, n, B, scale, nullptr, nullptr);
   });
   printf("  bwd: wy+Ainv %.3f ms", t_wya);
-  if (kb_profile) {
-    // Under ncu: the BV 32 forward scan with its output, then with the start states and Delta
-    // beside it, both without the output, with the start states only, with Delta only (the
-    // launches in this order); then the next shape.
-    __nv_bfloat16* const runs[5][3] = {{ob, nullptr, nullptr}, {ob, hs, dn}, {nullptr, hs, dn},
-                                       {ob, hs, nullptr}, {ob, nullptr, dn}};
-    int NS;
-    for (const auto& r : runs)
-      time_scan(gdp_fwd_scan_bf16_32_128, 32, r[0], r[1], r[2], QR, 3, NS);
-    CK(cudaDeviceSynchronize());
-    printf(" | profiled\n");
-    return;
-  }
   float best_states = 1e9, best_dh = 1e9;
   // The states rerun: the states-only kernel as the op runs it (no query rows, two stages),
   // then the forward scan without an output (before v22) for comparison.
