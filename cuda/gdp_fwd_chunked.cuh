@@ -729,6 +729,10 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
   const int mi = warp & 3, nc0 = (warp >> 2) * 8 * NTW;  // Delta / output tile, column offset
   const int sidx = blockIdx.x / H, head = blockIdx.x % H;
   const int v0 = blockIdx.y * BV;
+  // The forward scans with an output: the block's NW warps told to the compiler. (The same
+  // assumption in the staging helpers of every scan took 2-4% off the BV 32 forward scan at B1
+  // and slowed the states-only kernels and the state-gradient scan: docs/perf.md v30.)
+  if constexpr (OUT) gdp_assume_tid(tid, NW * 32);
   const int bv = min(BV, V - v0);
   const int seq_b = table[4 * sidx], seq_start = table[4 * sidx + 1], seq_len = table[4 * sidx + 2];
   const int cbase = table[4 * sidx + 3];

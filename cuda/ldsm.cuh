@@ -17,6 +17,18 @@
 
 #include <cuda_bf16.h>
 
+// Tells the compiler that the thread index tid lies in [0, nthr), the block's threads, so that
+// row bounds that hold for every thread fold away at compile time (without it nvcc 13.0 wraps
+// each 16-byte copy of a full tile in a branch and forms its 64-bit addresses again inside it:
+// docs/perf.md v30). The emulation checks it.
+__device__ __forceinline__ void gdp_assume_tid(int tid, int nthr) {
+#ifdef GDP_EMU
+  assert(tid >= 0 && tid < nthr);
+#else
+  __builtin_assume(tid >= 0 && tid < nthr);
+#endif
+}
+
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const __nv_bfloat16* p, bool trans) {
 #ifdef GDP_EMU
   gdp_emu_ldsm(r, p, trans);
