@@ -154,9 +154,12 @@ __device__ __forceinline__ void gdpc_stage_tile(__nv_bfloat16* __restrict__ dst,
 #pragma unroll
   for (int i = 0; i < STEPS; ++i) {
     const int r = r0 + i * RS;
-    const bool copy = r < rows;
-    if (copy) cp_async16(dst + i * RS * LD, src + off(r));
-    if (!copy && r < zrows) *reinterpret_cast<uint4*>(dst + i * RS * LD) = make_uint4(0, 0, 0, 0);
+    // A row past `rows` by one zero-filling copy, not a store on a second branch: where the
+    // compiler knows r < zrows (the forward scans, gdp_assume_tid) the copy has no branch.
+    if (r < zrows) {
+      const bool copy = r < rows;
+      cp_async16_zfill(dst + i * RS * LD, copy ? src + off(r) : src, copy);
+    }
   }
 }
 

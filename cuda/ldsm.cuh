@@ -86,6 +86,22 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 #endif
 }
 
+// cp_async16 that writes 16 zero bytes to dst instead of copying when `copy` is false (the
+// copy's source size 0: nothing is read from src, which must still be a global address): a row
+// that may lie past a tile's rows costs one instruction and no branch around the copy.
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool copy) {
+#ifdef GDP_EMU
+  assert((reinterpret_cast<uintptr_t>(dst) & 15) == 0);
+  assert(!copy || (reinterpret_cast<uintptr_t>(src) & 15) == 0);
+  gdp_emu_cp_async16_zfill(dst, src, copy);
+#else
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(copy ? 16 : 0)
+               : "memory");
+#endif
+}
+
 __device__ __forceinline__ void cp_async_commit() {
 #ifdef GDP_EMU
   gdp_emu_cp_async_commit();
