@@ -141,8 +141,11 @@ __device__ __forceinline__ void gdpc_stage_rows(__nv_bfloat16* __restrict__ dst,
 // MAXROWS / RS steps with shared-memory offsets fixed at compile time, so that a 16-byte copy
 // costs little more than its cp.async (the scans' staging was ~30% of their sequential step's
 // instructions through the general loop). Row r comes from src + off(r); rows [rows, zrows)
-// are zeroed (zrows <= MAXROWS). Every row start must be 16-byte aligned.
-template <int LEN, int LD, int MAXROWS, int NTHR, typename Off>
+// are zeroed (zrows <= MAXROWS). Every row start must be 16-byte aligned. ZFILL: a row past
+// `rows` by one zero-filling copy instead of a store on a second branch; where the compiler
+// knows r < zrows (the forward scans, gdp_assume_tid) such a copy has no branch at all. (In the
+// kernels without the assumption it gave no fewer branches and more instructions: v30.)
+template <int LEN, int LD, int MAXROWS, int NTHR, bool ZFILL = false, typename Off>
 __device__ __forceinline__ void gdpc_stage_tile(__nv_bfloat16* __restrict__ dst,
                                                 const __nv_bfloat16* __restrict__ src, Off off,
                                                 int rows, int zrows, int tid) {
@@ -154,11 +157,13 @@ __device__ __forceinline__ void gdpc_stage_tile(__nv_bfloat16* __restrict__ dst,
 #pragma unroll
   for (int i = 0; i < STEPS; ++i) {
     const int r = r0 + i * RS;
-    // A row past `rows` by one zero-filling copy, not a store on a second branch: where the
-    // compiler knows r < zrows (the forward scans, gdp_assume_tid) the copy has no branch.
-    if (r < zrows) {
-      const bool copy = r < rows;
-      cp_async16_zfill(dst + i * RS * LD, copy ? src + off(r) : src, copy);
+    const bool copy = r < rows;
+    if constexpr (ZFILL) {
+      if (r < zrows) cp_async16_zfill(dst + i * RS * LD, copy ? src + off(r) : src, copy);
+    } else {
+      if (copy) cp_async16(dst + i * RS * LD, src + off(r));
+      if (!copy && r < zrows)
+        *reinterpret_cast<uint4*>(dst + i * RS * LD) = make_uint4(0, 0, 0, 0);
     }
   }
 }
@@ -224,8 +229,9 @@ __device__ __forceinline__ void gdpc_warp_tile_out(__nv_bfloat16* __restrict__ d
 // query rows (at kb + koff[i], qb + qoff[r]; zeros to C and QR rows) into [*][KPT + 8] tiles, and
 // P [QR][C] (row r at p + r C) into [QR][C + 8]; without QP (a scan with no output) W and the
 // key rows only. The compile-time path when K = KPT and the rows are 16-byte aligned (vk), the
-// general one otherwise.
-template <int KPT, int NTHR, bool QP = true>
+// general one otherwise. ZFILL: the gathered rows through gdpc_stage_tile's zero-filling copies
+// (the forward scans with an output).
+template <int KPT, int NTHR, bool QP = true, bool ZFILL = false>
 __device__ __forceinline__ void gdpc_stage_wkqp(
     __nv_bfloat16* W, __nv_bfloat16* Kr, __nv_bfloat16* Q, __nv_bfloat16* P,
     const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ kb,
@@ -234,9 +240,9 @@ __device__ __forceinline__ void gdpc_stage_wkqp(
   constexpr int C = GDP_CHUNK, LK = KPT + 8;
   if (vk && K == KPT) {
     gdpc_stage_tile_strided<KPT, LK, C, NTHR>(W, w, KPT, C, tid);
-    gdpc_stage_tile<KPT, LK, C, NTHR>(Kr, kb, [&](int i) { return koff[i]; }, c, C, tid);
+    gdpc_stage_tile<KPT, LK, C, NTHR, ZFILL>(Kr, kb, [&](int i) { return koff[i]; }, c, C, tid);
     if constexpr (QP)
-      gdpc_stage_tile<KPT, LK, C, NTHR>(Q, qb, [&](int r) { return qoff[r]; }, nq, QR, tid);
+      gdpc_stage_tile<KPT, LK, C, NTHR, ZFILL>(Q, qb, [&](int r) { return qoff[r]; }, nq, QR, tid);
   } else {
     const GdpcSplit sp(K, tid, NTHR);
     gdpc_stage_rows(W, LK, w, [&](int r) { return (int64_t)r * K; }, C, C, K, vk, sp, tid, NTHR);
@@ -793,8 +799,8 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const int64_t* qoff = koff + C;
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
     const __nv_bfloat16* u = ug + slot * C * V + v0;
-    gdpc_stage_wkqp<KPT, NW * 32, OUT>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb, qb,
-                                       pg + slot * C * C, koff, qoff, c, nq, QR, K, vk, tid);
+    gdpc_stage_wkqp<KPT, NW * 32, OUT, OUT>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb, qb,
+                                            pg + slot * C * C, koff, qoff, c, nq, QR, K, vk, tid);
     if (vu && bv == BV) {
       gdpc_stage_tile_strided<BV, LB, C, NW * 32>(st.U, u, V, C, tid);
     } else if (vu) {
