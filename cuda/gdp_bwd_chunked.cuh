@@ -321,7 +321,8 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     if (++sc == NS) sc = 0;
 
     // dS at this chunk's end (bf16) for the gradient kernel (not for a CP summary: null).
-    if (dhs != nullptr) gdpc_store_state<BV>(dhs + slot * KV + v0, sb, K, V, bv, vu, tid, nthr);
+    if (dhs != nullptr)
+      gdpc_store_state_tile<BV, KPT, NW * 32>(dhs + slot * KV + v0, sb, K, V, bv, vu, tid);
 
     // ---- Phase A: dDelta = diag(Dl) K dS + P^T dO for rows 16 mi.., this warp's columns.
     {
@@ -349,10 +350,18 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
         }
       }
     }
-    // bf16(coef_q ⊙ dO) for the state update.
-    for (int idx = tid; idx < QR * BV; idx += nthr) {
-      const int r = idx / BV, col = idx - r * BV;
-      Dq[r * LB + col] = __float2bfloat16_rn(st.cf[r] * __bfloat162float(st.DO[r * LB + col]));
+    // bf16(coef_q ⊙ dO) for the state update, eight values per 16-byte piece.
+    for (int idx = tid; idx < QR * (BV / 8); idx += NW * 32) {
+      const int r = idx / (BV / 8), c8 = 8 * (idx - r * (BV / 8));
+      const float cq = st.cf[r];
+      uint4 x = *reinterpret_cast<const uint4*>(st.DO + r * LB + c8);
+      __nv_bfloat162* pair = reinterpret_cast<__nv_bfloat162*>(&x);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 d = __bfloat1622float2(pair[e]);
+        pair[e] = __floats2bfloat162_rn(cq * d.x, cq * d.y);
+      }
+      *reinterpret_cast<uint4*>(Dq + r * LB + c8) = x;
     }
     __syncthreads();
     // dDelta for the gradient kernel from Dd (its bf16 values negated, exactly) as 16-byte row

@@ -141,8 +141,11 @@ __device__ __forceinline__ void gdpc_stage_rows(__nv_bfloat16* __restrict__ dst,
 // MAXROWS / RS steps with shared-memory offsets fixed at compile time, so that a 16-byte copy
 // costs little more than its cp.async (the scans' staging was ~30% of their sequential step's
 // instructions through the general loop). Row r comes from src + off(r); rows [rows, zrows)
-// are zeroed (zrows <= MAXROWS). Every row start must be 16-byte aligned.
-template <int LEN, int LD, int MAXROWS, int NTHR, typename Off>
+// are zeroed (zrows <= MAXROWS). Every row start must be 16-byte aligned. ZFILL: a row past
+// `rows` by one zero-filling copy instead of a store on a second branch; where the compiler
+// knows r < zrows (the forward scans, gdp_assume_tid) such a copy has no branch at all. (In the
+// kernels without the assumption it gave no fewer branches and more instructions: v30.)
+template <int LEN, int LD, int MAXROWS, int NTHR, bool ZFILL = false, typename Off>
 __device__ __forceinline__ void gdpc_stage_tile(__nv_bfloat16* __restrict__ dst,
                                                 const __nv_bfloat16* __restrict__ src, Off off,
                                                 int rows, int zrows, int tid) {
@@ -155,8 +158,13 @@ __device__ __forceinline__ void gdpc_stage_tile(__nv_bfloat16* __restrict__ dst,
   for (int i = 0; i < STEPS; ++i) {
     const int r = r0 + i * RS;
     const bool copy = r < rows;
-    if (copy) cp_async16(dst + i * RS * LD, src + off(r));
-    if (!copy && r < zrows) *reinterpret_cast<uint4*>(dst + i * RS * LD) = make_uint4(0, 0, 0, 0);
+    if constexpr (ZFILL) {
+      if (r < zrows) cp_async16_zfill(dst + i * RS * LD, copy ? src + off(r) : src, copy);
+    } else {
+      if (copy) cp_async16(dst + i * RS * LD, src + off(r));
+      if (!copy && r < zrows)
+        *reinterpret_cast<uint4*>(dst + i * RS * LD) = make_uint4(0, 0, 0, 0);
+    }
   }
 }
 
@@ -221,8 +229,9 @@ __device__ __forceinline__ void gdpc_warp_tile_out(__nv_bfloat16* __restrict__ d
 // query rows (at kb + koff[i], qb + qoff[r]; zeros to C and QR rows) into [*][KPT + 8] tiles, and
 // P [QR][C] (row r at p + r C) into [QR][C + 8]; without QP (a scan with no output) W and the
 // key rows only. The compile-time path when K = KPT and the rows are 16-byte aligned (vk), the
-// general one otherwise.
-template <int KPT, int NTHR, bool QP = true>
+// general one otherwise. ZFILL: the gathered rows through gdpc_stage_tile's zero-filling copies
+// (the forward scans with an output).
+template <int KPT, int NTHR, bool QP = true, bool ZFILL = false>
 __device__ __forceinline__ void gdpc_stage_wkqp(
     __nv_bfloat16* W, __nv_bfloat16* Kr, __nv_bfloat16* Q, __nv_bfloat16* P,
     const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ kb,
@@ -231,9 +240,9 @@ __device__ __forceinline__ void gdpc_stage_wkqp(
   constexpr int C = GDP_CHUNK, LK = KPT + 8;
   if (vk && K == KPT) {
     gdpc_stage_tile_strided<KPT, LK, C, NTHR>(W, w, KPT, C, tid);
-    gdpc_stage_tile<KPT, LK, C, NTHR>(Kr, kb, [&](int i) { return koff[i]; }, c, C, tid);
+    gdpc_stage_tile<KPT, LK, C, NTHR, ZFILL>(Kr, kb, [&](int i) { return koff[i]; }, c, C, tid);
     if constexpr (QP)
-      gdpc_stage_tile<KPT, LK, C, NTHR>(Q, qb, [&](int r) { return qoff[r]; }, nq, QR, tid);
+      gdpc_stage_tile<KPT, LK, C, NTHR, ZFILL>(Q, qb, [&](int r) { return qoff[r]; }, nq, QR, tid);
   } else {
     const GdpcSplit sp(K, tid, NTHR);
     gdpc_stage_rows(W, LK, w, [&](int r) { return (int64_t)r * K; }, C, C, K, vk, sp, tid, NTHR);
@@ -655,6 +664,21 @@ __device__ __forceinline__ void gdpc_store_state(__nv_bfloat16* dst,
   }
 }
 
+// gdpc_store_state for NTHR threads with the 16-byte copy unrolled at compile time when K = KPT
+// and the columns allow it (the loop over K costs 86 instructions per warp and step at B1 T32768
+// BV 32). The states-only kernels and the state-gradient scan use it (6–8% faster); the forward
+// scans with an output keep the loop, which their code generation favours by 1.5–3%
+// (docs/perf.md v30).
+template <int BV, int KPT, int NTHR>
+__device__ __forceinline__ void gdpc_store_state_tile(__nv_bfloat16* dst,
+                                                      const __nv_bfloat16* sb, int K, int V,
+                                                      int bv, bool vu, int tid) {
+  if (vu && K == KPT)
+    gdpc_copy_tile_out<BV, BV + 8, KPT, NTHR>(dst, V, sb, bv, tid, 0u);
+  else
+    gdpc_store_state<BV>(dst, sb, K, V, bv, vu, tid, NTHR);
+}
+
 // One stage buffer of the forward scans at `base`: a chunk's operands, QR query rows.
 template <int KPT, int BV>
 struct GdpcStage {
@@ -714,6 +738,10 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
   const int mi = warp & 3, nc0 = (warp >> 2) * 8 * NTW;  // Delta / output tile, column offset
   const int sidx = blockIdx.x / H, head = blockIdx.x % H;
   const int v0 = blockIdx.y * BV;
+  // The forward scans with an output: the block's NW warps told to the compiler. (The same
+  // assumption in the staging helpers of every scan took 2-4% off the BV 32 forward scan at B1
+  // and slowed the states-only kernels and the state-gradient scan: docs/perf.md v30.)
+  if constexpr (OUT) gdp_assume_tid(tid, NW * 32);
   const int bv = min(BV, V - v0);
   const int seq_b = table[4 * sidx], seq_start = table[4 * sidx + 1], seq_len = table[4 * sidx + 2];
   const int cbase = table[4 * sidx + 3];
@@ -771,8 +799,8 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const int64_t* qoff = koff + C;
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
     const __nv_bfloat16* u = ug + slot * C * V + v0;
-    gdpc_stage_wkqp<KPT, NW * 32, OUT>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb, qb,
-                                       pg + slot * C * C, koff, qoff, c, nq, QR, K, vk, tid);
+    gdpc_stage_wkqp<KPT, NW * 32, OUT, OUT>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb, qb,
+                                            pg + slot * C * C, koff, qoff, c, nq, QR, K, vk, tid);
     if (vu && bv == BV) {
       gdpc_stage_tile_strided<BV, LB, C, NW * 32>(st.U, u, V, C, tid);
     } else if (vu) {
@@ -874,8 +902,12 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     // the end of the next step, Dn in its phase A: both after its first barrier.) At BV 64 only:
     // at BV 32 it made the B1 scan 2% slower and its stores no faster (docs/perf.md v30).
     const bool store_team = OUT && BV >= 64 && (out != nullptr || outb != nullptr) && nq <= 32;
-    if (hs != nullptr && !store_team)  // the chunk's start state (bf16) for the backward
-      gdpc_store_state<BV>(hs + slot * KV + v0, sb, K, V, bv, vu, tid, nthr);
+    if (hs != nullptr && !store_team) {  // the chunk's start state (bf16) for the backward
+      if constexpr (OUT)
+        gdpc_store_state<BV>(hs + slot * KV + v0, sb, K, V, bv, vu, tid, nthr);
+      else
+        gdpc_store_state_tile<BV, KPT, NW * 32>(hs + slot * KV + v0, sb, K, V, bv, vu, tid);
+    }
 
     // ---- Phase A: Delta = U - W S for rows 16 mi.., this warp's columns; into Dn and Dk.
     {

@@ -17,6 +17,18 @@
 
 #include <cuda_bf16.h>
 
+// Tells the compiler that the thread index tid lies in [0, nthr), the block's threads, so that
+// row bounds that hold for every thread fold away at compile time (without it nvcc 13.0 wraps
+// each 16-byte copy of a full tile in a branch and forms its 64-bit addresses again inside it:
+// docs/perf.md v30). The emulation checks it.
+__device__ __forceinline__ void gdp_assume_tid(int tid, int nthr) {
+#ifdef GDP_EMU
+  assert(tid >= 0 && tid < nthr);
+#else
+  __builtin_assume(tid >= 0 && tid < nthr);
+#endif
+}
+
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const __nv_bfloat16* p, bool trans) {
 #ifdef GDP_EMU
   gdp_emu_ldsm(r, p, trans);
@@ -71,6 +83,22 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 #else
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+#endif
+}
+
+// cp_async16 that writes 16 zero bytes to dst instead of copying when `copy` is false (the
+// copy's source size 0: nothing is read from src, which must still be a global address): a row
+// that may lie past a tile's rows costs one instruction and no branch around the copy.
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool copy) {
+#ifdef GDP_EMU
+  assert((reinterpret_cast<uintptr_t>(dst) & 15) == 0);
+  assert(!copy || (reinterpret_cast<uintptr_t>(src) & 15) == 0);
+  gdp_emu_cp_async16_zfill(dst, src, copy);
+#else
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(copy ? 16 : 0)
+               : "memory");
 #endif
 }
 

@@ -136,6 +136,15 @@ inline void gdp_emu_cp_async16(void* dst, const void* src) {
   memcpy(c.bytes, src, 16);
   gdp_emu_cp_async_state.open.push_back(c);
 }
+inline void gdp_emu_cp_async16_zfill(void* dst, const void* src, bool copy) {
+  EmuCpAsync::Copy c;
+  c.dst = dst;
+  if (copy)
+    memcpy(c.bytes, src, 16);
+  else
+    memset(c.bytes, 0, 16);
+  gdp_emu_cp_async_state.open.push_back(c);
+}
 inline void gdp_emu_cp_async_commit() {
   auto& st = gdp_emu_cp_async_state;
   st.groups.push_back(std::move(st.open));
