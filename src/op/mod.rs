@@ -35,9 +35,9 @@ pub struct GdpOptions<'a> {
     /// start state and Delta) for the backward instead of recomputing them there, as FLA does:
     /// a faster backward for about `1548·n` bytes per token and head at K = V = 128 (bf16 on
     /// CUDA with the split backward, context-parallel ranks included; ignored elsewhere, and
-    /// when no input tracks gradients). On an H200 it took forward+backward from 0.86–0.93x
-    /// to 1.02–1.10x FLA's at the benchmark shapes, for 1.6 GB per layer at B1 T32768 H16 n2
-    /// (`docs/perf.md` v25).
+    /// when no input tracks gradients). On an H200 it took forward+backward from 0.92–1.07x
+    /// to 1.09–1.24x FLA's at the benchmark shapes, for 1.6 GB per layer at B1 T32768 H16 n2
+    /// (`docs/perf.md` v31).
     /// The op's backward frees them; they live as long as the output's graph until then.
     /// `GDP_CUDA_SAVE=1` / `0` overrides it.
     pub save_intermediates: bool,
