@@ -130,12 +130,7 @@ struct EmuCpAsync {
   std::vector<std::vector<Copy>> groups;  // committed, oldest first
 };
 inline thread_local EmuCpAsync gdp_emu_cp_async_state;
-inline void gdp_emu_cp_async16(void* dst, const void* src) {
-  EmuCpAsync::Copy c;
-  c.dst = dst;
-  memcpy(c.bytes, src, 16);
-  gdp_emu_cp_async_state.open.push_back(c);
-}
+// `copy` false: 16 zero bytes (the zero-filling form, source size 0).
 inline void gdp_emu_cp_async16_zfill(void* dst, const void* src, bool copy) {
   EmuCpAsync::Copy c;
   c.dst = dst;
@@ -144,6 +139,9 @@ inline void gdp_emu_cp_async16_zfill(void* dst, const void* src, bool copy) {
   else
     memset(c.bytes, 0, 16);
   gdp_emu_cp_async_state.open.push_back(c);
+}
+inline void gdp_emu_cp_async16(void* dst, const void* src) {
+  gdp_emu_cp_async16_zfill(dst, src, true);
 }
 inline void gdp_emu_cp_async_commit() {
   auto& st = gdp_emu_cp_async_state;
