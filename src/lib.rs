@@ -23,4 +23,7 @@ pub mod op;
 pub use autograd::backward_with;
 pub use cp::{ContextParallel, Cotangents};
 pub use error::GdpError;
-pub use op::{gated_delta_product, gated_delta_product_packed, GdpOptions};
+pub use op::{
+    gated_delta_product, gated_delta_product_packed, gated_delta_product_vjp, GdpGrads, GdpOptions,
+    GdpVjp,
+};

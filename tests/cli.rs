@@ -826,3 +826,57 @@ fn cp_size_matches_plain_run() -> Result<()> {
     expect_error("cp no cuda", &r, 1, "--device")?;
     Ok(())
 }
+
+#[test]
+fn explicit_backward_matches_autograd_run() -> Result<()> {
+    let dir = TempDir::new("explicit")?;
+    let out = dir.path("out.safetensors");
+    let cases = [
+        Case::new("explicit dense", 2, 20, 2, 8, 6, 2).h0(),
+        Case::new("explicit packed", 1, 24, 2, 8, 8, 3).packed(&[0, 2, 2, 19, 24]),
+    ];
+    for (i, c) in cases.iter().enumerate() {
+        let x = inputs(c, DType::F32)?;
+        let tensors = file_tensors(c, &x, true, DType::I64)?;
+        // Both cotangents, `do` only, `dht` only.
+        for (tag, drop) in [
+            ("both", &[][..]),
+            ("do only", &["dht"]),
+            ("dht only", &["do"]),
+        ] {
+            let inp = dir.path(&format!("in{i}-{}.safetensors", tag.replace(' ', "-")));
+            let kept: Vec<(&str, Tensor)> = tensors
+                .iter()
+                .filter(|(n, _)| !drop.contains(n))
+                .cloned()
+                .collect();
+            save(&inp, &kept)?;
+            let (want, _) = run_file(&inp, &out, &[])?;
+            let (got, stdout) = run_file(&inp, &out, &["--backward", "explicit", "--repeat", "1"])?;
+            same_outputs(&format!("{} {tag} explicit", c.name), &got, &want)?;
+            let keys: Vec<String> = timing_lines(stdout.as_bytes())
+                .into_iter()
+                .map(|(k, _)| k)
+                .collect();
+            ensure!(
+                keys == ["fwd_ms", "fwd_bwd_ms"],
+                "{} {tag}: {stdout:?}",
+                c.name
+            );
+        }
+    }
+    let inp = dir.path("in0-both.safetensors");
+    let r = gdp(&[
+        "run",
+        "--input",
+        inp.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--backward",
+        "explicit",
+        "--cp-size",
+        "2",
+    ])?;
+    expect_error("explicit with cp", &r, 1, "--backward explicit")?;
+    Ok(())
+}

@@ -17,7 +17,7 @@ use candle_gdp::{
 };
 use common::{
     inputs, median_ms, rel_rms, run_op_on, run_op_packed_on, run_op_plain_on, run_op_saving_on,
-    run_reference, Case, Inputs,
+    run_op_vjp_on, run_reference, Case, Inputs,
 };
 
 fn cuda() -> Result<Device> {
@@ -305,6 +305,48 @@ fn saved_intermediates_give_the_same_results() -> Result<()> {
                     "{}: {name} {what} differs from recomputing by {diff:.2e}",
                     c.name
                 );
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn explicit_backward_equals_autograd() -> Result<()> {
+    // `gated_delta_product_vjp` runs the kernels of the op under autograd without a graph
+    // node: `o` bit-identical, every gradient equal up to the order of float atomics (see
+    // above), with and without the final state and `save_intermediates` (bf16 only). Against
+    // f64 at the tolerances of the tests above.
+    let dev = cuda()?;
+    for (dtype, tol) in [(DType::BF16, 1e-2), (DType::F32, 1e-4)] {
+        for c in cases() {
+            let x = inputs(&c, dtype)?;
+            for (final_state, save) in [(true, false), (false, false), (false, true)] {
+                let x = if final_state {
+                    x.clone()
+                } else {
+                    x.without_dht()?
+                };
+                let got = run_op_vjp_on(&c, &x, dtype, &dev, final_state, save)?;
+                let base = if final_state {
+                    run_op_on(&c, &x, dtype, &dev)?
+                } else {
+                    run_op_plain_on(&c, &x, dtype, &dev)?
+                };
+                let want = run_reference(&c, &x)?;
+                let what = format!("vjp {dtype:?} final {final_state} saved {save}");
+                check(&c, &format!("o {what}"), &got.o, &want.o, tol)?;
+                assert_eq!(rel_rms(&got.o, &base.o)?, 0.0, "{}: o {what}", c.name);
+                let pairs = got.grads.iter().zip(&base.grads).zip(&want.grads);
+                for (((name, a), (_, b)), (_, w)) in pairs {
+                    check(&c, &format!("{name} {what}"), a, w, tol)?;
+                    let diff = rel_rms(a, b)?;
+                    assert!(
+                        diff <= 1e-3,
+                        "{}: {name} {what} differs from autograd by {diff:.2e}",
+                        c.name
+                    );
+                }
             }
         }
     }

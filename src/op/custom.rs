@@ -85,6 +85,41 @@ impl GdpForward {
         Tensor::cat(&[&grad.flatten_all()?.to_dtype(DType::F32)?, &zeros], 0)
     }
 
+    /// `(dqk, dv, d gate buffer)` from the gradient `grad_res` of the output: the direct bf16
+    /// backward where it applies, else the packed f32 one split back onto the inputs.
+    fn gradients(
+        &self,
+        qk: &Tensor,
+        v: &Tensor,
+        aux: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        if let Some((mut dqk, dv, daux)) =
+            self.direct_backward(QueryKeys::Packed(qk), v, aux, grad_res)?
+        {
+            let Some(dqk) = dqk.pop() else {
+                candle_core::bail!("gdp: the backward returned no query/key gradient");
+            };
+            return Ok((dqk, dv, daux));
+        }
+        let op = GdpBackward {
+            fwd: self.clone(),
+            grad: self.packed_cotangent(grad_res)?,
+        };
+        let packed = qk.apply_op3_no_bwd(v, aux, &op)?;
+        let (qk_len, v_len) = (self.shape.qk_len(), self.shape.v_len());
+        let dqk = packed
+            .narrow(0, 0, qk_len)?
+            .reshape(qk.shape())?
+            .to_dtype(qk.dtype())?;
+        let dv = packed
+            .narrow(0, qk_len, v_len)?
+            .reshape(v.shape())?
+            .to_dtype(v.dtype())?;
+        let daux = packed.narrow(0, qk_len + v_len, aux.elem_count())?;
+        Ok((dqk, dv, daux))
+    }
+
     /// The CUDA forward on the queries and keys `qk` (packed, or FLA's `q`, `k` read in place),
     /// `v` and the gate buffer.
     #[cfg(feature = "cuda")]
@@ -296,26 +331,7 @@ impl CustomOp3 for GdpForward {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        if let Some((mut dqk, dv, daux)) =
-            self.direct_backward(QueryKeys::Packed(qk), v, aux, grad_res)?
-        {
-            return Ok((dqk.pop(), Some(dv), Some(daux)));
-        }
-        let op = GdpBackward {
-            fwd: self.clone(),
-            grad: self.packed_cotangent(grad_res)?,
-        };
-        let packed = qk.apply_op3_no_bwd(v, aux, &op)?;
-        let (qk_len, v_len) = (self.shape.qk_len(), self.shape.v_len());
-        let dqk = packed
-            .narrow(0, 0, qk_len)?
-            .reshape(qk.shape())?
-            .to_dtype(qk.dtype())?;
-        let dv = packed
-            .narrow(0, qk_len, v_len)?
-            .reshape(v.shape())?
-            .to_dtype(v.dtype())?;
-        let daux = packed.narrow(0, qk_len + v_len, aux.elem_count())?;
+        let (dqk, dv, daux) = self.gradients(qk, v, aux, grad_res)?;
         Ok((Some(dqk), Some(dv), Some(daux)))
     }
 }
@@ -413,6 +429,60 @@ pub(crate) struct GdpForwardSplit {
     pub stash: Arc<Mutex<Option<(Tensor, Tensor)>>>,
 }
 
+impl GdpForwardSplit {
+    /// The split op over contiguous `q [B, T, H, K]`, `k [B, T·n, H, K]`, `v` and the gate
+    /// buffer: on CUDA with bf16 the kernels read `q`, `k` in place, elsewhere a packed copy is
+    /// made here, outside the graph.
+    pub fn new(op: GdpForward, q: &Tensor, k: &Tensor, v: Tensor, aux: Tensor) -> Result<Self> {
+        let pack = super::pack::PackQk::of(&op.shape);
+        #[cfg(feature = "cuda")]
+        let in_place = op.cp.is_none() && super::cuda::reads_qk_in_place(q, &op.shape)?;
+        #[cfg(not(feature = "cuda"))]
+        let in_place = false;
+        let qk = if in_place {
+            None
+        } else {
+            Some(q.detach().apply_op2(&k.detach(), pack)?)
+        };
+        Ok(Self {
+            op,
+            qk,
+            v,
+            aux,
+            pack,
+            stash: Arc::new(Mutex::new(None)),
+        })
+    }
+
+    /// `(dq, dk, dv, d gate buffer)` from the gradient `grad_res` of the forward's output.
+    pub fn gradients(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Tensor, Tensor)> {
+        let (dq, dk, dv, daux) = match &self.qk {
+            None => {
+                let split = QueryKeys::Split(q, k);
+                let Some((dqk, dv, daux)) = self
+                    .op
+                    .direct_backward(split, &self.v, &self.aux, grad_res)?
+                else {
+                    candle_core::bail!("gdp: the CUDA backward did not take `q`, `k` in place");
+                };
+                let mut dqk = dqk.into_iter();
+                (dqk.next(), dqk.next(), dv, daux)
+            }
+            Some(qk) => {
+                let (dqk, dv, daux) = self.op.gradients(qk, &self.v, &self.aux, grad_res)?;
+                let (dq, dk) = candle_core::CustomOp2::bwd(&self.pack, q, k, qk, &dqk)?;
+                (dq, dk, dv, daux)
+            }
+        };
+        Ok((dq, dk, dv, daux))
+    }
+}
+
 impl CustomOp3 for GdpForwardSplit {
     fn name(&self) -> &'static str {
         "gated-delta-product-split"
@@ -475,35 +545,11 @@ impl CustomOp3 for GdpForwardSplit {
         q: &Tensor,
         k: &Tensor,
         tie: &Tensor,
-        res: &Tensor,
+        _res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dq, dk, dv, daux) = match &self.qk {
-            None => {
-                let split = QueryKeys::Split(q, k);
-                let Some((dqk, dv, daux)) = self
-                    .op
-                    .direct_backward(split, &self.v, &self.aux, grad_res)?
-                else {
-                    candle_core::bail!("gdp: the CUDA backward did not take `q`, `k` in place");
-                };
-                let mut dqk = dqk.into_iter();
-                (dqk.next(), dqk.next(), Some(dv), Some(daux))
-            }
-            Some(qk) => {
-                use candle_core::CustomOp2;
-                let (Some(dqk), dv, daux) = self.op.bwd(qk, &self.v, &self.aux, res, grad_res)?
-                else {
-                    candle_core::bail!("gdp: the backward returned no query/key gradient");
-                };
-                let (dq, dk) = self.pack.bwd(q, k, qk, &dqk)?;
-                (dq, dk, dv, daux)
-            }
-        };
+        let (dq, dk, dv, daux) = self.gradients(q, k, grad_res)?;
         if tie.track_op() {
-            let (Some(dv), Some(daux)) = (dv, daux) else {
-                candle_core::bail!("gdp: the backward returned no value or gate gradient");
-            };
             *lock_stash(&self.stash)? = Some((dv, daux));
         }
         Ok((dq, dk, Some(tie.zeros_like()?)))

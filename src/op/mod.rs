@@ -11,11 +11,13 @@ pub mod naive;
 pub(crate) mod pack;
 pub mod recurrent;
 pub mod shape;
+pub mod vjp;
 
 use crate::error::GdpError;
 use candle_core::{DType, Device, Result, Tensor};
 use custom::GdpForward;
 use shape::{validate_cu_seqlens, GdpShape};
+pub use vjp::{gated_delta_product_vjp, GdpGrads, GdpVjp};
 
 /// Options of [`gated_delta_product`], mirroring FLA's `chunk_gated_delta_product` keywords.
 #[derive(Debug, Clone, Default)]
@@ -124,31 +126,62 @@ pub(crate) fn apply(
     opts: &GdpOptions,
     cp: Option<std::sync::Arc<crate::cp::driver::CpLink>>,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let scale = opts.scale.unwrap_or((sh.dk as f64).powf(-0.5)) as f32;
+    let aux = gate_buffer(g, beta, opts.initial_state)?;
+    let tracked = match qk {
+        QueryKeys::Packed(qk) => qk.track_op(),
+        QueryKeys::Split(q, k) => q.track_op() || k.track_op(),
+    } || v.track_op()
+        || aux.track_op();
+    let op = forward_op(sh.clone(), opts, cp, tracked, v.device())?;
+    let (v, dtype) = (v.contiguous()?, v.dtype());
+    let out = match qk {
+        QueryKeys::Packed(qk) => qk.contiguous()?.apply_op3(&v, &aux, op)?,
+        QueryKeys::Split(q, k) => {
+            let (q, k) = (q.contiguous()?, k.contiguous()?);
+            let split = custom::GdpForwardSplit::new(op, &q, &k, v.clone(), aux.clone())?;
+            let tie = v.apply_op2(
+                &aux,
+                custom::GradTie {
+                    stash: split.stash.clone(),
+                },
+            )?;
+            q.apply_op3(&k, &tie, split)?
+        }
+    };
+    split_output(out, &sh, dtype, opts.output_final_state)
+}
+
+/// The f32 gate buffer `[g | beta | h0?]` (each flattened) that the op takes as one input.
+pub(crate) fn gate_buffer(g: &Tensor, beta: &Tensor, h0: Option<&Tensor>) -> Result<Tensor> {
     let mut parts = vec![
         g.flatten_all()?.to_dtype(DType::F32)?,
         beta.flatten_all()?.to_dtype(DType::F32)?,
     ];
-    if let Some(h0) = opts.initial_state {
+    if let Some(h0) = h0 {
         parts.push(h0.flatten_all()?.to_dtype(DType::F32)?);
     }
-    let aux = Tensor::cat(&parts, 0)?;
-    let (o_len, s_len) = (sh.o_len(), sh.state_len());
-    let o_shape = (sh.batch, sh.tokens, sh.heads, sh.dv);
-    let s_shape = (sh.num_seqs(), sh.heads, sh.dk, sh.dv);
+    Tensor::cat(&parts, 0)
+}
+
+/// The forward op for checked geometry `sh`; `tracked`: whether a backward may follow (only
+/// then does [`GdpOptions::save_intermediates`] keep anything).
+pub(crate) fn forward_op(
+    sh: GdpShape,
+    opts: &GdpOptions,
+    cp: Option<std::sync::Arc<crate::cp::driver::CpLink>>,
+    tracked: bool,
+    device: &Device,
+) -> Result<GdpForward> {
+    let scale = opts.scale.unwrap_or((sh.dk as f64).powf(-0.5)) as f32;
     #[cfg(feature = "cuda")]
     let cache = {
-        let tracked = match qk {
-            QueryKeys::Packed(qk) => qk.track_op(),
-            QueryKeys::Split(q, k) => q.track_op() || k.track_op(),
-        } || v.track_op()
-            || aux.track_op();
         let wanted = save_intermediates(opts.save_intermediates)?;
-        (wanted && tracked && v.device().is_cuda())
+        (wanted && tracked && device.is_cuda())
             .then(|| std::sync::Arc::new(cuda::CacheSlot::default()))
     };
-    let (v, dtype, pack) = (v.contiguous()?, v.dtype(), pack::PackQk::of(&sh));
-    let op = GdpForward {
+    #[cfg(not(feature = "cuda"))]
+    let _ = (tracked, device);
+    Ok(GdpForward {
         shape: sh,
         scale,
         has_h0: opts.initial_state.is_some(),
@@ -156,42 +189,23 @@ pub(crate) fn apply(
         with_final_state: opts.output_final_state,
         #[cfg(feature = "cuda")]
         cache,
-    };
-    let out = match qk {
-        QueryKeys::Packed(qk) => qk.contiguous()?.apply_op3(&v, &aux, op)?,
-        QueryKeys::Split(q, k) => {
-            let (q, k) = (q.contiguous()?, k.contiguous()?);
-            #[cfg(feature = "cuda")]
-            let in_place = op.cp.is_none() && cuda::reads_qk_in_place(&q, &op.shape)?;
-            #[cfg(not(feature = "cuda"))]
-            let in_place = false;
-            let qk = if in_place {
-                None
-            } else {
-                Some(q.detach().apply_op2(&k.detach(), pack)?)
-            };
-            let stash = std::sync::Arc::new(std::sync::Mutex::new(None));
-            let tie = v.apply_op2(
-                &aux,
-                custom::GradTie {
-                    stash: stash.clone(),
-                },
-            )?;
-            let split = custom::GdpForwardSplit {
-                op,
-                qk,
-                v,
-                aux,
-                pack,
-                stash,
-            };
-            q.apply_op3(&k, &tie, split)?
-        }
-    };
-    if !opts.output_final_state {
-        // `o [B, T, H, V]` in the inputs' dtype.
+    })
+}
+
+/// `(o [B, T, H, V]` in `dtype`, final state `[N, H, K, V]` f32`)` from the op's output: `o`
+/// itself, or the packed f32 `[o | final state]` when the final state was asked for.
+pub(crate) fn split_output(
+    out: Tensor,
+    sh: &GdpShape,
+    dtype: DType,
+    with_final_state: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    if !with_final_state {
         return Ok((out, None));
     }
+    let (o_len, s_len) = (sh.o_len(), sh.state_len());
+    let o_shape = (sh.batch, sh.tokens, sh.heads, sh.dv);
+    let s_shape = (sh.num_seqs(), sh.heads, sh.dk, sh.dv);
     let o = out.narrow(0, 0, o_len)?.reshape(o_shape)?.to_dtype(dtype)?;
     let ht = out.narrow(0, o_len, s_len)?.reshape(s_shape)?;
     Ok((o, Some(ht)))

@@ -357,6 +357,71 @@ fn run_vars_plain(
     })
 }
 
+/// The op through [`candle_gdp::gated_delta_product_vjp`] on `dev` (q, k, v, beta in `dtype`,
+/// g and h0 in f32), with `final_state` the cotangent `dht` too; otherwise `ht` comes from a
+/// second call and the reference is that of [`Inputs::without_dht`]. Checks every gradient's
+/// shape, dtype and device, and returns outputs and gradients on the CPU.
+pub fn run_op_vjp_on(
+    c: &Case,
+    x: &Inputs,
+    dtype: DType,
+    dev: &Device,
+    final_state: bool,
+    save_intermediates: bool,
+) -> Result<Results> {
+    let put = |t: &Tensor, dt: DType| -> Result<Tensor> { Ok(t.to_dtype(dt)?.to_device(dev)?) };
+    let (q, k, v) = (put(&x.q, dtype)?, put(&x.k, dtype)?, put(&x.v, dtype)?);
+    let (g, beta) = (put(&x.g, DType::F32)?, put(&x.beta, dtype)?);
+    let h0 = x.h0.as_ref().map(|h| put(h, DType::F32)).transpose()?;
+    let opts = |final_state: bool| GdpOptions {
+        initial_state: h0.as_ref(),
+        output_final_state: final_state,
+        cu_seqlens: c.cu.as_deref(),
+        save_intermediates,
+        ..Default::default()
+    };
+    let vjp = candle_gdp::gated_delta_product_vjp(&q, &k, &v, &g, &beta, &opts(final_state))?;
+    assert_eq!(vjp.o.dtype(), dtype, "{}: o dtype", c.name);
+    let (o, ht) = match &vjp.final_state {
+        Some(ht) => (vjp.o.clone(), ht.clone()),
+        None => {
+            let again = candle_gdp::gated_delta_product_vjp(&q, &k, &v, &g, &beta, &opts(true))?;
+            (
+                vjp.o.clone(),
+                again.final_state.expect("final state requested"),
+            )
+        }
+    };
+    let dht = x.dht.to_device(dev)?;
+    let dht = final_state.then_some(&dht);
+    let gr = vjp.backward(&x.dout.to_device(dev)?, dht)?;
+    let mut grads = vec![
+        ("dq", gr.dq, &q),
+        ("dk", gr.dk, &k),
+        ("dv", gr.dv, &v),
+        ("dg", gr.dg, &g),
+        ("dbeta", gr.dbeta, &beta),
+    ];
+    match (gr.dh0, &h0) {
+        (Some(d), Some(h)) => grads.push(("dh0", d, h)),
+        (None, None) => {}
+        _ => panic!("{}: dh0 without an initial state or the reverse", c.name),
+    }
+    let mut out = vec![];
+    for (name, gr, input) in grads {
+        assert_eq!(gr.dims(), input.dims(), "{}: {name} shape", c.name);
+        assert_eq!(gr.dtype(), input.dtype(), "{}: {name} dtype", c.name);
+        assert!(gr.device().same_device(dev), "{}: {name} device", c.name);
+        out.push((name, gr.to_device(&Device::Cpu)?));
+    }
+    let cpu = Device::Cpu;
+    Ok(Results {
+        o: o.to_device(&cpu)?,
+        ht: ht.to_device(&cpu)?,
+        grads: out,
+    })
+}
+
 /// The f64 reference for the same case.
 pub fn run_reference(c: &Case, x: &Inputs) -> Result<Results> {
     let opts = GdpOptions {

@@ -110,6 +110,18 @@ pub enum TimingArg {
     Events,
 }
 
+/// How `gdp run` computes gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum BackwardArg {
+    /// Candle's autograd (`backward_with`): what a training loop on `loss.backward()` pays,
+    /// Candle's gradient accumulation included.
+    #[default]
+    Autograd,
+    /// The op's explicit backward (`gated_delta_product_vjp`): the op alone, as FLA's
+    /// `autograd.Function` runs under PyTorch.
+    Explicit,
+}
+
 /// Arguments of `gdp run`.
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
@@ -136,6 +148,9 @@ pub struct RunArgs {
     /// How `--repeat` times a call.
     #[arg(long, value_enum, default_value_t = TimingArg::Host)]
     pub timing: TimingArg,
+    /// How the gradients are computed (plain op only).
+    #[arg(long, value_enum, default_value_t = BackwardArg::Autograd)]
+    pub backward: BackwardArg,
     /// Context-parallel ranks: the time axis is sharded over R ranks (R devices); 1 runs the
     /// plain op.
     #[arg(
@@ -192,6 +207,7 @@ pub struct Prepared<'a> {
     dht: Option<Tensor>,
     cu_seqlens: Option<&'a [usize]>,
     scale: Option<f64>,
+    backward: BackwardArg,
 }
 
 impl<'a> Prepared<'a> {
@@ -225,19 +241,29 @@ impl<'a> Prepared<'a> {
                 .transpose()?,
             cu_seqlens: x.cu_seqlens.as_deref(),
             scale,
+            backward: BackwardArg::Autograd,
         })
     }
 
-    /// `o` in the compute dtype and, with `final_state`, the final state (f32). Without it
-    /// this is the call FLA's benchmark times (`output_final_state=False`).
-    pub fn forward(&self, final_state: bool) -> Result<(Tensor, Option<Tensor>), CliError> {
-        let opts = GdpOptions {
+    /// The same, with the gradients computed by `backward`.
+    pub fn with_backward(self, backward: BackwardArg) -> Self {
+        Self { backward, ..self }
+    }
+
+    fn options(&self, final_state: bool) -> GdpOptions<'_> {
+        GdpOptions {
             scale: self.scale,
             initial_state: self.h0.as_ref().map(|v| v.as_tensor()),
             output_final_state: final_state,
             cu_seqlens: self.cu_seqlens,
             ..Default::default()
-        };
+        }
+    }
+
+    /// `o` in the compute dtype and, with `final_state`, the final state (f32). Without it
+    /// this is the call FLA's benchmark times (`output_final_state=False`).
+    pub fn forward(&self, final_state: bool) -> Result<(Tensor, Option<Tensor>), CliError> {
+        let opts = self.options(final_state);
         let (o, ht) = gated_delta_product(&self.q, &self.k, &self.v, &self.g, &self.beta, &opts)
             .map_err(|e| CliError::from_lib(&e))?;
         if final_state && ht.is_none() {
@@ -257,6 +283,9 @@ impl<'a> Prepared<'a> {
     /// the final state is only computed when `dht` is given). Returns `o`, the final state
     /// when computed, then `dq dk dv dg dbeta` and `dh0` when there is an initial state.
     pub fn forward_backward(&self) -> Result<Vec<(String, Tensor)>, CliError> {
+        if self.backward == BackwardArg::Explicit {
+            return self.forward_backward_explicit();
+        }
         let (o, ht) = self.forward(self.dht.is_some())?;
         let lib = |e: candle_core::Error| CliError::from_lib(&e);
         let ht_dims = ht.as_ref().map_or(vec![], |t| t.dims().to_vec());
@@ -292,6 +321,48 @@ impl<'a> Prepared<'a> {
                 None => var.zeros_like().map_err(lib)?,
             };
             out.push((name.to_string(), gr));
+        }
+        Ok(out)
+    }
+}
+
+impl Prepared<'_> {
+    /// [`Prepared::forward_backward`] through the op's explicit backward.
+    fn forward_backward_explicit(&self) -> Result<Vec<(String, Tensor)>, CliError> {
+        let lib = |e: candle_core::Error| CliError::from_lib(&e);
+        let opts = self.options(self.dht.is_some());
+        let vjp = candle_gdp::gated_delta_product_vjp(
+            &self.q, &self.k, &self.v, &self.g, &self.beta, &opts,
+        )
+        .map_err(lib)?;
+        let ht_dims = vjp
+            .final_state
+            .as_ref()
+            .map_or(vec![], |t| t.dims().to_vec());
+        check_cotangents(&self.dout, &self.dht, vjp.o.dims(), &ht_dims)?;
+        if self.dout.is_none() && self.dht.is_none() {
+            return Err(CliError::new("gradients need a `do` or `dht` tensor"));
+        }
+        let (o, ht) = (vjp.o.clone(), vjp.final_state.clone());
+        let d_o = match &self.dout {
+            Some(d) => d.clone(),
+            None => o.zeros_like().map_err(lib)?,
+        };
+        let gr = vjp.backward(&d_o, self.dht.as_ref()).map_err(lib)?;
+        let mut out = vec![("o".to_string(), o)];
+        if let Some(ht) = ht {
+            out.push(("ht".to_string(), ht));
+        }
+        let named = [
+            ("dq", gr.dq),
+            ("dk", gr.dk),
+            ("dv", gr.dv),
+            ("dg", gr.dg),
+            ("dbeta", gr.dbeta),
+        ];
+        out.extend(named.into_iter().map(|(n, t)| (n.to_string(), t)));
+        if let Some(dh0) = gr.dh0 {
+            out.push(("dh0".to_string(), dh0));
         }
         Ok(out)
     }
@@ -633,7 +704,8 @@ pub fn run(args: &RunArgs, input: &LoadedInput) -> Result<RunOutput, CliError> {
         return run_cp(args, input);
     }
     let device = args.device.open()?;
-    let p = Prepared::new(input, args.dtype.dtype(), &device, args.scale)?;
+    let p =
+        Prepared::new(input, args.dtype.dtype(), &device, args.scale)?.with_backward(args.backward);
     let with_grads = input.wants_grads();
     let (tensors, timings) = match args.repeat {
         None if with_grads => (with_final_state(&p, p.forward_backward()?)?, None),
@@ -685,6 +757,11 @@ fn run_prepared_cp(
     input: &LoadedInput,
     p: &CpPrepared,
 ) -> Result<RunOutput, CliError> {
+    if args.backward == BackwardArg::Explicit {
+        return Err(CliError::new(
+            "--backward explicit runs the plain op; context-parallel runs use Candle's autograd",
+        ));
+    }
     if args.timing == TimingArg::Events && args.repeat.is_some() {
         return Err(CliError::new(
             "--timing events times the plain op on one device; context-parallel runs are timed \
