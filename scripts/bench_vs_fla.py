@@ -14,7 +14,9 @@ one at a time), checks that both outputs agree, and prints the ratio FLA time / 
 is faster), with the largest relative RMS difference of the gradients (dq dk dv dg dbeta)
 from FLA's. Each `--variant` adds a row per shape: gdp run again on the same inputs with
 those environment variables set and `gdp run` flags added (e.g.
-`--variant "chunked GDP_CUDA_FWD=chunked"`, `--variant "host --timing host"`).
+`--variant "chunked GDP_CUDA_FWD=chunked"`, `--variant "host --timing host"`,
+`--variant "explicit --backward explicit"`: the op's own backward without Candle's gradient
+accumulation, `gated_delta_product_vjp`).
 
 FLA's Triton kernels are autotuned on their first call, keyed by H, K, V and the chunk size but
 not by B, T or n: in one process every later shape would run the configurations tuned for the
