@@ -461,7 +461,7 @@ impl GdpForwardSplit {
         k: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Tensor, Tensor)> {
-        let (dq, dk, dv, daux) = match &self.qk {
+        Ok(match &self.qk {
             None => {
                 let split = QueryKeys::Split(q, k);
                 let Some((dqk, dv, daux)) = self
@@ -478,8 +478,7 @@ impl GdpForwardSplit {
                 let (dq, dk) = candle_core::CustomOp2::bwd(&self.pack, q, k, qk, &dqk)?;
                 (dq, dk, dv, daux)
             }
-        };
-        Ok((dq, dk, dv, daux))
+        })
     }
 }
 
