@@ -57,6 +57,26 @@ pub struct GdpGrads {
 /// asked for, and the means to get every input's gradient from their cotangents
 /// ([`GdpVjp::backward`]). The inputs' own graphs are not followed: gradients stop at them.
 /// [`GdpOptions::save_intermediates`] applies as if the inputs tracked gradients.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_gdp::{gated_delta_product_vjp, GdpOptions};
+/// # fn main() -> candle_core::Result<()> {
+/// let (b, t, h, k, v, n) = (1, 10, 2, 8, 6, 2);
+/// let dev = Device::Cpu;
+/// let q = Tensor::randn(0f32, 0.3, (b, t, h, k), &dev)?;
+/// let keys = Tensor::randn(0f32, 0.3, (b, t * n, h, k), &dev)?;
+/// let values = Tensor::randn(0f32, 1.0, (b, t * n, h, v), &dev)?;
+/// let g = Tensor::full(-0.1f32, (b, t, h), &dev)?;
+/// let beta = Tensor::full(0.5f32, (b, t * n, h), &dev)?;
+/// let vjp = gated_delta_product_vjp(&q, &keys, &values, &g, &beta, &GdpOptions::default())?;
+/// let d_o = vjp.o.ones_like()?;
+/// let grads = vjp.backward(&d_o, None)?;
+/// assert_eq!(grads.dk.dims(), keys.dims());
+/// assert_eq!(grads.dbeta.dtype(), DType::F32);
+/// # Ok(())
+/// # }
+/// ```
 pub fn gated_delta_product_vjp(
     q: &Tensor,
     k: &Tensor,
