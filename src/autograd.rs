@@ -58,6 +58,30 @@ pub(crate) fn zero_scalar_cuda(
     Ok((zero, Shape::from(())))
 }
 
+/// Checks that the cotangent `c` (called `name`) has the shape and device of its output `y`
+/// (called `reference`).
+pub(crate) fn check_cotangent(c: &Tensor, name: &str, y: &Tensor, reference: &str) -> Result<()> {
+    if y.dims() != c.dims() {
+        return Err(GdpError::Shape {
+            name: name.into(),
+            expected: y.dims().to_vec(),
+            layout: "(the shape of its output)",
+            got: c.dims().to_vec(),
+        }
+        .into());
+    }
+    if !c.device().same_device(y.device()) {
+        return Err(GdpError::Device {
+            name: name.into(),
+            reference: reference.into(),
+            expected: format!("{:?}", y.device().location()),
+            got: format!("{:?}", c.device().location()),
+        }
+        .into());
+    }
+    Ok(())
+}
+
 /// Gradients of `Σ_i ⟨outputs_i, cotangents_i⟩` with respect to every variable the outputs
 /// depend on: PyTorch's `torch.autograd.backward(outputs, cotangents)`.
 ///
@@ -66,24 +90,7 @@ pub(crate) fn zero_scalar_cuda(
 pub fn backward_with(pairs: &[(&Tensor, &Tensor)]) -> Result<GradStore> {
     let mut loss: Option<Tensor> = None;
     for (i, (y, c)) in pairs.iter().enumerate() {
-        if y.dims() != c.dims() {
-            return Err(GdpError::Shape {
-                name: format!("cotangent {i}"),
-                expected: y.dims().to_vec(),
-                layout: "(the shape of its output)",
-                got: c.dims().to_vec(),
-            }
-            .into());
-        }
-        if !c.device().same_device(y.device()) {
-            return Err(GdpError::Device {
-                name: format!("cotangent {i}"),
-                reference: format!("output {i}"),
-                expected: format!("{:?}", y.device().location()),
-                got: format!("{:?}", c.device().location()),
-            }
-            .into());
-        }
+        check_cotangent(c, &format!("cotangent {i}"), y, &format!("output {i}"))?;
         let seed = y.apply_op1(Seed {
             cotangent: c.to_dtype(y.dtype())?.contiguous()?.detach(),
         })?;

@@ -108,22 +108,9 @@ pub struct Cotangents<'a> {
     pub dht: Option<&'a Tensor>,
 }
 
-/// Gradients gathered from all ranks, each with its input's shape and dtype.
-#[derive(Debug, Clone)]
-pub struct CpGrads {
-    /// `[B, T, H, K]`
-    pub dq: Tensor,
-    /// `[B, T·n, H, K]`
-    pub dk: Tensor,
-    /// `[B, T·n, H, V]`
-    pub dv: Tensor,
-    /// `[B, T, H]`
-    pub dg: Tensor,
-    /// `[B, T·n, H]`
-    pub dbeta: Tensor,
-    /// `[N, H, K, V]` when an initial state was given.
-    pub dh0: Option<Tensor>,
-}
+/// Gradients gathered from all ranks, each with its input's shape and dtype: the plain op's
+/// [`crate::GdpGrads`].
+pub type CpGrads = crate::op::GdpGrads;
 
 /// Result of [`ContextParallel::gated_delta_product`], on the device of `q`.
 #[derive(Debug, Clone)]

@@ -9,8 +9,8 @@
 //! tensor in Candle 0.11: `docs/perf.md` v18).
 
 use super::custom::GdpForwardSplit;
-use super::shape::GdpShape;
 use super::{forward_op, gate_buffer, split_output, validate_fla, GdpOptions};
+use crate::autograd::check_cotangent;
 use crate::error::GdpError;
 use candle_core::{DType, Result, Tensor};
 
@@ -119,7 +119,7 @@ impl GdpVjp {
     /// `None`); any float dtype, on the inputs' device. Consumes the forward's intermediates.
     pub fn backward(self, d_o: &Tensor, d_final_state: Option<&Tensor>) -> Result<GdpGrads> {
         let sh = &self.op.op.shape;
-        check_cotangent(d_o, "d_o", self.o.dims(), &self.o)?;
+        check_cotangent(d_o, "d_o", &self.o, "o")?;
         let grad = match (&self.final_state, d_final_state) {
             (None, Some(_)) => {
                 return Err(GdpError::Option {
@@ -134,7 +134,7 @@ impl GdpVjp {
                 let d_o = d_o.to_dtype(self.o.dtype())?.flatten_all()?;
                 let dht = match dht {
                     Some(dht) => {
-                        check_cotangent(dht, "d_final_state", ht.dims(), ht)?;
+                        check_cotangent(dht, "d_final_state", ht, "the final state")?;
                         dht.flatten_all()?.to_dtype(DType::F32)?
                     }
                     None => Tensor::zeros(sh.state_len(), DType::F32, ht.device())?,
@@ -168,32 +168,4 @@ impl GdpVjp {
                 .transpose()?,
         })
     }
-
-    /// The op's geometry.
-    pub fn shape(&self) -> &GdpShape {
-        &self.op.op.shape
-    }
-}
-
-/// A cotangent must have its output's shape and device.
-fn check_cotangent(c: &Tensor, name: &str, want: &[usize], output: &Tensor) -> Result<()> {
-    if c.dims() != want {
-        return Err(GdpError::Shape {
-            name: name.into(),
-            expected: want.to_vec(),
-            layout: "(the shape of its output)",
-            got: c.dims().to_vec(),
-        }
-        .into());
-    }
-    if !c.device().same_device(output.device()) {
-        return Err(GdpError::Device {
-            name: name.into(),
-            reference: "the op's output".into(),
-            expected: format!("{:?}", output.device().location()),
-            got: format!("{:?}", c.device().location()),
-        }
-        .into());
-    }
-    Ok(())
 }
