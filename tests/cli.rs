@@ -703,6 +703,24 @@ fn run_file(inp: &Path, out: &Path, extra: &[&str]) -> Result<(HashMap<String, T
     Ok((got, String::from_utf8_lossy(&r.stdout).into_owned()))
 }
 
+/// Saves `tensors` to `path` without those named in `drop`.
+fn save_without(path: &Path, tensors: &[(&str, Tensor)], drop: &[&str]) -> Result<()> {
+    let kept: Vec<(&str, Tensor)> = tensors
+        .iter()
+        .filter(|(n, _)| !drop.contains(n))
+        .cloned()
+        .collect();
+    save(path, &kept)
+}
+
+/// The keys of `gdp run --repeat`'s timing lines, in order.
+fn timing_keys(stdout: &str) -> Vec<String> {
+    timing_lines(stdout.as_bytes())
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect()
+}
+
 /// Every tensor of `got` equals `want` (same names, f32, same shapes, rel RMS <= 1e-5).
 fn same_outputs(
     what: &str,
@@ -771,19 +789,11 @@ fn cp_size_matches_plain_run() -> Result<()> {
         // Only `dht` (a zero `do`), and forward only, on 3 ranks, timed.
         for (tag, drop) in [("dht only", &["do"][..]), ("fwd only", &["do", "dht"])] {
             let part = dir.path(&format!("in{i}-{}.safetensors", drop.len()));
-            let kept: Vec<(&str, Tensor)> = tensors
-                .iter()
-                .filter(|(n, _)| !drop.contains(n))
-                .cloned()
-                .collect();
-            save(&part, &kept)?;
+            save_without(&part, &tensors, drop)?;
             let (want, _) = run_file(&part, &out, &[])?;
             let (got, stdout) = run_file(&part, &out, &["--cp-size", "3", "--repeat", "1"])?;
             same_outputs(&format!("{} {tag} cp=3", c.name), &got, &want)?;
-            let keys: Vec<String> = timing_lines(stdout.as_bytes())
-                .into_iter()
-                .map(|(k, _)| k)
-                .collect();
+            let keys = timing_keys(&stdout);
             let want_keys: &[&str] = if drop.len() == 1 {
                 &["fwd_ms", "fwd_bwd_ms"]
             } else {
@@ -845,19 +855,11 @@ fn explicit_backward_matches_autograd_run() -> Result<()> {
             ("dht only", &["do"]),
         ] {
             let inp = dir.path(&format!("in{i}-{}.safetensors", tag.replace(' ', "-")));
-            let kept: Vec<(&str, Tensor)> = tensors
-                .iter()
-                .filter(|(n, _)| !drop.contains(n))
-                .cloned()
-                .collect();
-            save(&inp, &kept)?;
+            save_without(&inp, &tensors, drop)?;
             let (want, _) = run_file(&inp, &out, &[])?;
             let (got, stdout) = run_file(&inp, &out, &["--backward", "explicit", "--repeat", "1"])?;
             same_outputs(&format!("{} {tag} explicit", c.name), &got, &want)?;
-            let keys: Vec<String> = timing_lines(stdout.as_bytes())
-                .into_iter()
-                .map(|(k, _)| k)
-                .collect();
+            let keys = timing_keys(&stdout);
             ensure!(
                 keys == ["fwd_ms", "fwd_bwd_ms"],
                 "{} {tag}: {stdout:?}",

@@ -17,7 +17,7 @@ use candle_gdp::{
 };
 use common::{
     inputs, median_ms, rel_rms, run_op_on, run_op_packed_on, run_op_plain_on, run_op_saving_on,
-    run_op_vjp_on, run_reference, Case, Inputs,
+    run_op_vjp_on, run_reference, Case, Inputs, Results,
 };
 
 fn cuda() -> Result<Device> {
@@ -261,6 +261,30 @@ fn without_final_state_matches_f64_reference() -> Result<()> {
     Ok(())
 }
 
+/// `got` from the same kernels as `base` (called `base_name`) run another way: `o`
+/// bit-identical, every gradient within 1e-3 relative RMS (the order of float atomics), and
+/// all within `tol` of the reference `want`.
+fn check_same_kernels(
+    c: &Case,
+    what: &str,
+    base_name: &str,
+    (got, base, want): (&Results, &Results, &Results),
+    tol: f64,
+) -> Result<()> {
+    check(c, &format!("o {what}"), &got.o, &want.o, tol)?;
+    assert_eq!(rel_rms(&got.o, &base.o)?, 0.0, "{}: o {what}", c.name);
+    for (((name, a), (_, b)), (_, w)) in got.grads.iter().zip(&base.grads).zip(&want.grads) {
+        check(c, &format!("{name} {what}"), a, w, tol)?;
+        let diff = rel_rms(a, b)?;
+        assert!(
+            diff <= 1e-3,
+            "{}: {name} {what} differs from {base_name} by {diff:.2e}",
+            c.name
+        );
+    }
+    Ok(())
+}
+
 #[test]
 fn saved_intermediates_give_the_same_results() -> Result<()> {
     // `save_intermediates`: the bf16 backward reads the forward's WY factors and chunk states
@@ -294,18 +318,7 @@ fn saved_intermediates_give_the_same_results() -> Result<()> {
                 )
             };
             let what = if plain { "saved plain" } else { "saved" };
-            check(&c, &format!("o {what}"), &got.o, &want.o, 1e-2)?;
-            assert_eq!(rel_rms(&got.o, &base.o)?, 0.0, "{}: o {what}", c.name);
-            for (((name, a), (_, b)), (_, w)) in got.grads.iter().zip(&base.grads).zip(&want.grads)
-            {
-                check(&c, &format!("{name} {what}"), a, w, 1e-2)?;
-                let diff = rel_rms(a, b)?;
-                assert!(
-                    diff <= 1e-3,
-                    "{}: {name} {what} differs from recomputing by {diff:.2e}",
-                    c.name
-                );
-            }
+            check_same_kernels(&c, what, "recomputing", (&got, &base, &want), 1e-2)?;
         }
     }
     Ok(())
@@ -335,18 +348,7 @@ fn explicit_backward_equals_autograd() -> Result<()> {
                 };
                 let want = run_reference(&c, &x)?;
                 let what = format!("vjp {dtype:?} final {final_state} saved {save}");
-                check(&c, &format!("o {what}"), &got.o, &want.o, tol)?;
-                assert_eq!(rel_rms(&got.o, &base.o)?, 0.0, "{}: o {what}", c.name);
-                let pairs = got.grads.iter().zip(&base.grads).zip(&want.grads);
-                for (((name, a), (_, b)), (_, w)) in pairs {
-                    check(&c, &format!("{name} {what}"), a, w, tol)?;
-                    let diff = rel_rms(a, b)?;
-                    assert!(
-                        diff <= 1e-3,
-                        "{}: {name} {what} differs from autograd by {diff:.2e}",
-                        c.name
-                    );
-                }
+                check_same_kernels(&c, &what, "autograd", (&got, &base, &want), tol)?;
             }
         }
     }
