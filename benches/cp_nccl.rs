@@ -18,7 +18,7 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use candle_gdp::cp::{
     cp_gated_delta_product, dense_rank_meta, Communicator, Composition, CpRank, NcclComm, ShardPlan,
 };
-use candle_gdp::{gated_delta_product, GdpOptions};
+use candle_gdp::{gated_delta_product, GdpOptions, SaveIntermediates};
 use clap::Parser;
 use std::sync::Arc;
 use std::time::Instant;
@@ -47,13 +47,31 @@ struct Args {
     /// Skip the single-GPU baseline.
     #[arg(long)]
     no_baseline: bool,
-    /// Keep the forward's intermediates for the backward (`save_intermediates`), in the
-    /// baseline and on the ranks.
-    #[arg(long)]
-    save: bool,
+    /// What the forward keeps for the backward (`save_intermediates`), in the baseline and on
+    /// the ranks.
+    #[arg(long, value_enum, default_value_t = Save::Wy)]
+    save: Save,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
+}
+
+/// [`SaveIntermediates`] on the command line.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum Save {
+    Nothing,
+    Wy,
+    All,
+}
+
+impl From<Save> for SaveIntermediates {
+    fn from(s: Save) -> Self {
+        match s {
+            Save::Nothing => Self::Nothing,
+            Save::Wy => Self::WyFactors,
+            Save::All => Self::All,
+        }
+    }
 }
 
 type Res<T> = candle_core::Result<T>;
@@ -94,9 +112,9 @@ fn inputs(a: &Args, dev: &Device, seed: u64) -> Res<Inputs> {
 }
 
 /// Forward and backward; returns (forward ms, forward + backward ms), the device synchronised.
-fn step(x: &Inputs, dev: &Device, rank: Option<&CpRank>, save: bool) -> Res<(f64, f64)> {
+fn step(x: &Inputs, dev: &Device, rank: Option<&CpRank>, save: Save) -> Res<(f64, f64)> {
     let opts = GdpOptions {
-        save_intermediates: save,
+        save_intermediates: save.into(),
         ..Default::default()
     };
     let t0 = Instant::now();
@@ -134,14 +152,14 @@ fn main() -> Res<()> {
     if r == 0 {
         println!(
             "cp_nccl: {w} rank(s), {} tokens/rank ({} in all), bf16 H{} K=V={} n={}, fwd+bwd, \
-             median of {iters} after {} warm-up, save_intermediates {}",
+             median of {iters} after {} warm-up, save_intermediates {:?}",
             a.tokens,
             a.tokens * w,
             a.heads,
             a.dim,
             a.n,
             a.warmup,
-            a.save
+            SaveIntermediates::from(a.save)
         );
     }
     // Baseline: the plain op on this GPU's T tokens (all GPUs at once, no communication).

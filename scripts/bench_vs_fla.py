@@ -16,7 +16,9 @@ from FLA's. Each `--variant` adds a row per shape: gdp run again on the same inp
 those environment variables set and `gdp run` flags added (e.g.
 `--variant "chunked GDP_CUDA_FWD=chunked"`, `--variant "host --timing host"`,
 `--variant "explicit --backward explicit"`: the op's own backward without Candle's gradient
-accumulation, `gated_delta_product_vjp`).
+accumulation, `gated_delta_product_vjp`; `--variant "nothing GDP_CUDA_SAVE=0"` /
+`"all GDP_CUDA_SAVE=1"`: the forward keeping none / all of its intermediates for the
+backward instead of the default WY factors, `save_intermediates`).
 
 FLA's Triton kernels are autotuned on their first call, keyed by H, K, V and the chunk size but
 not by B, T or n: in one process every later shape would run the configurations tuned for the

@@ -25,5 +25,5 @@ pub use cp::{ContextParallel, Cotangents};
 pub use error::GdpError;
 pub use op::{
     gated_delta_product, gated_delta_product_packed, gated_delta_product_vjp, GdpGrads, GdpOptions,
-    GdpVjp,
+    GdpVjp, SaveIntermediates,
 };

@@ -12,6 +12,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_gdp::op::naive::gated_delta_product_naive;
 use candle_gdp::op::recurrent::gated_delta_product_step;
+use candle_gdp::SaveIntermediates::{self, All, Nothing, WyFactors};
 use candle_gdp::{
     gated_delta_product, gated_delta_product_packed, ContextParallel, Cotangents, GdpOptions,
 };
@@ -301,24 +302,27 @@ fn saved_intermediates_give_the_same_results() -> Result<()> {
     let dtype = DType::BF16;
     for c in cases() {
         let x = inputs(&c, dtype)?;
-        for plain in [false, true] {
+        for (plain, what) in [false, true]
+            .into_iter()
+            .flat_map(|p| [(p, WyFactors), (p, All)])
+        {
             let (got, base, want) = if plain {
                 let want = run_reference(&c, &x.without_dht()?)?;
                 (
-                    run_op_saving_on(&c, &x, dtype, &dev, true)?,
+                    run_op_saving_on(&c, &x, dtype, &dev, true, what)?,
                     run_op_plain_on(&c, &x, dtype, &dev)?,
                     want,
                 )
             } else {
                 let want = run_reference(&c, &x)?;
                 (
-                    run_op_saving_on(&c, &x, dtype, &dev, false)?,
+                    run_op_saving_on(&c, &x, dtype, &dev, false, what)?,
                     run_op_on(&c, &x, dtype, &dev)?,
                     want,
                 )
             };
-            let what = if plain { "saved plain" } else { "saved" };
-            check_same_kernels(&c, what, "recomputing", (&got, &base, &want), 1e-2)?;
+            let label = format!("saved {what:?}{}", if plain { " plain" } else { "" });
+            check_same_kernels(&c, &label, "recomputing", (&got, &base, &want), 1e-2)?;
         }
     }
     Ok(())
@@ -334,7 +338,13 @@ fn explicit_backward_equals_autograd() -> Result<()> {
     for (dtype, tol) in [(DType::BF16, 1e-2), (DType::F32, 1e-4)] {
         for c in cases() {
             let x = inputs(&c, dtype)?;
-            for (final_state, save) in [(true, false), (false, false), (false, true)] {
+            let saves = [
+                (true, Nothing),
+                (false, Nothing),
+                (false, WyFactors),
+                (false, All),
+            ];
+            for (final_state, save) in saves {
                 let x = if final_state {
                     x.clone()
                 } else {
@@ -347,7 +357,7 @@ fn explicit_backward_equals_autograd() -> Result<()> {
                     run_op_plain_on(&c, &x, dtype, &dev)?
                 };
                 let want = run_reference(&c, &x)?;
-                let what = format!("vjp {dtype:?} final {final_state} saved {save}");
+                let what = format!("vjp {dtype:?} final {final_state} saved {save:?}");
                 check_same_kernels(&c, &what, "autograd", (&got, &base, &want), tol)?;
             }
         }
@@ -380,15 +390,16 @@ fn overlapped_forward_is_bit_identical_and_matches_f64_reference() -> Result<()>
         std::env::set_var(var, value);
         let out = (
             run_on(&c, &x, dtype, &dev),
-            run_op_saving_on(&c, &x, dtype, &dev, false),
-            run_op_saving_on(&c, &x, dtype, &dev, true),
+            run_op_saving_on(&c, &x, dtype, &dev, false, All),
+            run_op_saving_on(&c, &x, dtype, &dev, true, All),
+            run_op_saving_on(&c, &x, dtype, &dev, false, WyFactors),
         );
         std::env::remove_var(var);
-        Ok((out.0?, out.1?, out.2?))
+        Ok((out.0?, out.1?, out.2?, out.3?))
     };
-    let (off, off_saved, off_plain) = run("GDP_CUDA_OVERLAP", "0")?;
+    let (off, off_saved, off_plain, off_wy) = run("GDP_CUDA_OVERLAP", "0")?;
     for (var, value) in [("GDP_CUDA_OVERLAP", "auto"), ("GDP_CUDA_STREAMS", "1")] {
-        let ((o, ht), saved, plain) = run(var, value)?;
+        let ((o, ht), saved, plain, wy) = run(var, value)?;
         let what = format!("{var}={value}");
         check(&c, &format!("o {value}"), &o, &want.o, 1e-2)?;
         check(&c, &format!("ht {value}"), &ht, &want.ht, 1e-2)?;
@@ -396,12 +407,18 @@ fn overlapped_forward_is_bit_identical_and_matches_f64_reference() -> Result<()>
         assert_eq!(rel_rms(&ht, &off.1)?, 0.0, "ht with {what}");
         assert_eq!(rel_rms(&saved.o, &off_saved.o)?, 0.0, "saved o with {what}");
         assert_eq!(rel_rms(&plain.o, &off_plain.o)?, 0.0, "plain o with {what}");
-        let pairs = saved.grads.iter().zip(&off_saved.grads);
-        for (((name, a), (_, b)), (_, w)) in pairs.zip(&want.grads) {
-            check(&c, &format!("{name} {value}"), a, w, 1e-2)?;
-            // dg and dbeta sum float atomics in any order; the rest is exact.
-            let diff = rel_rms(a, b)?;
-            assert!(diff <= 1e-6, "{name} with {what} differs by {diff:.2e}");
+        assert_eq!(rel_rms(&wy.o, &off_wy.o)?, 0.0, "WY-saved o with {what}");
+        for (run, off_run, label) in [(&saved, &off_saved, ""), (&wy, &off_wy, " (WY saved)")] {
+            let pairs = run.grads.iter().zip(&off_run.grads);
+            for (((name, a), (_, b)), (_, w)) in pairs.zip(&want.grads) {
+                check(&c, &format!("{name} {value}{label}"), a, w, 1e-2)?;
+                // dg and dbeta sum float atomics in any order; the rest is exact.
+                let diff = rel_rms(a, b)?;
+                assert!(
+                    diff <= 1e-6,
+                    "{name}{label} with {what} differs by {diff:.2e}"
+                );
+            }
         }
         for ((name, a), (_, b)) in plain.grads.iter().zip(&off_plain.grads) {
             let diff = rel_rms(a, b)?;
@@ -561,13 +578,19 @@ fn decode_step_matches_cpu_and_the_chunked_op() -> Result<()> {
 /// equals the single-device CUDA op: outputs, final states and every gradient (f32, relative
 /// RMS within 1e-5).
 fn cp_check(c: &Case, ranks: &[usize]) -> Result<()> {
-    cp_check_in(c, ranks, DType::F32, 1e-5, false)
+    cp_check_in(c, ranks, DType::F32, 1e-5, Nothing)
 }
 
 /// [`cp_check`] with the inputs in `dtype` (gates, states and cotangents in f32), within `tol`
-/// of the single-device CUDA op on the same inputs; with `save`, the ranks keep their forward's
-/// intermediates for the backward (`save_intermediates`).
-fn cp_check_in(c: &Case, ranks: &[usize], dtype: DType, tol: f64, save: bool) -> Result<()> {
+/// of the single-device CUDA op on the same inputs; the ranks keep what `save` names of their
+/// forward's intermediates for the backward (`save_intermediates`).
+fn cp_check_in(
+    c: &Case,
+    ranks: &[usize],
+    dtype: DType,
+    tol: f64,
+    save: SaveIntermediates,
+) -> Result<()> {
     let dev = cuda()?;
     let x = inputs(c, DType::F32)?;
     let want = run_op_on(c, &x, dtype, &dev)?;
@@ -686,15 +709,12 @@ fn context_parallel_packed_on_cuda_equals_single_device() -> Result<()> {
 /// the state-gradient scan from `[dht | I]`), K + V up to 256.
 #[test]
 fn context_parallel_bf16_on_cuda_matches_single_device() -> Result<()> {
-    let bf = |c: &Case, ranks: &[usize]| cp_check_in(c, ranks, DType::BF16, 1e-2, false);
+    let bf = |c: &Case, ranks: &[usize]| cp_check_in(c, ranks, DType::BF16, 1e-2, Nothing);
     // The ranks' backward on their forward's saved intermediates (of the folded states).
-    cp_check_in(
-        &Case::new("bf16 dense n2 h0 saved", 2, 300, 2, 64, 48, 2).h0(),
-        &[3],
-        DType::BF16,
-        1e-2,
-        true,
-    )?;
+    for save in [WyFactors, All] {
+        let c = Case::new("bf16 dense n2 h0 saved", 2, 300, 2, 64, 48, 2).h0();
+        cp_check_in(&c, &[3], DType::BF16, 1e-2, save)?;
+    }
     bf(
         &Case::new("bf16 dense n2 h0", 2, 300, 2, 64, 48, 2).h0(),
         &[2, 3],
@@ -862,7 +882,7 @@ fn timing_context_parallel_bf16_b1_t32768_h16_k128_v128_n2() -> Result<()> {
                 composition: Default::default(),
             };
             let opts = GdpOptions {
-                save_intermediates: save,
+                save_intermediates: save.into(),
                 ..Default::default()
             };
             // (forward ms on this rank, forward + backward ms until every rank is done)

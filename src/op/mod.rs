@@ -33,16 +33,47 @@ pub struct GdpOptions<'a> {
     pub output_final_state: bool,
     /// Packed sequences: `N + 1` offsets over the `T` tokens of the single batch row (`B = 1`).
     pub cu_seqlens: Option<&'a [usize]>,
-    /// Keep the chunked forward's intermediates (the WY factors with `(I + A)^-1`, every chunk's
-    /// start state and Delta) for the backward instead of recomputing them there, as FLA does:
-    /// a faster backward for about `1548·n` bytes per token and head at K = V = 128 (bf16 on
+    /// What the chunked forward keeps for the backward instead of recomputing it there (bf16 on
     /// CUDA with the split backward, context-parallel ranks included; ignored elsewhere, and
-    /// when no input tracks gradients). On an H200 it took forward+backward from 0.92–1.07x
-    /// to 1.09–1.24x FLA's at the benchmark shapes, for 1.6 GB per layer at B1 T32768 H16 n2
-    /// (`docs/perf.md` v31).
-    /// The op's backward frees them; they live as long as the output's graph until then.
-    /// `GDP_CUDA_SAVE=1` / `0` overrides it.
-    pub save_intermediates: bool,
+    /// when no input tracks gradients): see [`SaveIntermediates`]. The op's backward frees
+    /// what was kept; it lives as long as the output's graph until then. `GDP_CUDA_SAVE=0` /
+    /// `wy` / `1` overrides it (nothing / the WY factors / all).
+    pub save_intermediates: SaveIntermediates,
+}
+
+/// What the chunked bf16 CUDA forward keeps for its backward
+/// ([`GdpOptions::save_intermediates`]): memory held from the forward to the backward, for
+/// backward time. Bytes are per token and head at K = V = 128 with `n` Householder sub-steps
+/// (the inputs `q, k, v` take `256 + 512·n`); times on an H200 in `docs/perf.md` v33.
+///
+/// The default keeps the WY factors, as PyTorch and Megatron-Core keep activations unless
+/// asked to recompute them: through Candle's autograd it made forward+backward 1.01–1.23x
+/// FLA's at the benchmark shapes, against 0.92–1.13x keeping nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum SaveIntermediates {
+    /// Nothing: the backward computes the WY factors again and reruns the forward's state
+    /// scan. FLA's memory (it keeps only `(I + A)^-1`, `128·n` bytes).
+    Nothing,
+    /// The WY factors `W`, `U`, `P`, their decay coefficients and `(I + A)^-1`, about `780·n`
+    /// bytes (about `k` and `v` again): the backward skips its WY kernel and reruns only the
+    /// state scan, beside its state-gradient scan. The forward writes `(I + A)^-1` too (1–6%).
+    #[default]
+    WyFactors,
+    /// The WY factors, every chunk's start state and Delta, about `1548·n` bytes: the backward
+    /// reruns nothing; the forward stores the states as it goes (11–21% slower).
+    All,
+}
+
+impl From<bool> for SaveIntermediates {
+    /// `true`: [`SaveIntermediates::All`]; `false`: [`SaveIntermediates::Nothing`] (the two
+    /// values of the option before it had three).
+    fn from(all: bool) -> Self {
+        if all {
+            Self::All
+        } else {
+            Self::Nothing
+        }
+    }
 }
 
 /// Gated DeltaProduct with flash-linear-attention's layout and semantics.
@@ -175,9 +206,9 @@ pub(crate) fn forward_op(
     let scale = opts.scale.unwrap_or((sh.dk as f64).powf(-0.5)) as f32;
     #[cfg(feature = "cuda")]
     let cache = {
-        let wanted = save_intermediates(opts.save_intermediates)?;
-        (wanted && tracked && device.is_cuda())
-            .then(|| std::sync::Arc::new(cuda::CacheSlot::default()))
+        let keep = save_intermediates(opts.save_intermediates)?;
+        (keep != SaveIntermediates::Nothing && tracked && device.is_cuda())
+            .then(|| std::sync::Arc::new(cuda::CacheSlot::new(keep == SaveIntermediates::All)))
     };
     #[cfg(not(feature = "cuda"))]
     let _ = (tracked, device);
@@ -211,18 +242,20 @@ pub(crate) fn split_output(
     Ok((o, Some(ht)))
 }
 
-/// [`GdpOptions::save_intermediates`] under the `GDP_CUDA_SAVE` override (`1` or `0`).
+/// What the CUDA forward keeps: [`GdpOptions::save_intermediates`] under the `GDP_CUDA_SAVE`
+/// override (`0`: nothing, `wy`: the WY factors, `1`: all).
 #[cfg(feature = "cuda")]
-fn save_intermediates(option: bool) -> Result<bool> {
+fn save_intermediates(option: SaveIntermediates) -> Result<SaveIntermediates> {
     match std::env::var("GDP_CUDA_SAVE") {
         Err(_) => Ok(option),
         Ok(v) => match v.trim() {
             "" => Ok(option),
-            "1" => Ok(true),
-            "0" => Ok(false),
+            "0" => Ok(SaveIntermediates::Nothing),
+            "wy" => Ok(SaveIntermediates::WyFactors),
+            "1" => Ok(SaveIntermediates::All),
             other => Err(GdpError::Option {
                 name: "GDP_CUDA_SAVE".into(),
-                reason: format!("must be `1` or `0`, got {other:?}"),
+                reason: format!("must be `0`, `wy` or `1`, got {other:?}"),
             }
             .into()),
         },

@@ -5,7 +5,7 @@
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_gdp::op::naive::{gated_delta_product_naive, gated_delta_product_naive_backward};
-use candle_gdp::{gated_delta_product, GdpOptions};
+use candle_gdp::{gated_delta_product, GdpOptions, SaveIntermediates};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -204,7 +204,7 @@ struct OpVars {
     g: Var,
     beta: Var,
     h0: Option<Var>,
-    save_intermediates: bool,
+    save_intermediates: SaveIntermediates,
     /// Through [`candle_gdp::gated_delta_product_packed`] on `q`, `k` concatenated by Candle.
     packed: bool,
 }
@@ -221,7 +221,7 @@ impl OpVars {
             g: var(&x.g, DType::F32)?,
             beta: var(&x.beta, dtype)?,
             h0: x.h0.as_ref().map(|h| var(h, DType::F32)).transpose()?,
-            save_intermediates: false,
+            save_intermediates: SaveIntermediates::Nothing,
             packed: false,
         })
     }
@@ -288,16 +288,17 @@ pub fn run_op_on(c: &Case, x: &Inputs, dtype: DType, dev: &Device) -> Result<Res
 }
 
 /// [`run_op_on`] (or with `plain`, [`run_op_plain_on`]) with
-/// [`GdpOptions::save_intermediates`] on.
+/// [`GdpOptions::save_intermediates`] set to `what`.
 pub fn run_op_saving_on(
     c: &Case,
     x: &Inputs,
     dtype: DType,
     dev: &Device,
     plain: bool,
+    what: SaveIntermediates,
 ) -> Result<Results> {
     let mut vars = OpVars::new(x, dtype, dev)?;
-    vars.save_intermediates = true;
+    vars.save_intermediates = what;
     if plain {
         run_vars_plain(c, x, vars, dtype, dev)
     } else {
@@ -367,8 +368,9 @@ pub fn run_op_vjp_on(
     dtype: DType,
     dev: &Device,
     final_state: bool,
-    save_intermediates: bool,
+    save_intermediates: impl Into<SaveIntermediates>,
 ) -> Result<Results> {
+    let save_intermediates = save_intermediates.into();
     let put = |t: &Tensor, dt: DType| -> Result<Tensor> { Ok(t.to_dtype(dt)?.to_device(dev)?) };
     let (q, k, v) = (put(&x.q, dtype)?, put(&x.k, dtype)?, put(&x.v, dtype)?);
     let (g, beta) = (put(&x.g, DType::F32)?, put(&x.beta, dtype)?);

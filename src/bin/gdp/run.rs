@@ -288,8 +288,7 @@ impl<'a> Prepared<'a> {
         }
         let (o, ht) = self.forward(self.dht.is_some())?;
         let lib = |e: candle_core::Error| CliError::from_lib(&e);
-        let ht_dims = ht.as_ref().map_or(vec![], |t| t.dims().to_vec());
-        check_cotangents(&self.dout, &self.dht, o.dims(), &ht_dims)?;
+        self.check_cotangents_of(&o, ht.as_ref())?;
         let mut pairs = vec![];
         if let Some(cot) = &self.dout {
             pairs.push((&o, cot));
@@ -297,36 +296,17 @@ impl<'a> Prepared<'a> {
         if let (Some(cot), Some(ht)) = (&self.dht, &ht) {
             pairs.push((ht, cot));
         }
-        if pairs.is_empty() {
-            return Err(CliError::new("gradients need a `do` or `dht` tensor"));
-        }
         let grads = candle_gdp::backward_with(&pairs).map_err(lib)?;
-        let mut out = vec![("o".to_string(), o)];
-        if let Some(ht) = ht {
-            out.push(("ht".to_string(), ht));
-        }
-        let mut vars = vec![
-            ("dq", &self.q),
-            ("dk", &self.k),
-            ("dv", &self.v),
-            ("dg", &self.g),
-            ("dbeta", &self.beta),
-        ];
-        if let Some(h0) = &self.h0 {
-            vars.push(("dh0", h0));
-        }
-        for (name, var) in vars {
-            let gr = match grads.get(var.as_tensor()) {
-                Some(gr) => gr.clone(),
-                None => var.zeros_like().map_err(lib)?,
-            };
-            out.push((name.to_string(), gr));
-        }
-        Ok(out)
+        let gradient = |var: &Var| match grads.get(var.as_tensor()) {
+            Some(gr) => Ok(gr.clone()),
+            None => var.zeros_like().map_err(lib),
+        };
+        let inputs = [&self.q, &self.k, &self.v, &self.g, &self.beta];
+        let dh0 = self.h0.as_ref().map(gradient).transpose()?;
+        let [dq, dk, dv, dg, dbeta] = inputs.map(gradient);
+        Ok(named_outputs(o, ht, [dq?, dk?, dv?, dg?, dbeta?], dh0))
     }
-}
 
-impl Prepared<'_> {
     /// [`Prepared::forward_backward`] through the op's explicit backward.
     fn forward_backward_explicit(&self) -> Result<Vec<(String, Tensor)>, CliError> {
         let lib = |e: candle_core::Error| CliError::from_lib(&e);
@@ -335,37 +315,48 @@ impl Prepared<'_> {
             &self.q, &self.k, &self.v, &self.g, &self.beta, &opts,
         )
         .map_err(lib)?;
-        let ht_dims = vjp
-            .final_state
-            .as_ref()
-            .map_or(vec![], |t| t.dims().to_vec());
-        check_cotangents(&self.dout, &self.dht, vjp.o.dims(), &ht_dims)?;
+        self.check_cotangents_of(&vjp.o, vjp.final_state.as_ref())?;
+        let d_o = match &self.dout {
+            Some(d) => d.clone(),
+            None => vjp.o.zeros_like().map_err(lib)?,
+        };
+        let (o, ht) = (vjp.o.clone(), vjp.final_state.clone());
+        let gr = vjp.backward(&d_o, self.dht.as_ref()).map_err(lib)?;
+        let grads = [gr.dq, gr.dk, gr.dv, gr.dg, gr.dbeta];
+        Ok(named_outputs(o, ht, grads, gr.dh0))
+    }
+
+    /// Checks the cotangents `do` and `dht` against the forward's `o` and final state `ht`
+    /// (when computed): their shapes, and that at least one is given.
+    fn check_cotangents_of(&self, o: &Tensor, ht: Option<&Tensor>) -> Result<(), CliError> {
+        let ht_dims = ht.map_or(vec![], |t| t.dims().to_vec());
+        check_cotangents(&self.dout, &self.dht, o.dims(), &ht_dims)?;
         if self.dout.is_none() && self.dht.is_none() {
             return Err(CliError::new("gradients need a `do` or `dht` tensor"));
         }
-        let (o, ht) = (vjp.o.clone(), vjp.final_state.clone());
-        let d_o = match &self.dout {
-            Some(d) => d.clone(),
-            None => o.zeros_like().map_err(lib)?,
-        };
-        let gr = vjp.backward(&d_o, self.dht.as_ref()).map_err(lib)?;
-        let mut out = vec![("o".to_string(), o)];
-        if let Some(ht) = ht {
-            out.push(("ht".to_string(), ht));
-        }
-        let named = [
-            ("dq", gr.dq),
-            ("dk", gr.dk),
-            ("dv", gr.dv),
-            ("dg", gr.dg),
-            ("dbeta", gr.dbeta),
-        ];
-        out.extend(named.into_iter().map(|(n, t)| (n.to_string(), t)));
-        if let Some(dh0) = gr.dh0 {
-            out.push(("dh0".to_string(), dh0));
-        }
-        Ok(out)
+        Ok(())
     }
+}
+
+/// A forward+backward run's outputs by name: `o`, the final state `ht` when computed, the
+/// gradients `dq dk dv dg dbeta`, and `dh0` when there is an initial state.
+fn named_outputs(
+    o: Tensor,
+    ht: Option<Tensor>,
+    grads: [Tensor; 5],
+    dh0: Option<Tensor>,
+) -> Vec<(String, Tensor)> {
+    let names = ["dq", "dk", "dv", "dg", "dbeta"];
+    let mut out = vec![("o".to_string(), o)];
+    out.extend(ht.map(|ht| ("ht".to_string(), ht)));
+    out.extend(
+        names
+            .into_iter()
+            .zip(grads)
+            .map(|(n, t)| (n.to_string(), t)),
+    );
+    out.extend(dh0.map(|t| ("dh0".to_string(), t)));
+    out
 }
 
 /// Checks the shapes of the cotangents `do` and `dht` against those of `o` and the final state.

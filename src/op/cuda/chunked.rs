@@ -379,6 +379,7 @@ pub fn try_forward_bf16(
             let pipeline = Pipeline::plan(dev, sh, &table, &plan, sms, order)?;
             let mut wy = WyFactors::alloc(dev, &table, sh, cache.is_some())?;
             let mut states = cache
+                .filter(|slot| slot.states)
                 .map(|_| ChunkStates::alloc(dev, &table, sh))
                 .transpose()?;
             let mut scan = |out: ScanOut, states: Option<&mut ChunkStates>| {
@@ -399,7 +400,7 @@ pub fn try_forward_bf16(
                 scan(ScanOut::Packed(&mut out), states.as_mut())?;
                 CudaStorage::wrap_cuda_slice(out, dev.clone())
             };
-            if let (Some(slot), Some(states)) = (cache, states) {
+            if let Some(slot) = cache {
                 slot.put(ForwardCache { wy, states });
             }
             Ok(Some(out))
@@ -744,39 +745,52 @@ impl ChunkStates {
 }
 
 /// What the chunked forward leaves for the backward when asked to (`save_intermediates`): the
-/// WY factors with Ainv and every chunk's start state and Delta, so that the backward skips its
-/// rerun of the WY kernel and of the forward scan. About `1548 n` bytes per token and head at
-/// K = V = 128.
+/// WY factors with Ainv (about `780 n` bytes per token and head at K = V = 128), so that the
+/// backward skips its WY kernel, and where the slot says so every chunk's start state and Delta
+/// too (about `1548 n` bytes in all), so that it skips its rerun of the forward scan as well.
 pub struct ForwardCache {
     wy: WyFactors,
-    states: ChunkStates,
+    states: Option<ChunkStates>,
 }
 
 /// Where an op instance keeps its [`ForwardCache`] between its forward and its backward (taken
 /// by the backward, so that the memory goes with it).
-#[derive(Default)]
-pub struct CacheSlot(std::sync::Mutex<Option<ForwardCache>>);
+pub struct CacheSlot {
+    /// Keep the chunk states too, not only the WY factors.
+    states: bool,
+    cache: std::sync::Mutex<Option<ForwardCache>>,
+}
 
 impl CacheSlot {
+    /// An empty slot for the WY factors and, with `states`, the chunk states.
+    pub fn new(states: bool) -> Self {
+        Self {
+            states,
+            cache: std::sync::Mutex::new(None),
+        }
+    }
+
     fn put(&self, cache: ForwardCache) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(cache);
+        *self.cache.lock().unwrap_or_else(|e| e.into_inner()) = Some(cache);
     }
 
     /// The cache, if the forward left one (once).
     pub(crate) fn take(&self) -> Option<ForwardCache> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 }
 
 impl std::fmt::Debug for CacheSlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let full = self.0.lock().map(|c| c.is_some()).unwrap_or(false);
-        write!(f, "CacheSlot({})", if full { "full" } else { "empty" })
+        let full = self.cache.lock().map(|c| c.is_some()).unwrap_or(false);
+        let state = if full { "full" } else { "empty" };
+        let what = if self.states { "all" } else { "WY factors" };
+        write!(f, "CacheSlot({what}, {state})")
     }
 }
 
 impl ForwardCache {
-    pub(super) fn into_parts(self) -> (WyFactors, ChunkStates) {
+    pub(super) fn into_parts(self) -> (WyFactors, Option<ChunkStates>) {
         (self.wy, self.states)
     }
 }

@@ -238,7 +238,17 @@ pub fn try_backward_bf16(
     else {
         return Ok(None);
     };
-    let rerun = cache.is_none();
+    let (kept_wy, kept_states) = match cache {
+        Some(cache) => {
+            let (wy, states) = cache.into_parts();
+            (Some(wy), states)
+        }
+        None => (None, None),
+    };
+    // Rerun the forward scan for the chunk states unless the forward kept them; compute the WY
+    // factors unless it kept those (it keeps the states only with them).
+    let rerun = kept_states.is_none();
+    let wy_again = kept_wy.is_none();
     let qr = query_rows(sh.n);
     let inp = Bf16Inputs::new(qk, v, aux, sh, has_h0)?;
     check_states(h0_override, sh, "initial-state override")?;
@@ -294,7 +304,7 @@ pub fn try_backward_bf16(
     // kernel on the other half of the GPU and the rerun for its end (forward+backward 4.666 ms
     // against 4.332 with the WY kernel first, `docs/perf.md` v26).
     let side_by_side = rerun && dh.bv != alone_bv;
-    let wy_beside = rerun && !side_by_side;
+    let wy_beside = wy_again && !side_by_side;
     // The gradient kernel's counters where it runs beside the state-gradient scan (zeroed
     // before the side stream forks): with the forward's intermediates, where the scan alone
     // would leave most multiprocessors idle, and after the rerun of a side-by-side pair, on the
@@ -308,12 +318,13 @@ pub fn try_backward_bf16(
         }
         _ => None,
     };
-    let (mut wy, mut states) = match cache {
-        Some(cache) => cache.into_parts(),
-        None => (
-            WyFactors::alloc(dev, &table, sh, true)?,
-            ChunkStates::alloc(dev, &table, sh)?,
-        ),
+    let mut wy = match kept_wy {
+        Some(wy) => wy,
+        None => WyFactors::alloc(dev, &table, sh, true)?,
+    };
+    let mut states = match kept_states {
+        Some(states) => states,
+        None => ChunkStates::alloc(dev, &table, sh)?,
     };
 
     // dO in bf16 (the tensor cores' operand type), and dht (f32) when given.
@@ -354,7 +365,7 @@ pub fn try_backward_bf16(
         let dht = dht.as_ref();
         // With a pipeline: the side stream forked before the WY kernel where the scan runs
         // beside it (waiting for its counters); else forked after it.
-        if side_by_side {
+        if side_by_side && wy_again {
             wy.launch(dev, &inp, &table, sh, scale, None)?;
         }
         let overlap = match &pipeline {
