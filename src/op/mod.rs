@@ -47,8 +47,8 @@ pub struct GdpOptions<'a> {
 /// (the inputs `q, k, v` take `256 + 512·n`); times on an H200 in `docs/perf.md` v33.
 ///
 /// The default keeps the WY factors, as PyTorch and Megatron-Core keep activations unless
-/// asked to recompute them: through Candle's autograd it made forward+backward 1.01–1.23x
-/// FLA's at the benchmark shapes, against 0.92–1.13x keeping nothing.
+/// asked to recompute them: through Candle's autograd it made forward+backward 1.02–1.28x
+/// FLA's at the benchmark shapes, against 0.92–1.18x keeping nothing (v33's r67).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum SaveIntermediates {
     /// Nothing: the backward computes the WY factors again and reruns the forward's state
