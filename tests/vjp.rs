@@ -5,7 +5,7 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_gdp::{gated_delta_product_vjp, GdpOptions};
+use candle_gdp::{gated_delta_product_vjp, GdpOptions, SaveIntermediates::Nothing};
 use common::{assert_close, inputs, run_op, run_op_plain_on, run_op_vjp_on, run_reference, Case};
 
 fn cases() -> Vec<Case> {
@@ -28,14 +28,14 @@ fn f32_matches_reference_and_autograd() -> Result<()> {
     for c in cases() {
         let x = inputs(&c, DType::F32)?;
         let want = run_reference(&c, &x)?;
-        let got = run_op_vjp_on(&c, &x, DType::F32, &cpu, true, false)?;
+        let got = run_op_vjp_on(&c, &x, DType::F32, &cpu, true, Nothing)?;
         assert_close(&c, &got, &want, 1e-5)?;
         // The same kernels as under autograd, so the same numbers.
         assert_close(&c, &got, &run_op(&c, &x, DType::F32)?, 1e-12)?;
 
         let plain = x.without_dht()?;
         let want = run_reference(&c, &plain)?;
-        let got = run_op_vjp_on(&c, &plain, DType::F32, &cpu, false, false)?;
+        let got = run_op_vjp_on(&c, &plain, DType::F32, &cpu, false, Nothing)?;
         assert_close(&c, &got, &want, 1e-5)?;
         let autograd = run_op_plain_on(&c, &plain, DType::F32, &cpu)?;
         assert_close(&c, &got, &autograd, 1e-12)?;
@@ -49,7 +49,7 @@ fn half_precision_matches_reference() -> Result<()> {
     for dtype in [DType::BF16, DType::F16] {
         for c in cases() {
             let x = inputs(&c, dtype)?;
-            let got = run_op_vjp_on(&c, &x, dtype, &cpu, true, false)?;
+            let got = run_op_vjp_on(&c, &x, dtype, &cpu, true, Nothing)?;
             assert_close(&c, &got, &run_reference(&c, &x)?, 1e-2)?;
         }
     }

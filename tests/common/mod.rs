@@ -368,9 +368,8 @@ pub fn run_op_vjp_on(
     dtype: DType,
     dev: &Device,
     final_state: bool,
-    save_intermediates: impl Into<SaveIntermediates>,
+    save_intermediates: SaveIntermediates,
 ) -> Result<Results> {
-    let save_intermediates = save_intermediates.into();
     let put = |t: &Tensor, dt: DType| -> Result<Tensor> { Ok(t.to_dtype(dt)?.to_device(dev)?) };
     let (q, k, v) = (put(&x.q, dtype)?, put(&x.k, dtype)?, put(&x.v, dtype)?);
     let (g, beta) = (put(&x.g, DType::F32)?, put(&x.beta, dtype)?);
