@@ -354,6 +354,7 @@ GDP_FWD_ENTRY(gdp_fwd_f16, __half)
 #include "gdp_fwd_chunked.cuh"
 #include "gdp_bwd_chunked.cuh"
 #include "copy.cuh"
+#include "cp_fix.cuh"
 
 // One decode step, fused (`src/op/recurrent.rs`, `gated_delta_product_step_fused`): per
 // (batch row, head) and 128 value columns, the state slice is read once, decayed, updated by the

@@ -582,9 +582,26 @@ fn cp_check_in(
     tol: f64,
     save: SaveIntermediates,
 ) -> Result<()> {
+    cp_check_with(c, ranks, dtype, tol, save, true)
+}
+
+/// [`cp_check_in`], with or without the final state (without it, `o` alone crosses the op in
+/// the inputs' dtype and only `dout` is a cotangent).
+fn cp_check_with(
+    c: &Case,
+    ranks: &[usize],
+    dtype: DType,
+    tol: f64,
+    save: SaveIntermediates,
+    final_state: bool,
+) -> Result<()> {
     let dev = cuda()?;
     let x = inputs(c, DType::F32)?;
-    let want = run_op_on(c, &x, dtype, &dev)?;
+    let want = if final_state {
+        run_op_on(c, &x, dtype, &dev)?
+    } else {
+        run_op_plain_on(c, &x, dtype, &dev)?
+    };
     let Inputs {
         q,
         k,
@@ -602,7 +619,7 @@ fn cp_check_in(
         let cp = ContextParallel::new(devices)?;
         let opts = GdpOptions {
             initial_state: h0.as_ref(),
-            output_final_state: true,
+            output_final_state: final_state,
             cu_seqlens: c.cu.as_deref(),
             save_intermediates: save,
             ..Default::default()
@@ -616,19 +633,21 @@ fn cp_check_in(
             &opts,
             Some(Cotangents {
                 dout: &dout,
-                dht: Some(&dht),
+                dht: final_state.then_some(&dht),
             }),
         )?;
         let grads = got.grads.expect("grads");
-        let mut pairs = vec![
-            ("o", got.o, want.o.clone()),
-            ("ht", got.final_state.expect("ht"), want.ht.clone()),
+        let mut pairs = vec![("o", got.o, want.o.clone())];
+        if final_state {
+            pairs.push(("ht", got.final_state.expect("ht"), want.ht.clone()));
+        }
+        pairs.extend([
             ("dq", grads.dq, want.grads[0].1.clone()),
             ("dk", grads.dk, want.grads[1].1.clone()),
             ("dv", grads.dv, want.grads[2].1.clone()),
             ("dg", grads.dg, want.grads[3].1.clone()),
             ("dbeta", grads.dbeta, want.grads[4].1.clone()),
-        ];
+        ]);
         match grads.dh0 {
             Some(dh0) => pairs.push(("dh0", dh0, want.grads[5].1.clone())),
             None => assert!(!c.h0, "{}: dh0 missing", c.name),
@@ -722,6 +741,27 @@ fn context_parallel_bf16_on_cuda_matches_single_device() -> Result<()> {
             .seed(53),
         &[2, 3],
     )?;
+    // Without the final state: `o` in bf16 straight from the ranks' correction kernel, and
+    // the backward's bf16 `do` alone; dense (every batch row continues) and packed.
+    for (c, ranks) in [
+        (
+            Case::new("bf16 plain dense n2 h0", 2, 300, 2, 64, 48, 2).h0(),
+            &[1, 3][..],
+        ),
+        (
+            Case::new("bf16 plain dense n1 K=V=128", 1, 333, 3, 128, 128, 1).seed(59),
+            &[4][..],
+        ),
+        (
+            Case::new("bf16 plain packed n2 strong", 1, 290, 2, 48, 32, 2)
+                .packed(&[0, 100, 101, 290])
+                .strong_gates()
+                .seed(61),
+            &[2, 4][..],
+        ),
+    ] {
+        cp_check_with(&c, ranks, DType::BF16, 1e-2, WyFactors, false)?;
+    }
     Ok(())
 }
 

@@ -5,6 +5,8 @@
 //!          [--device cpu|cuda:N] [--scale S] [--repeat N] [--cp-size R] [--threads N]
 //!          [--distributed]
 //! gdp demo [--dtype f32|bf16|f16] [--tokens T] [--repeat N] [--threads N]
+//! gdp cp-bench [--ranks R] [--rank r] [--tokens T] [--heads H] [--dk K] [--dv V]
+//!          [--householder n] [--dtype D] [--device DEV] [--save nothing|wy|all] [--iters N]
 //! gdp launch --nproc R [--master-addr A] [--master-port P] -- CMD ARGS...
 //! ```
 //!
@@ -14,6 +16,8 @@
 //! (after one `error:` line naming the rank).
 
 // A crate root resolves `mod x;` next to itself, so the helpers under `gdp/` need `path`.
+#[path = "gdp/cp_bench.rs"]
+mod cp_bench;
 #[path = "gdp/demo.rs"]
 mod demo;
 #[path = "gdp/error.rs"]
@@ -55,6 +59,8 @@ enum Command {
     Run(run::RunArgs),
     /// Run a built-in random case, check it against the f64 reference, and time it.
     Demo(demo::DemoArgs),
+    /// Time one context-parallel rank alone on one device against the plain op on its shard.
+    CpBench(cp_bench::CpBenchArgs),
     /// Start R copies of a command as one multi-process group (one per GPU; sets RANK,
     /// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); stops all if one fails.
     Launch(launch::LaunchArgs),
@@ -123,6 +129,7 @@ fn dispatch(cli: &Cli) -> Result<(), CliError> {
             Ok(())
         }
         Command::Demo(args) => demo::demo(args),
+        Command::CpBench(args) => cp_bench::cp_bench(args),
         Command::Launch(_) => unreachable!("handled in main"),
     }
 }
@@ -143,7 +150,7 @@ fn clap_exit(e: clap::Error) -> ExitCode {
         return ExitCode::SUCCESS;
     }
     if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
-        print_error("missing subcommand `run`, `demo` or `launch` (see `gdp --help`)");
+        print_error("missing subcommand `run`, `demo`, `cp-bench` or `launch` (see `gdp --help`)");
         return ExitCode::from(2);
     }
     let rendered = e.render().to_string();

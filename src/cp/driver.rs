@@ -10,10 +10,11 @@
 
 use super::comm::Communicator;
 use super::protocol::{
-    backward_summary, compose_backward, compose_forward, forward_summary, summary_len, Composition,
+    backward_summary, compose_backward, compose_forward, summary_len, Composition,
 };
 use crate::error::GdpError;
 use crate::op::cpu::chunk::Dims;
+use crate::op::cpu::linalg::{matmul, MatRef};
 use crate::op::cpu::{self, PackedInputs};
 use crate::op::shape::GdpShape;
 use candle_core::{Result, WithDType};
@@ -33,7 +34,7 @@ pub struct CpLink {
     /// How the gathered summaries are composed.
     composition: Composition,
     /// The initial states `[N, H, K, V]` the forward used, for the backward's recomputation.
-    saved_h0: Mutex<Option<Vec<f32>>>,
+    saved_h0: Mutex<Option<SavedStates>>,
 }
 
 impl std::fmt::Debug for CpLink {
@@ -112,17 +113,23 @@ impl CpLink {
     fn fold_into_initial_states(&self, all: &[f32], frags: usize, sh: &GdpShape, h0: &mut [f32]) {
         let (h, kv, sl) = (sh.heads, sh.dk * sh.dv, summary_len(sh.dk, sh.dv));
         let per_rank = frags * h * sl;
-        for (f, &s) in self.continuing_in(sh.num_seqs()).iter().enumerate() {
-            for hd in 0..h {
+        let seqs = self.continuing_in(sh.num_seqs());
+        let folded: Vec<Vec<f32>> = (0..seqs.len() * h)
+            .into_par_iter()
+            .map(|i| {
+                let (f, hd) = (i / h, i % h);
                 let at = |r: usize| &all[r * per_rank + (f * h + hd) * sl..][..sl];
-                let s_in = compose_forward(
+                compose_forward(
                     self.fwd_slice.clone().map(at),
                     sh.dk,
                     sh.dv,
                     self.composition,
-                );
-                h0[(s * h + hd) * kv..(s * h + hd + 1) * kv].copy_from_slice(&s_in);
-            }
+                )
+            })
+            .collect();
+        for (i, s_in) in folded.into_iter().enumerate() {
+            let (s, hd) = (seqs[i / h], i % h);
+            h0[(s * h + hd) * kv..(s * h + hd + 1) * kv].copy_from_slice(&s_in);
         }
     }
 
@@ -132,31 +139,39 @@ impl CpLink {
     fn fold_into_final_grads(&self, all: &[f32], frags: usize, sh: &GdpShape, dht: &mut [f32]) {
         let (h, kv, sl) = (sh.heads, sh.dk * sh.dv, summary_len(sh.dk, sh.dv));
         let per_rank = frags * h * sl;
-        for (f, &s) in self.continuing_out(sh.num_seqs()).iter().enumerate() {
-            for hd in 0..h {
+        let seqs = self.continuing_out(sh.num_seqs());
+        let folded: Vec<Vec<f32>> = (0..seqs.len() * h)
+            .into_par_iter()
+            .map(|i| {
+                let (f, hd) = (i / h, i % h);
                 let at = |r: usize| &all[r * per_rank + (f * h + hd) * sl..][..sl];
-                let ds_out = compose_backward(
+                compose_backward(
                     self.bwd_slice.clone().map(at),
                     sh.dk,
                     sh.dv,
                     self.composition,
-                );
-                let st = (s * h + hd) * kv;
-                dht[st..st + kv]
-                    .iter_mut()
-                    .zip(&ds_out)
-                    .for_each(|(g, d)| *g += d);
-            }
+                )
+            })
+            .collect();
+        for (i, ds_out) in folded.into_iter().enumerate() {
+            let st = (seqs[i / h] * h + i % h) * kv;
+            dht[st..st + kv]
+                .iter_mut()
+                .zip(&ds_out)
+                .for_each(|(g, d)| *g += d);
         }
     }
 
     /// The initial states this rank's forward folded (what its backward runs from).
     fn saved_initial_states(&self) -> Result<Vec<f32>> {
-        self.saved_h0
-            .lock()
-            .map_err(|_| poisoned())?
-            .clone()
-            .ok_or_else(|| candle_core::Error::Msg("gdp cp: backward before forward".into()))
+        match self.saved_h0.lock().map_err(|_| poisoned())?.as_ref() {
+            Some(SavedStates::Host(h0)) => Ok(h0.clone()),
+            #[cfg(feature = "cuda")]
+            Some(SavedStates::Device(h0)) => {
+                h0.stream().clone_dtoh(h0).map_err(candle_core::Error::wrap)
+            }
+            None => Err(backward_before_forward()),
+        }
     }
 
     /// All-gathers `local` (`frags · H` summaries); a group of one skips the collective.
@@ -167,51 +182,108 @@ impl CpLink {
         self.comm.all_gather(&local)
     }
 
-    /// The forward on this rank: returns `[o | final states]` like [`cpu::forward()`].
+    /// The forward on this rank: returns `[o | final states]` like [`cpu::forward()`], in one
+    /// pass. A sequence that continues from an earlier rank runs once on the widened values
+    /// `[v | 0_K]` from `[0 | I_K]`, which gives `[o⁰ | Q̃]` per token and `[ΔS | M]` at its
+    /// end; after the exchange its output is `o⁰ + Q̃ S_in` and its final state `ΔS + M S_in`.
+    /// Every other sequence runs as in the plain op (its `M` would multiply a zero state on the
+    /// following rank, so it is sent as zeros).
     pub fn forward<T: WithDType>(
         &self,
         x: &PackedInputs<T>,
         sh: &GdpShape,
         scale: f32,
     ) -> Result<Vec<f32>> {
+        let (h, k, v, ns) = (sh.heads, sh.dk, sh.dv, sh.num_seqs());
+        let (kv, sl, wide) = (k * v, summary_len(k, v), v + k);
+        let incoming = self.continuing_in(ns);
         let d = dims(sh, scale);
-        let (h, kv, sl, ns) = (
-            sh.heads,
-            sh.dk * sh.dv,
-            summary_len(sh.dk, sh.dv),
-            sh.num_seqs(),
-        );
-        let mut h0 = vec![0.0f32; ns * h * kv];
-        if x.has_h0 {
-            for s in 0..ns {
+        let dw = Dims { dv: wide, ..d };
+        // Per (sequence, head): the token rows (`[len, V]`, or `[len, V + K]` widened) and the
+        // final state (`[K, V]`, or `[ΔS | M]`).
+        let runs: Vec<(Vec<f32>, Vec<f32>)> = pairs(&(0..ns).collect::<Vec<_>>(), h)
+            .into_par_iter()
+            .map(|(s, hd)| {
+                let seq = &sh.seqs[s];
+                let mut inp = x.gather(sh, seq, hd);
+                if incoming.contains(&s) {
+                    inp.v = widen(&inp.v, v, k);
+                    let mut ws = cpu::forward::ForwardWorkspace::new(&dw);
+                    let mut state = vec![0.0f32; k * wide];
+                    (0..k).for_each(|r| state[r * wide + v + r] = 1.0);
+                    let mut o = vec![0.0f32; seq.len * wide];
+                    cpu::forward::forward_head(&inp, &dw, &mut state, &mut o, &mut ws);
+                    (o, state)
+                } else {
+                    let mut ws = cpu::forward::ForwardWorkspace::new(&d);
+                    let mut state = x.initial_state(sh, None, s, hd);
+                    let mut o = vec![0.0f32; seq.len * v];
+                    cpu::forward::forward_head(&inp, &d, &mut state, &mut o, &mut ws);
+                    (o, state)
+                }
+            })
+            .collect();
+        // Exchange: the trailing fragments' `[ΔS | M]` (zeros where no later rank reads them).
+        let frags = self.fragments(ns, true);
+        let needed = !self.bwd_slice.is_empty();
+        let mut local = vec![0.0f32; frags.len() * h * sl];
+        if needed {
+            for (f, &s) in frags.iter().enumerate() {
                 for hd in 0..h {
-                    let off = (s * h + hd) * kv;
-                    h0[off..off + kv].copy_from_slice(&x.initial_state(sh, None, s, hd));
+                    let fin = &runs[s * h + hd].1;
+                    let dst = &mut local[(f * h + hd) * sl..(f * h + hd + 1) * sl];
+                    if fin.len() == sl {
+                        dst.copy_from_slice(fin);
+                    } else {
+                        for r in 0..k {
+                            dst[r * wide..r * wide + v].copy_from_slice(&fin[r * v..(r + 1) * v]);
+                        }
+                    }
                 }
             }
         }
-        let incoming = self.continuing_in(ns);
-        for &s in &incoming {
-            h0[s * h * kv..(s + 1) * h * kv].fill(0.0);
-        }
-        // Prepare: only needed when a later rank continues our last sequence.
-        let frags = self.fragments(ns, true);
-        let needed = !self.bwd_slice.is_empty();
-        let local: Vec<f32> = pairs(&frags, h)
+        let all = self.gather(local)?;
+        // Fold the preceding ranks into the incoming states, then correct: o = o⁰ + Q̃ S_in.
+        let mut h0 = vec![0.0f32; ns * h * kv];
+        self.fold_into_initial_states(&all, frags.len(), sh, &mut h0);
+        let o_len = sh.o_len();
+        let mut out = vec![0.0f32; o_len + sh.state_len()];
+        let finished: Vec<(Vec<f32>, Vec<f32>)> = runs
             .into_par_iter()
-            .flat_map_iter(|(s, hd)| {
-                if !needed {
-                    return vec![0.0; sl];
+            .enumerate()
+            .map(|(i, (o, fin))| {
+                let (s, hd) = (i / h, i % h);
+                if !incoming.contains(&s) {
+                    return (o, fin);
                 }
-                let off = (s * h + hd) * kv;
-                forward_summary(&x.gather(sh, &sh.seqs[s], hd), &d, &h0[off..off + kv])
+                let s_in = &h0[(s * h + hd) * kv..(s * h + hd + 1) * kv];
+                let len = sh.seqs[s].len;
+                (
+                    correct_rows(&o, len, s_in, k, v),
+                    correct_rows(&fin, k, s_in, k, v),
+                )
             })
             .collect();
-        let all = self.gather(local)?;
-        // Apply: fold the preceding ranks into the initial state of the continuing sequences.
-        self.fold_into_initial_states(&all, frags.len(), sh, &mut h0);
-        let out = cpu::forward(x, sh, scale, Some(&h0));
-        *self.saved_h0.lock().map_err(|_| poisoned())? = Some(h0);
+        for (i, (o, fin)) in finished.into_iter().enumerate() {
+            let (s, hd) = (i / h, i % h);
+            let seq = &sh.seqs[s];
+            for t in 0..seq.len {
+                let tok = seq.batch * sh.tokens + seq.start + t;
+                out[(tok * h + hd) * v..(tok * h + hd + 1) * v]
+                    .copy_from_slice(&o[t * v..(t + 1) * v]);
+            }
+            out[o_len + i * kv..o_len + (i + 1) * kv].copy_from_slice(&fin);
+        }
+        // The initial states the backward reruns from.
+        for s in 0..ns {
+            if !incoming.contains(&s) {
+                for hd in 0..h {
+                    let at = (s * h + hd) * kv;
+                    h0[at..at + kv].copy_from_slice(&x.initial_state(sh, None, s, hd));
+                }
+            }
+        }
+        *self.saved_h0.lock().map_err(|_| poisoned())? = Some(SavedStates::Host(h0));
         Ok(out)
     }
 
@@ -266,6 +338,30 @@ impl CpLink {
     }
 }
 
+/// `rows` rows of width `v` widened by `k` zero columns.
+fn widen(x: &[f32], v: usize, k: usize) -> Vec<f32> {
+    let rows = x.len() / v.max(1);
+    let mut out = vec![0.0f32; rows * (v + k)];
+    for (dst, src) in out.chunks_exact_mut(v + k).zip(x.chunks_exact(v.max(1))) {
+        dst[..v].copy_from_slice(src);
+    }
+    out
+}
+
+/// `y = y⁰ + ỹ S` for `rows` widened rows `[y⁰ | ỹ]` (width `V + K`) and `S [K, V]`.
+fn correct_rows(wide: &[f32], rows: usize, s: &[f32], k: usize, v: usize) -> Vec<f32> {
+    let w = v + k;
+    let mut out = vec![0.0f32; rows * v];
+    for (dst, src) in out.chunks_exact_mut(v.max(1)).zip(wide.chunks_exact(w)) {
+        dst.copy_from_slice(&src[..v]);
+    }
+    if rows > 0 && v > 0 {
+        let tilde = MatRef::strided(&wide[v.min(wide.len())..], rows, k, w);
+        matmul(&mut out, tilde, MatRef::new(s, k, v), true, 1.0, 1.0);
+    }
+    out
+}
+
 fn pairs(frags: &[usize], heads: usize) -> Vec<(usize, usize)> {
     frags
         .iter()
@@ -280,6 +376,17 @@ fn dims(sh: &GdpShape, scale: f32) -> Dims {
         n: sh.n,
         scale,
     }
+}
+
+fn backward_before_forward() -> candle_core::Error {
+    candle_core::Error::Msg("gdp cp: backward before forward".into())
+}
+
+/// The initial states a rank's forward ran from, kept for its backward.
+enum SavedStates {
+    Host(Vec<f32>),
+    #[cfg(feature = "cuda")]
+    Device(candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>),
 }
 
 fn poisoned() -> candle_core::Error {
@@ -312,6 +419,9 @@ impl CpLink {
     ) -> Result<candle_core::CudaStorage> {
         use crate::op::cuda;
         use candle_core::backend::BackendStorage;
+        if let Some(out) = self.forward_cuda_widened(qk, v, aux, sh, scale, has_h0, plain, cache)? {
+            return Ok(out);
+        }
         let dev = qk.0.device().clone();
         let (h, kv, sl, ns) = (
             sh.heads,
@@ -348,8 +458,81 @@ impl CpLink {
             plain,
             cache,
         )?;
-        *self.saved_h0.lock().map_err(|_| poisoned())? = Some(h0);
+        *self.saved_h0.lock().map_err(|_| poisoned())? = Some(SavedStates::Host(h0));
         Ok(out)
+    }
+
+    /// The forward on this rank in one widened pass ([`crate::op::cuda`]'s widened forward:
+    /// `[o⁰ | Q̃]` and `[ΔS | M]` from one scan), the summaries gathered and folded on the
+    /// device, and the output corrected as `o = o⁰ + Q̃ S_in`; `Ok(None)` where the bf16
+    /// chunked kernels do not serve (then nothing was exchanged).
+    #[allow(clippy::too_many_arguments)]
+    fn forward_cuda_widened(
+        &self,
+        qk: CudaIn,
+        v: CudaIn,
+        aux: CudaIn,
+        sh: &GdpShape,
+        scale: f32,
+        has_h0: bool,
+        plain: bool,
+        cache: Option<&crate::op::cuda::CacheSlot>,
+    ) -> Result<Option<candle_core::CudaStorage>> {
+        use crate::op::cuda;
+        use candle_core::backend::BackendStorage;
+        let dev = qk.0.device().clone();
+        let (ns, h, k, v_dim) = (sh.num_seqs(), sh.heads, sh.dk, sh.dv);
+        let kv = k * v_dim;
+        // The initial states the scan starts from: the given ones, zeros where the sequence
+        // continues from an earlier rank.
+        let mut h0 = if has_h0 {
+            cuda::initial_states_device(aux, sh)?
+        } else {
+            dev.alloc_zeros::<f32>(sh.state_len().max(1))?
+        };
+        let incoming = seq_range(&self.continuing_in(ns));
+        if !incoming.is_empty() {
+            let mut part = h0.slice_mut(incoming.start * h * kv..incoming.end * h * kv);
+            dev.cuda_stream()
+                .memset_zeros(&mut part)
+                .map_err(candle_core::Error::wrap)?;
+        }
+        let Some(wf) = cuda::widened_forward(qk, v, aux, sh, scale, has_h0, &h0, cache)? else {
+            return Ok(None);
+        };
+        let fin = cuda::tensor_of(&dev, &wf.fin, &[ns, h, k, v_dim + k])?;
+        let frags = seq_range(&self.fragments(ns, true));
+        let local = if self.bwd_slice.is_empty() {
+            fin.narrow(0, frags.start, frags.len())?.zeros_like()?
+        } else {
+            fin.narrow(0, frags.start, frags.len())?
+        };
+        let all = self.gather_tensor(&local)?;
+        let s_in = if incoming.is_empty() {
+            None
+        } else {
+            let s = fold_on_device(&all, self.fwd_slice.clone(), k, v_dim, self.composition)?;
+            Some(cuda::slice_of(&s)?)
+        };
+        let out =
+            cuda::finish_widened_forward(&dev, &wf, sh, incoming.clone(), s_in.as_ref(), plain)?;
+        if let Some(s) = &s_in {
+            let mut part = h0.slice_mut(incoming.start * h * kv..incoming.end * h * kv);
+            dev.cuda_stream()
+                .memcpy_dtod(&s.slice(..incoming.len() * h * kv), &mut part)
+                .map_err(candle_core::Error::wrap)?;
+        }
+        *self.saved_h0.lock().map_err(|_| poisoned())? = Some(SavedStates::Device(h0));
+        Ok(Some(out))
+    }
+
+    /// All-gathers `local` on its device into `[world, *local.dims()]` (a group of one skips
+    /// the collective).
+    fn gather_tensor(&self, local: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+        if self.comm.world_size() == 1 {
+            return local.unsqueeze(0);
+        }
+        self.comm.all_gather_tensor(&local.contiguous()?)
     }
 
     /// The backward on this rank, like [`CpLink::backward`], on CUDA storages `(qk, v, aux,
@@ -374,6 +557,9 @@ impl CpLink {
             cuda::backward_summaries(qk, v, aux, grad, sh, scale, has_h0, &frags, &dht)?
         };
         let o = self.cuda_overrides(local, frags.len(), dht, sh, has_h0, &dev)?;
+        let cuda::CpFinalGrads::Folded(dht) = &o.dht else {
+            candle_core::bail!("gdp cp: the packed backward needs folded final-state gradients");
+        };
         cuda::backward(
             qk,
             v,
@@ -383,7 +569,7 @@ impl CpLink {
             scale,
             has_h0,
             Some(&o.h0),
-            Some(&o.dht),
+            Some(dht),
             &o.zero_dh0,
             cache,
         )
@@ -393,39 +579,67 @@ impl CpLink {
 #[cfg(feature = "cuda")]
 impl CpLink {
     /// What this rank's direct bf16 backward (the split backward straight into bf16 gradients)
-    /// needs from the protocol: the backward summaries of its leading fragment on the chunked
-    /// kernels (from the output gradient `cot`: the bf16 `do`, or the packed f32 `[do | dht]`),
-    /// all-gathered and folded into its final-state gradients; the initial states its forward
-    /// folded; the sequences whose initial-state gradient went to earlier ranks. The caller
-    /// checked [`crate::op::cuda::backward_summaries_served`].
-    pub(crate) fn backward_overrides_cuda(
-        &self,
-        (qk, v, aux): (CudaIn, CudaIn, CudaIn),
-        cot: crate::op::cuda::Cotangent,
+    /// needs from the protocol: the initial states its forward folded, the sequences whose
+    /// initial-state gradient went to earlier ranks, and the exchange of the backward
+    /// summaries, run from inside the backward's widened state-gradient scan
+    /// ([`crate::op::cuda::WidenedFold`]): its `[γ | Mᵀ]` rows of the leading fragments are
+    /// all-gathered and the following ranks' folded on the device into the final-state
+    /// gradients of the sequences that continue on a later rank. The caller checked
+    /// [`crate::op::cuda::backward_summaries_served`].
+    pub(crate) fn backward_overrides_cuda<'a>(
+        &'a self,
+        dev: &candle_core::CudaDevice,
         sh: &GdpShape,
-        scale: f32,
         has_h0: bool,
-    ) -> Result<crate::op::cuda::CpOverrides> {
-        use crate::op::cuda::{self, Cotangent};
-        use candle_core::backend::BackendStorage;
-        let dev = qk.0.device().clone();
-        let (h, sl, ns) = (sh.heads, summary_len(sh.dk, sh.dv), sh.num_seqs());
-        let frags = self.fragments(ns, false);
-        let dht = match cot {
-            Cotangent::Packed(g) => cuda::dht_to_host(g, sh)?,
-            Cotangent::Plain(_) => vec![0.0; sh.state_len()],
+    ) -> Result<crate::op::cuda::CpOverrides<'a>> {
+        use crate::op::cuda::{self, CpFinalGrads, CpOverrides};
+        let (ns, h, k, v) = (sh.num_seqs(), sh.heads, sh.dk, sh.dv);
+        let leading = seq_range(&self.fragments(ns, false));
+        let outgoing = seq_range(&self.continuing_out(ns));
+        let dev2 = dev.clone();
+        let fold = move |dh0w: &candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>| {
+            let t = cuda::tensor_of(&dev2, dh0w, &[ns, h, k, v + k])?;
+            let part = t.narrow(0, leading.start, leading.len())?;
+            let local = if self.fwd_slice.is_empty() {
+                part.zeros_like()?
+            } else {
+                part
+            };
+            let all = self.gather_tensor(&local)?;
+            if outgoing.is_empty() {
+                return Ok(None);
+            }
+            let ds = fold_on_device(&all, self.bwd_slice.clone().rev(), k, v, self.composition)?;
+            Ok(Some((cuda::slice_of(&ds)?, outgoing.clone())))
         };
-        let local = if self.fwd_slice.is_empty() || frags.is_empty() {
-            vec![0.0; frags.len() * h * sl]
-        } else {
-            cuda::backward_summaries_bf16(qk, v, aux, cot, sh, scale, has_h0, &frags, &dht)?
-                .ok_or_else(|| {
-                    candle_core::Error::Msg(
-                        "gdp cp: the bf16 backward summaries do not run on this shape".into(),
-                    )
-                })?
-        };
-        self.cuda_overrides(local, frags.len(), dht, sh, has_h0, &dev)
+        Ok(CpOverrides {
+            h0: self.saved_initial_states_device(dev)?,
+            dht: CpFinalGrads::Widened(Box::new(fold)),
+            zero_dh0: if has_h0 {
+                self.continuing_in(ns)
+            } else {
+                vec![]
+            },
+        })
+    }
+
+    /// The initial states this rank's forward ran from, on `dev`.
+    fn saved_initial_states_device(
+        &self,
+        dev: &candle_core::CudaDevice,
+    ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>> {
+        match self.saved_h0.lock().map_err(|_| poisoned())?.as_ref() {
+            Some(SavedStates::Host(h0)) => dev.clone_htod(h0),
+            Some(SavedStates::Device(h0)) => {
+                // SAFETY: the copy below writes every element.
+                let mut out = unsafe { dev.alloc::<f32>(h0.len())? };
+                dev.cuda_stream()
+                    .memcpy_dtod(h0, &mut out)
+                    .map_err(candle_core::Error::wrap)?;
+                Ok(out)
+            }
+            None => Err(backward_before_forward()),
+        }
     }
 
     /// The backward step after the summaries, on CUDA: all-gathers this rank's `local`
@@ -441,13 +655,12 @@ impl CpLink {
         sh: &GdpShape,
         has_h0: bool,
         dev: &candle_core::CudaDevice,
-    ) -> Result<crate::op::cuda::CpOverrides> {
+    ) -> Result<crate::op::cuda::CpOverrides<'static>> {
         let all = self.gather(local)?;
         self.fold_into_final_grads(&all, frags, sh, &mut dht);
-        let h0 = self.saved_initial_states()?;
         Ok(crate::op::cuda::CpOverrides {
-            h0: dev.clone_htod(&h0)?,
-            dht: dev.clone_htod(&dht)?,
+            h0: self.saved_initial_states_device(dev)?,
+            dht: crate::op::cuda::CpFinalGrads::Folded(dev.clone_htod(&dht)?),
             zero_dh0: if has_h0 {
                 self.continuing_in(sh.num_seqs())
             } else {
@@ -460,3 +673,70 @@ impl CpLink {
 /// A CUDA storage and its layout.
 #[cfg(feature = "cuda")]
 type CudaIn<'a> = (&'a candle_core::CudaStorage, &'a candle_core::Layout);
+
+/// The sequences `seqs` (consecutive indices) as a range.
+#[cfg(feature = "cuda")]
+fn seq_range(seqs: &[usize]) -> Range<usize> {
+    match (seqs.first(), seqs.last()) {
+        (Some(&a), Some(&b)) => a..b + 1,
+        _ => 0..0,
+    }
+}
+
+/// Folds the gathered summaries `all` (`[ranks, F, H, K, V + K]`, any device) of the ranks in
+/// `order` (first applied first) into the states `[F, H, K, V]` they carry: `S ← P[.., V:] S +
+/// P[.., :V]` from `S = 0` ([`Composition::Fold`]), or the same composition as a balanced tree
+/// of pairs (`[ΔS₂ + M₂ΔS₁ | M₂M₁]`, [`Composition::Scan`]), as batched products on the device.
+#[cfg(feature = "cuda")]
+fn fold_on_device(
+    all: &candle_core::Tensor,
+    order: impl IntoIterator<Item = usize>,
+    dk: usize,
+    dv: usize,
+    composition: Composition,
+) -> Result<candle_core::Tensor> {
+    let parts: Vec<(candle_core::Tensor, candle_core::Tensor)> = order
+        .into_iter()
+        .map(|r| {
+            let p = all.get(r)?;
+            Ok((p.narrow(3, 0, dv)?, p.narrow(3, dv, dk)?.contiguous()?))
+        })
+        .collect::<Result<_>>()?;
+    let zeros = || -> Result<candle_core::Tensor> {
+        let d = all.dims();
+        candle_core::Tensor::zeros((d[1], d[2], dk, dv), all.dtype(), all.device())
+    };
+    match composition {
+        Composition::Fold => {
+            let mut s: Option<candle_core::Tensor> = None;
+            for (a, m) in parts {
+                s = Some(match s {
+                    None => a.contiguous()?,
+                    Some(s) => (a + m.matmul(&s)?)?,
+                });
+            }
+            s.map_or_else(zeros, Ok)
+        }
+        Composition::Scan => {
+            let mut level = parts;
+            while level.len() > 1 {
+                let mut next = Vec::with_capacity(level.len().div_ceil(2));
+                let mut it = level.into_iter();
+                while let Some((a1, m1)) = it.next() {
+                    match it.next() {
+                        Some((a2, m2)) => {
+                            let a = (a2 + m2.matmul(&a1.contiguous()?)?)?;
+                            next.push((a, m2.matmul(&m1)?));
+                        }
+                        None => next.push((a1, m1)),
+                    }
+                }
+                level = next;
+            }
+            match level.pop() {
+                Some((a, _)) => a.contiguous(),
+                None => zeros(),
+            }
+        }
+    }
+}

@@ -7,8 +7,10 @@
 //! * [`context`]: [`ContextParallel`] and the per-rank entry points;
 //! * [`comm`]: the [`Communicator`] trait and its transports (in-process threads; NCCL across
 //!   processes with the `nccl` feature), the multi-process rendezvous;
-//! * [`launch`]: the multi-process launcher behind `gdp launch`.
+//! * [`launch`]: the multi-process launcher behind `gdp launch`;
+//! * [`bench`]: one rank timed alone on one device against the plain op (`gdp cp-bench`).
 
+pub mod bench;
 pub mod comm;
 pub mod context;
 pub mod driver;
@@ -16,9 +18,12 @@ pub mod launch;
 pub mod protocol;
 pub mod shard;
 
+pub use bench::{rank_alone, RankBenchConfig, RankBenchReport};
 #[cfg(feature = "nccl")]
 pub use comm::NcclComm;
-pub use comm::{run_ranks, Communicator, DistEnv, SingleComm, ThreadComm, DEFAULT_TIMEOUT};
+pub use comm::{
+    run_ranks, Communicator, DistEnv, ReplicaComm, SingleComm, ThreadComm, DEFAULT_TIMEOUT,
+};
 pub use context::{
     cp_gated_delta_product, cp_gated_delta_product_packed, distributed_gated_delta_product,
     ContextParallel, Cotangents, CpGrads, CpOutput, CpRank,

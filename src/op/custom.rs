@@ -163,7 +163,7 @@ impl GdpForward {
         let grad = grad_res.contiguous()?;
         let cp = match &self.cp {
             None => None,
-            Some(link) => match self.cp_overrides(link, qk, v, aux, &grad)? {
+            Some(link) => match self.cp_overrides(link, qk, v)? {
                 Some(o) => Some(o),
                 None => return Ok(None),
             },
@@ -171,18 +171,10 @@ impl GdpForward {
         let cache = self.cache.as_ref().and_then(|c| c.take());
         let has_h0 = self.has_h0;
         let out = super::cuda::try_backward_tensors(
-            qk,
-            v,
-            aux,
-            &grad,
-            sh,
-            scale,
-            has_h0,
-            plain,
-            cache,
-            cp.as_ref(),
+            qk, v, aux, &grad, sh, scale, has_h0, plain, cache, cp,
         )?;
-        if cp.is_some() && out.is_none() {
+        let cp_ran = self.cp.is_some();
+        if cp_ran && out.is_none() {
             // The summaries were exchanged already: no other backward may run now.
             candle_core::bail!("gdp cp: the split bf16 backward did not run after the summaries");
         }
@@ -190,20 +182,18 @@ impl GdpForward {
     }
 
     /// A context-parallel rank's overrides for [`Self::direct_backward`] (the protocol's
-    /// backward step), or `Ok(None)` where that path does not serve this rank, which then
-    /// takes the packed f32 backward; decided before any collective, from the dtype, the shape
-    /// and the environment only, so every rank takes one all-gather either way.
+    /// backward step, run from inside the backward's widened scan), or `Ok(None)` where that
+    /// path does not serve this rank, which then takes the packed f32 backward; decided before
+    /// any collective, from the dtype and the shape only, so every rank takes one all-gather
+    /// either way.
     #[cfg(feature = "cuda")]
-    fn cp_overrides(
+    fn cp_overrides<'a>(
         &self,
-        link: &CpLink,
+        link: &'a CpLink,
         qk: QueryKeys,
         v: &Tensor,
-        aux: &Tensor,
-        grad: &Tensor,
-    ) -> Result<Option<super::cuda::CpOverrides>> {
-        use super::cuda::{backward_summaries_served, split_backward_fits, Cotangent};
-        use candle_core::Storage;
+    ) -> Result<Option<super::cuda::CpOverrides<'a>>> {
+        use super::cuda::{backward_summaries_served, split_backward_fits};
         let sh = &self.shape;
         let QueryKeys::Packed(qk) = qk else {
             return Ok(None);
@@ -218,24 +208,7 @@ impl GdpForward {
         {
             return Ok(None);
         }
-        let (qs, ql) = qk.storage_and_layout();
-        let (vs, vl) = v.storage_and_layout();
-        let (xs, xl) = aux.storage_and_layout();
-        let (gs, gl) = grad.storage_and_layout();
-        let (Storage::Cuda(qs), Storage::Cuda(vs), Storage::Cuda(xs), Storage::Cuda(gs)) =
-            (&*qs, &*vs, &*xs, &*gs)
-        else {
-            candle_core::bail!("gdp cp: the backward's inputs are not all on the CUDA device");
-        };
-        let cot = if self.with_final_state {
-            Cotangent::Packed((gs, gl))
-        } else {
-            Cotangent::Plain((gs, gl))
-        };
-        let (scale, has_h0) = (self.scale, self.has_h0);
-        let ins = ((qs, ql), (vs, vl), (xs, xl));
-        link.backward_overrides_cuda(ins, cot, sh, scale, has_h0)
-            .map(Some)
+        link.backward_overrides_cuda(dev, sh, self.has_h0).map(Some)
     }
 
     #[cfg(not(feature = "cuda"))]

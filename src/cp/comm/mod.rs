@@ -11,18 +11,21 @@
 //! out, or the ranks disagree on the collective), every pending and later collective of the group
 //! returns [`GdpError::Comm`] instead of waiting.
 //!
-//! Transports: [`ThreadComm`] (one thread per rank in one process) and, with the `nccl` feature,
+//! Transports: [`ThreadComm`] (one thread per rank in one process), [`ReplicaComm`] (one rank
+//! played alone, for timing) and, with the `nccl` feature,
 //! `NcclComm` (one process per GPU, NCCL collectives on the device, set up through the
 //! [`rendezvous`] and started by [`crate::cp::launch`]).
 
 #[cfg(feature = "nccl")]
 mod nccl;
 pub mod rendezvous;
+mod replica;
 mod threads;
 
 #[cfg(feature = "nccl")]
 pub use nccl::{CommStats, NcclComm};
 pub use rendezvous::{DistEnv, Rendezvous, RendezvousAddr};
+pub use replica::ReplicaComm;
 pub use threads::{run_ranks, ThreadComm, DEFAULT_TIMEOUT};
 
 use std::sync::OnceLock;

@@ -25,6 +25,21 @@ impl<'a> MatRef<'a> {
         }
     }
 
+    /// `rows × cols` view with rows `rs` elements apart, starting at `data[0]`.
+    pub fn strided(data: &'a [f32], rows: usize, cols: usize, rs: usize) -> Self {
+        assert!(
+            rows == 0 || cols == 0 || data.len() >= (rows - 1) * rs + cols,
+            "matrix view out of bounds"
+        );
+        Self {
+            data,
+            rows,
+            cols,
+            rs,
+            cs: 1,
+        }
+    }
+
     /// The transposed view (no copy).
     pub fn t(self) -> Self {
         Self {

@@ -347,6 +347,7 @@ pub fn backward(
             dht_override,
             layout,
             cache,
+            None,
         )? {
             Some(Grads::Packed(out)) => Some(out),
             Some(Grads::Parts { .. }) => candle_core::bail!("gdp cuda: packed gradients expected"),

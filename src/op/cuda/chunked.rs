@@ -180,6 +180,36 @@ pub(super) fn scan_plan(
         .map(|bv| tiles.plan(bv)))
 }
 
+/// Plans a context-parallel rank's widened scan (`V + K` value columns, [`super::summary`]):
+/// the tile that gives the most blocks that still run at once on the `budget` multiprocessors
+/// it has (all, or those a scan beside it leaves), one per multiprocessor, else [`scan_plan`]'s. The widened columns are what a rank adds to the plain op's scan, and at
+/// small `B·H` they fit beside it on the multiprocessors it leaves idle: at B1 H16 K = V = 128
+/// (H200) 128 blocks of 32 columns ran the widened forward scan in the plain scan's time, 64
+/// of 64 took 1.28x; the widened state-gradient scan, which shares the GPU with the states
+/// rerun's 64 blocks, runs at 64 columns so that both fit at once (`docs/cp.md`).
+pub(super) fn widened_scan_plan(
+    kind: &ScanKind,
+    wide: &GdpShape,
+    max_smem: usize,
+    sms: usize,
+    budget: usize,
+) -> Result<Option<ScanPlan>> {
+    let Some(tiles) = ScanTiles::new(kind, wide, max_smem) else {
+        return Ok(None);
+    };
+    if forced_tile(kind, wide, &tiles, max_smem)?.is_some() {
+        return scan_plan(kind, wide, max_smem, sms);
+    }
+    let rows = wide.num_seqs() * wide.heads;
+    let one_wave = [32, 64]
+        .into_iter()
+        .find(|&bv| tiles.fits(bv) && rows * wide.dv.div_ceil(bv) <= budget);
+    match one_wave {
+        Some(bv) => Ok(Some(tiles.plan(bv))),
+        None => scan_plan(kind, wide, max_smem, sms),
+    }
+}
+
 /// Plans two scans that run side by side (the backward's states rerun and state-gradient scan)
 /// with one value tile: the widest (128 where both kinds have it) at which their blocks
 /// together fill from about 90% to all of the multiprocessors, one block of each per
@@ -711,12 +741,13 @@ pub(super) struct Beside<'a> {
     pub ready: &'a CudaSlice<i32>,
 }
 
-/// The forward scan's output: the packed f32 `[o | final state]`, `o` alone in bf16, the final
-/// states alone (f32 `[N, H, K, V]`, context parallelism's summaries), or none (the backward's
-/// rerun).
+/// The forward scan's output: the packed f32 `[o | final state]`, `o` alone in bf16, `o` in
+/// bf16 and the final states apart (a context-parallel rank's widened scan), the final states
+/// alone (f32 `[N, H, K, V]`, context parallelism's summaries), or none (the backward's rerun).
 pub(super) enum ScanOut<'a> {
     Packed(&'a mut CudaSlice<f32>),
     Plain(&'a mut CudaSlice<bf16>),
+    PlainFinal(&'a mut CudaSlice<bf16>, &'a mut CudaSlice<f32>),
     Final(&'a mut CudaSlice<f32>),
     None,
 }
@@ -770,7 +801,7 @@ impl CacheSlot {
         }
     }
 
-    fn put(&self, cache: ForwardCache) {
+    pub(super) fn put(&self, cache: ForwardCache) {
         *self.cache.lock().unwrap_or_else(|e| e.into_inner()) = Some(cache);
     }
 
@@ -790,6 +821,11 @@ impl std::fmt::Debug for CacheSlot {
 }
 
 impl ForwardCache {
+    /// A cache of the WY factors alone (the backward reruns the state scan).
+    pub(super) fn wy_only(wy: WyFactors) -> Self {
+        Self { wy, states: None }
+    }
+
     pub(super) fn into_parts(self) -> (WyFactors, Option<ChunkStates>) {
         (self.wy, self.states)
     }
@@ -816,7 +852,10 @@ pub(super) fn run_scan(
     beside: Option<Beside>,
 ) -> Result<()> {
     let [b, t, h, k, vd, n] = shape_i32(sh)?;
-    let with_output = matches!(dest.out, ScanOut::Packed(_) | ScanOut::Plain(_));
+    let with_output = matches!(
+        dest.out,
+        ScanOut::Packed(_) | ScanOut::Plain(_) | ScanOut::PlainFinal(..)
+    );
     if with_output && plan.qr == 0 {
         candle_core::bail!("gdp cuda: {} writes no output", plan.kernel);
     }
@@ -865,6 +904,11 @@ pub(super) fn run_scan(
             args.arg(&null);
             args.arg(o);
             args.arg(&null);
+        }
+        ScanOut::PlainFinal(o, fin) => {
+            args.arg(&null);
+            args.arg(o);
+            args.arg(fin);
         }
         ScanOut::Final(fin) => {
             args.arg(&null);

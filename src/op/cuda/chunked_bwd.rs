@@ -166,7 +166,12 @@ pub(crate) fn split_backward_fits(dev: &CudaDevice, sh: &GdpShape) -> Result<boo
 /// beside a WY kernel taking the chunks from the sequences' ends).
 enum Side {
     Plain(SideStream),
-    Beside { run: OverlapRun, waits: bool },
+    Beside {
+        run: OverlapRun,
+        waits: bool,
+    },
+    /// Already joined (a widened context-parallel scan): the device's stream.
+    Joined(Arc<CudaStream>),
 }
 
 impl Side {
@@ -174,6 +179,7 @@ impl Side {
         match self {
             Side::Plain(s) => s.stream(),
             Side::Beside { run, .. } => run.side.stream(),
+            Side::Joined(s) => s,
         }
     }
 
@@ -191,6 +197,7 @@ impl Side {
         match self {
             Side::Plain(s) => s.join(),
             Side::Beside { run, .. } => run.finish(),
+            Side::Joined(_) => Ok(()),
         }
     }
 }
@@ -208,11 +215,22 @@ struct SplitPlan {
     side_by_side: Option<[ScanPlan; 2]>,
 }
 
+/// A context-parallel rank's backward in one widened pass: the state-gradient scan runs from
+/// `[dht | I_K]` on `[do | 0_K]`, so its initial-state gradients are the rank's `[γ | Mᵀ]` (f32
+/// `[N, H, K, V + K]`) and every chunk row it writes is `[x⁰ | x̃]`. The function exchanges
+/// those and returns what the following ranks send into the final states of the sequences
+/// `range` (f32 `[range.len(), H, K, V]`), or `None`; the chunk rows are then corrected with
+/// it (`x = x⁰ + x̃ dS`, [`super::cp_fix`]) and no second state-gradient scan runs.
+pub(crate) type WidenedFold<'a> = Box<
+    dyn FnOnce(&CudaSlice<f32>) -> Result<Option<(CudaSlice<f32>, std::ops::Range<usize>)>> + 'a,
+>;
+
 /// Runs the split bf16 backward if `GDP_CUDA_BWD` allows it and it fits this shape (the
 /// contract of [`super::backward`] without `zero_dh0`, and with a plain `do` allowed);
 /// `Ok(None)` means: use the per-value-tile backward. With the forward's `cache` (of these
 /// inputs, without an initial-state override) the WY factors and chunk states are not
-/// recomputed.
+/// recomputed. With `widened` (a context-parallel rank) the state-gradient scan runs widened
+/// ([`WidenedFold`]), beside the rerun, and the gradient kernel after both.
 #[allow(clippy::too_many_arguments)]
 pub fn try_backward_bf16(
     dev: &CudaDevice,
@@ -227,6 +245,7 @@ pub fn try_backward_bf16(
     dht_override: Option<&CudaSlice<f32>>,
     layout: GradLayout,
     cache: Option<ForwardCache>,
+    widened: Option<WidenedFold<'_>>,
 ) -> Result<Option<Grads>> {
     let Some(SplitPlan {
         kp,
@@ -293,18 +312,21 @@ pub fn try_backward_bf16(
     // (kept by the forward, or computed again in 3).
     let alone_bv = dh_alone.bv;
     let [rerun_plan, dh] = match side_by_side {
-        Some(pair) if rerun => pair,
+        Some(pair) if rerun && widened.is_none() => pair,
         _ => [rerun_alone, dh_alone],
     };
     let sms = smem_and_sms(dev)?.1;
-    let pipeline = Pipeline::plan(dev, sh, &table, &dh, sms, sh.chunks_from_the_end())?;
+    let pipeline = match widened {
+        None => Pipeline::plan(dev, sh, &table, &dh, sms, sh.chunks_from_the_end())?,
+        Some(_) => None,
+    };
     // With a pipeline, the WY kernel runs beside the state-gradient scan only where the scan
     // runs at the tile it would have alone (B1 T32768 H16), not beside a side-by-side pair of
     // wider scans: at B4 T4096 H16 n2 the scan's 64 blocks of 128 columns then waited for a WY
     // kernel on the other half of the GPU and the rerun for its end (forward+backward 4.666 ms
     // against 4.332 with the WY kernel first, `docs/perf.md` v26).
     let side_by_side = rerun && dh.bv != alone_bv;
-    let wy_beside = wy_again && !side_by_side;
+    let wy_beside = wy_again && !side_by_side && widened.is_none();
     // The gradient kernel's counters where it runs beside the state-gradient scan (zeroed
     // before the side stream forks): with the forward's intermediates, where the scan alone
     // would leave most multiprocessors idle, and after the rerun of a side-by-side pair, on the
@@ -329,12 +351,23 @@ pub fn try_backward_bf16(
 
     // dO in bf16 (the tensor cores' operand type), and dht (f32) when given.
     let converted;
-    let (dob, dht) = match cot {
-        Cotangent::Plain(d) => (view::<bf16>(d.0, d.1, o_len, "do")?, None),
+    let (dob, dht, do_src, dht_src) = match cot {
+        Cotangent::Plain(d) => (
+            view::<bf16>(d.0, d.1, o_len, "do")?,
+            None,
+            (d.0.as_cuda_slice::<bf16>()?, d.1.start_offset()),
+            None,
+        ),
         Cotangent::Packed(g) => {
             let grad = view::<f32>(g.0, g.1, o_len + s_len, "grad")?;
             converted = to_bf16(dev, &grad.slice(0..o_len))?;
-            (converted.slice(..), Some(grad.slice(o_len..o_len + s_len)))
+            let at = g.1.start_offset() + o_len;
+            (
+                converted.slice(..),
+                Some(grad.slice(o_len..o_len + s_len)),
+                (&converted, 0),
+                Some((g.0.as_cuda_slice::<f32>()?, at)),
+            )
         }
     };
 
@@ -348,8 +381,57 @@ pub fn try_backward_bf16(
     // before the gradient kernel reads them; slots of no chunk are never read.
     let mut dhs = unsafe { dev.alloc::<bf16>(slots * kv)? };
     let mut ddn = unsafe { dev.alloc::<bf16>(slots * CHUNK * sh.dv)? };
-    let side = {
-        let dh0_at = aux_len - if has_h0 { s_len } else { 0 };
+    let dh0_at = aux_len - if has_h0 { s_len } else { 0 };
+    let side = if let Some(fold) = widened {
+        if wy_again {
+            wy.launch(dev, &inp, &table, sh, scale, None)?;
+        }
+        let ctx = WidenedDh {
+            inp: &inp,
+            table: &table,
+            wy: &wy,
+            sh,
+            do_src,
+            dht_src,
+            beside_blocks: if rerun {
+                sh.num_seqs() * sh.heads * sh.dv.div_ceil(rerun_plan.bv)
+            } else {
+                0
+            },
+        };
+        let dh0 = ctx.run(dev, &mut dhs, &mut ddn, fold, |dev| {
+            if rerun {
+                let dest = ScanDest {
+                    out: ScanOut::None,
+                    states: Some(&mut states),
+                };
+                run_scan(
+                    dev,
+                    &inp,
+                    &table,
+                    &wy,
+                    sh,
+                    has_h0,
+                    h0_override,
+                    &rerun_plan,
+                    dest,
+                    None,
+                )?;
+            }
+            Ok(())
+        })?;
+        if has_h0 {
+            let at = match &out {
+                Grads::Packed(_) => sh.qk_len() + sh.v_len() + dh0_at,
+                Grads::Parts { .. } => dh0_at,
+            };
+            match &mut out {
+                Grads::Packed(p) => super::copy_tensor_into(&dh0, p, at)?,
+                Grads::Parts { daux, .. } => super::copy_tensor_into(&dh0, daux, at)?,
+            }
+        }
+        Side::Joined(dev.cuda_stream())
+    } else {
         let mut dh0 = match &mut out {
             Grads::Packed(p) => p.slice_mut(sh.qk_len() + sh.v_len() + dh0_at..),
             Grads::Parts { daux, .. } => daux.slice_mut(dh0_at..),
@@ -391,7 +473,7 @@ pub fn try_backward_bf16(
         };
         let signal = match &side {
             Side::Beside { .. } => grads_pipe.as_ref(),
-            Side::Plain(_) => None,
+            Side::Plain(_) | Side::Joined(_) => None,
         };
         run_dh_scan(
             dev,
@@ -738,13 +820,21 @@ pub(super) fn run_dh_scan(
     Ok(())
 }
 
-/// Context parallelism's replacements in a rank's backward: the folded initial states and
-/// final-state gradients (f32 `[N, H, K, V]`, on the device), and the sequences whose
-/// initial-state gradient went to earlier ranks as γ (their `dh0` rows are zeroed).
-pub(crate) struct CpOverrides {
+/// Context parallelism's replacements in a rank's backward: the folded initial states (f32
+/// `[N, H, K, V]`, on the device), the final-state gradients from the following ranks, and the
+/// sequences whose initial-state gradient went to earlier ranks as γ (their `dh0` rows are
+/// zeroed).
+pub(crate) struct CpOverrides<'a> {
     pub h0: CudaSlice<f32>,
-    pub dht: CudaSlice<f32>,
+    pub dht: CpFinalGrads<'a>,
     pub zero_dh0: Vec<usize>,
+}
+
+/// What the following ranks send into a rank's final-state gradients: folded already (added
+/// to `dht`, f32 `[N, H, K, V]`), or exchanged from inside the backward's widened scan.
+pub(crate) enum CpFinalGrads<'a> {
+    Folded(CudaSlice<f32>),
+    Widened(WidenedFold<'a>),
 }
 
 /// The split bf16 backward on tensors, for the op's `bwd`: the queries and keys (the packed
@@ -765,7 +855,7 @@ pub(crate) fn try_backward_tensors(
     has_h0: bool,
     plain: bool,
     cache: Option<ForwardCache>,
-    cp: Option<&CpOverrides>,
+    cp: Option<CpOverrides>,
 ) -> Result<Option<(Vec<Tensor>, Tensor, Tensor)>> {
     let inputs: Vec<&Tensor> = match qk {
         QueryKeys::Packed(qk) => vec![qk],
@@ -801,6 +891,13 @@ pub(crate) fn try_backward_tensors(
     } else {
         Cotangent::Packed((gs, gl))
     };
+    let (h0, dht, widened, zero_dh0) = match cp {
+        None => (None, None, None, vec![]),
+        Some(CpOverrides { h0, dht, zero_dh0 }) => match dht {
+            CpFinalGrads::Folded(d) => (Some(h0), Some(d), None, zero_dh0),
+            CpFinalGrads::Widened(f) => (Some(h0), None, Some(f), zero_dh0),
+        },
+    };
     let grads = try_backward_bf16(
         &dev,
         qk_in,
@@ -810,18 +907,19 @@ pub(crate) fn try_backward_tensors(
         sh,
         scale,
         has_h0,
-        cp.map(|c| &c.h0),
-        cp.map(|c| &c.dht),
+        h0.as_ref(),
+        dht.as_ref(),
         GradLayout::Parts,
         cache,
+        widened,
     )?;
     let Some(Grads::Parts { dqk, dv, mut daux }) = grads else {
         return Ok(None);
     };
-    if let (Some(cp), true) = (cp, has_h0) {
+    if has_h0 {
         let kv = sh.dk * sh.dv;
         let dh0 = sh.aux_len(true) - sh.state_len();
-        for &s in &cp.zero_dh0 {
+        for &s in &zero_dh0 {
             let at = dh0 + s * sh.heads * kv;
             let mut part = daux.slice_mut(at..at + sh.heads * kv);
             dev.cuda_stream().memset_zeros(&mut part).w()?;
@@ -840,4 +938,133 @@ pub(crate) fn try_backward_tensors(
     let dv = bf16_tensor(dv, v);
     let daux = tensor(CudaStorage::wrap_cuda_slice(daux, dev.clone()), aux.shape());
     Ok(Some((dqk, dv, daux)))
+}
+
+/// The widened state-gradient scan of a context-parallel rank ([`WidenedFold`]).
+struct WidenedDh<'a> {
+    inp: &'a Bf16Inputs<'a>,
+    table: &'a ChunkTable,
+    wy: &'a WyFactors,
+    sh: &'a GdpShape,
+    /// `do` (bf16 `[B, T, H, V]`): its buffer and first element.
+    do_src: (&'a CudaSlice<bf16>, usize),
+    /// `dht` (f32 `[N, H, K, V]`): its buffer and first element, when given.
+    dht_src: Option<(&'a CudaSlice<f32>, usize)>,
+    /// Blocks of the states rerun beside the scan (0: none): the scan's tile leaves them room.
+    beside_blocks: usize,
+}
+
+impl WidenedDh<'_> {
+    /// Runs the widened scan on a side stream beside `beside` (launched on the device's
+    /// stream), joins, calls `fold` with the scan's `[γ | Mᵀ]` and writes the corrected chunk
+    /// rows into `dhs [slots, K, V]` and `ddn [slots, 64, V]`; returns the initial-state
+    /// gradients f32 `[N, H, K, V]`.
+    fn run(
+        &self,
+        dev: &CudaDevice,
+        dhs: &mut CudaSlice<bf16>,
+        ddn: &mut CudaSlice<bf16>,
+        fold: WidenedFold,
+        beside: impl FnOnce(&CudaDevice) -> Result<()>,
+    ) -> Result<Tensor> {
+        use super::cp_fix::{fix_planned, plan_rows};
+        use super::summary::{chunk_spans, widen_rows, widened_states_dev};
+        let sh = self.sh;
+        let (ns, h, k, v) = (sh.num_seqs(), sh.heads, sh.dk, sh.dv);
+        let wide = GdpShape {
+            dv: v + k,
+            ..sh.clone()
+        };
+        let (max_smem, sms) = smem_and_sms(dev)?;
+        let budget = sms.saturating_sub(self.beside_blocks);
+        let Some(plan) = super::chunked::widened_scan_plan(&DH_SCAN, &wide, max_smem, sms, budget)?
+        else {
+            candle_core::bail!(
+                "gdp cuda: the widened state-gradient scan does not fit K = {k}, V = {v}, n = {}",
+                sh.n
+            );
+        };
+        let dow = widen_rows(
+            dev,
+            self.do_src.0,
+            self.do_src.1,
+            sh.batch * sh.tokens * h,
+            v,
+            k,
+        )?;
+        let dhtw = widened_states_dev(dev, self.dht_src, sh)?;
+        let slots = self.table.slots(sh);
+        // SAFETY: the scan writes every element of every slot of the table's chunks; slots of
+        // no chunk are never read.
+        let (mut dhs_w, mut ddn_w) = unsafe {
+            (
+                dev.alloc::<bf16>(slots * k * (v + k))?,
+                dev.alloc::<bf16>(slots * CHUNK * (v + k))?,
+            )
+        };
+        let mut dh0w = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
+        let side = SideStream::fork(dev)?;
+        {
+            let mut d0 = dh0w.slice_mut(..);
+            let dest = DhDest {
+                chunks: Some((&mut dhs_w, &mut ddn_w)),
+                dh0: Some(&mut d0),
+            };
+            let (dow, dhtw) = (dow.slice(..), dhtw.slice(..));
+            run_dh_scan(
+                dev,
+                side.stream(),
+                self.inp,
+                self.table,
+                self.wy,
+                &dow,
+                Some(&dhtw),
+                &wide,
+                &plan,
+                dest,
+                None,
+                None,
+            )?;
+        }
+        beside(dev)?;
+        side.join()?;
+        let folded = fold(&dh0w)?;
+        let (s, fixed) = match &folded {
+            Some((s, r)) => (Some(s.slice(..)), r.clone()),
+            None => (None, 0..0),
+        };
+        let spans = chunk_spans(sh);
+        for (dst, src, inner) in [(dhs, &dhs_w, k), (ddn, &ddn_w, CHUNK)] {
+            let rows = plan_rows(&spans, self.table.chunks, fixed.clone(), inner)?;
+            let src = src.slice(..);
+            fix_planned(
+                dev,
+                &src,
+                &mut dst.slice_mut(..),
+                s.as_ref(),
+                h,
+                k,
+                v,
+                &rows,
+            )?;
+        }
+        // The initial-state gradients: γ⁰ + Mᵀ dS for the corrected sequences.
+        let t = super::tensor_of(dev, &dh0w, &[ns, h, k, v + k])?;
+        let dh0 = t.narrow(3, 0, v)?;
+        let Some((s, r)) = &folded else {
+            return dh0.contiguous();
+        };
+        let ds = super::tensor_of(dev, s, &[r.len(), h, k, v])?;
+        let part = t.narrow(0, r.start, r.len())?;
+        let fixed = (part.narrow(3, 0, v)? + part.narrow(3, v, k)?.contiguous()?.matmul(&ds)?)?;
+        let mut parts = vec![];
+        if r.start > 0 {
+            parts.push(dh0.narrow(0, 0, r.start)?);
+        }
+        parts.push(fixed);
+        if r.end < ns {
+            parts.push(dh0.narrow(0, r.end, ns - r.end)?);
+        }
+        Tensor::cat(&parts, 0)
+    }
 }

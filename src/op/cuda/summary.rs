@@ -11,8 +11,8 @@
 
 use super::backward::In;
 use super::chunked::{
-    choice, run_scan, scan_plan, smem_and_sms, wy_smem_bytes, Bf16Inputs, Choice, ChunkTable, QkIn,
-    ScanDest, ScanKind, ScanOut, ScanPlan, WyFactors, STATES_SCAN,
+    choice, run_scan, smem_and_sms, widened_scan_plan, wy_smem_bytes, Bf16Inputs, Choice,
+    ChunkTable, QkIn, ScanDest, ScanKind, ScanOut, ScanPlan, WyFactors, FWD_SCAN, STATES_SCAN,
 };
 use super::chunked_bwd::{run_dh_scan, Cotangent, DhDest, DH_SCAN};
 use super::copy::copy_rows_slice;
@@ -85,7 +85,8 @@ impl Widened {
         if wy_smem_bytes(sh.dk, sh.dv) > max_smem {
             return Ok(None);
         }
-        Ok(scan_plan(kind, &wide, max_smem, sms)?.map(|plan| Self { sub, wide, plan }))
+        let plan = widened_scan_plan(kind, &wide, max_smem, sms, sms)?;
+        Ok(plan.map(|plan| Self { sub, wide, plan }))
     }
 }
 
@@ -111,7 +112,7 @@ fn widened_states(x: &[f32], sh: &GdpShape, frags: &[usize]) -> Vec<f32> {
 
 /// `rows` rows of `width` elements of `src` from element `at` on, copied into a zeroed buffer
 /// with rows of `width + extra`.
-fn widen_rows(
+pub(crate) fn widen_rows(
     dev: &CudaDevice,
     src: &CudaSlice<bf16>,
     at: usize,
@@ -252,4 +253,205 @@ pub fn backward_summaries_bf16(
     let mut all = dev.clone_dtoh(&out)?;
     all.truncate(wide.state_len());
     Ok(Some(all))
+}
+
+/// `[x | I_K]` per (sequence, head) on the device, `[N, H, K, V + K]` f32: the rows of `x`
+/// (f32 `[N, H, K, V]`, elements from `at` on in `src`) or zeros, each widened by an identity
+/// (`gdp_cp_widen_states`, no host copy).
+pub(crate) fn widened_states_dev(
+    dev: &CudaDevice,
+    src: Option<(&CudaSlice<f32>, usize)>,
+    sh: &GdpShape,
+) -> Result<CudaSlice<f32>> {
+    use super::launch::to_i32;
+    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::WrapErr;
+    let blocks = sh.num_seqs() * sh.heads;
+    let total = blocks * sh.dk * (sh.dv + sh.dk);
+    // SAFETY: the kernel below writes every element.
+    let mut out = unsafe { dev.alloc::<f32>(total.max(1))? };
+    if total == 0 {
+        return Ok(out);
+    }
+    if let Some((x, at)) = src {
+        if x.len() < at + sh.state_len() {
+            candle_core::bail!(
+                "gdp cuda: {} states from {at} in {} elements",
+                sh.state_len(),
+                x.len()
+            );
+        }
+    }
+    let func = super::module::load_kernel(dev, "gdp_cp_widen_states")?;
+    let null = 0u64;
+    let x = src.map(|(x, at)| x.slice(at..));
+    let (nb, k, v) = (blocks as i64, to_i32(sh.dk, "K")?, to_i32(sh.dv, "V")?);
+    let mut args = func.builder();
+    match &x {
+        Some(x) => args.arg(x),
+        None => args.arg(&null),
+    };
+    args.arg(&mut out);
+    args.arg(&nb);
+    args.arg(&k);
+    args.arg(&v);
+    let cfg = LaunchConfig {
+        grid_dim: (total.div_ceil(256).min(65_535) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `gdp_cp_widen_states(x, out, blocks, K, V)`: `out` holds `blocks·K·(V+K)`
+    // elements, `x` (when not null) `blocks·K·V` from its start, checked above.
+    unsafe { args.launch(cfg) }.w()?;
+    drop(args);
+    Ok(out)
+}
+
+/// A context-parallel rank's forward in one widened pass ([`widened_forward`]): the scan from
+/// `[S0 | I_K]` on `[U | 0_K]`, whose rows are `[o⁰ | Q̃]` and whose final states are
+/// `[ΔS | M]`; the rank's output is `o⁰ + Q̃ S` once the incoming state `S` is known.
+pub(crate) struct WidenedForward {
+    /// `[o⁰ | Q̃]`, bf16 `[B, T, H, V + K]`.
+    pub o: CudaSlice<bf16>,
+    /// `[ΔS | M]`, f32 `[N, H, K, V + K]`.
+    pub fin: CudaSlice<f32>,
+}
+
+/// Runs the forward of a context-parallel rank in one widened pass on the bf16 chunked kernels,
+/// from the initial states `h0` (f32 `[N, H, K, V]` on the device: zeros for the sequences that
+/// continue from an earlier rank); with `cache`, the WY factors stay for the backward (which
+/// reruns the state scan from the folded states). `Ok(None)` where these kernels do not serve
+/// (not bf16, `GDP_CUDA_SUMMARY=fused`, or the shape).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn widened_forward(
+    qk: In,
+    v: In,
+    aux: In,
+    sh: &GdpShape,
+    scale: f32,
+    has_h0: bool,
+    h0: &CudaSlice<f32>,
+    cache: Option<&super::chunked::CacheSlot>,
+) -> Result<Option<WidenedForward>> {
+    let dev = qk.0.device().clone();
+    if wanted(qk)?.is_none() {
+        return Ok(None);
+    }
+    let every: Vec<usize> = (0..sh.num_seqs()).collect();
+    let Some(Widened { wide, plan, .. }) = Widened::plan(&dev, sh, &every, &FWD_SCAN)? else {
+        return Ok(None);
+    };
+    let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
+    let table = ChunkTable::new(&dev, sh)?;
+    let keep = match cache {
+        Some(slot) if super::chunked_bwd::split_backward_fits(&dev, sh)? => Some(slot),
+        _ => None,
+    };
+    let mut wy = WyFactors::compute(&dev, &inp, &table, sh, scale, keep.is_some())?;
+    let rows = table.slots(sh) * CHUNK;
+    let u_wide = widen_rows(&dev, &wy.u, 0, rows, sh.dv, sh.dk)?;
+    let u = std::mem::replace(&mut wy.u, u_wide);
+    let h0w = widened_states_dev(&dev, Some((h0, 0)), sh)?;
+    // SAFETY: the scan writes o for every query row (`cu_seqlens` covers every token).
+    let mut o = unsafe { dev.alloc::<bf16>(wide.o_len().max(1))? };
+    let mut fin = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
+    let dest = ScanDest {
+        out: ScanOut::PlainFinal(&mut o, &mut fin),
+        states: None,
+    };
+    run_scan(
+        &dev,
+        &inp,
+        &table,
+        &wy,
+        &wide,
+        has_h0,
+        Some(&h0w),
+        &plan,
+        dest,
+        None,
+    )?;
+    wy.u = u;
+    if let Some(slot) = keep {
+        slot.put(super::chunked::ForwardCache::wy_only(wy));
+    }
+    Ok(Some(WidenedForward { o, fin }))
+}
+
+/// The spans `(first token row, tokens)` of `sh`'s sequences over its `B·T` token rows.
+fn token_spans(sh: &GdpShape) -> Vec<(usize, usize)> {
+    sh.seqs
+        .iter()
+        .map(|s| (s.batch * sh.tokens + s.start, s.len))
+        .collect()
+}
+
+/// The spans `(first chunk, chunks)` of `sh`'s sequences over the chunk table's chunks.
+pub(crate) fn chunk_spans(sh: &GdpShape) -> Vec<(usize, usize)> {
+    let mut at = 0;
+    sh.chunks_per_seq()
+        .into_iter()
+        .map(|c| {
+            at += c;
+            (at - c, c)
+        })
+        .collect()
+}
+
+/// A rank's output from its [`WidenedForward`]: `o = o⁰ + Q̃ S` for the sequences `fixed`
+/// (`s_in` f32 `[fixed.len(), H, K, V]`, the state their scan lacked), `o⁰` for the others;
+/// with `plain` `o` alone in bf16, else the packed f32 `[o | final states]` with the final
+/// states `ΔS + M S` (fixed) or `ΔS`.
+pub(crate) fn finish_widened_forward(
+    dev: &CudaDevice,
+    wf: &WidenedForward,
+    sh: &GdpShape,
+    fixed: std::ops::Range<usize>,
+    s_in: Option<&CudaSlice<f32>>,
+    plain: bool,
+) -> Result<candle_core::CudaStorage> {
+    use super::cp_fix::{fix_planned, plan_rows};
+    let (h, k, v) = (sh.heads, sh.dk, sh.dv);
+    let fixed = if s_in.is_some() { fixed } else { 0..0 };
+    let plan = plan_rows(&token_spans(sh), sh.batch * sh.tokens, fixed.clone(), 1)?;
+    let x = wf.o.slice(..);
+    let s = s_in.map(|s| s.slice(..));
+    if plain {
+        // SAFETY: the planned launches write every token row of o.
+        let mut o = unsafe { dev.alloc::<bf16>(sh.o_len().max(1))? };
+        fix_planned(dev, &x, &mut o.slice_mut(..), s.as_ref(), h, k, v, &plan)?;
+        return Ok(candle_core::CudaStorage::wrap_cuda_slice(o, dev.clone()));
+    }
+    let (o_len, s_len) = (sh.o_len(), sh.state_len());
+    // SAFETY: the planned launches write o, the copies below every final state.
+    let mut out = unsafe { dev.alloc::<f32>((o_len + s_len).max(1))? };
+    fix_planned(
+        dev,
+        &x,
+        &mut out.slice_mut(..o_len),
+        s.as_ref(),
+        h,
+        k,
+        v,
+        &plan,
+    )?;
+    // Final states: [ΔS | M] rows read as f32; ΔS + M S for the fixed sequences.
+    let wide = v + k;
+    let r = RowCopy {
+        rows: sh.num_seqs() * h * k,
+        width: v,
+        src_stride: wide,
+        dst_stride: v,
+        src_off: 0,
+        dst_off: o_len,
+    };
+    copy_rows_slice(dev, &wf.fin, &mut out, r)?;
+    if let (Some(s_in), false) = (s_in, fixed.is_empty()) {
+        let fin = super::tensor_of(dev, &wf.fin, &[sh.num_seqs(), h, k, wide])?;
+        let s = super::tensor_of(dev, s_in, &[fixed.len(), h, k, v])?;
+        let part = fin.narrow(0, fixed.start, fixed.len())?;
+        let ht = (part.narrow(3, 0, v)? + part.narrow(3, v, k)?.contiguous()?.matmul(&s)?)?;
+        super::copy_tensor_into(&ht, &mut out, o_len + fixed.start * h * k * v)?;
+    }
+    Ok(candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }

@@ -1,0 +1,161 @@
+// Context parallelism's correction of a widened scan's rows (src/op/cuda/cp_fix.rs).
+//
+// A scan run from the initial state [S0 | I_K] on the value columns widened to [x | 0_K] is
+// affine in the state it starts from, so every row it writes is [y0 | y~] with the true row,
+// once the state S that should have been added to S0 is known, y = y0 + y~ S. That holds for
+// the forward scan's outputs (o0 and Q~), and for the state-gradient scan's chunk states and
+// dDelta rows (with the transposed maps). This kernel applies it:
+//
+//   Y[row, j] = X[row, j] + sum_k X[row, V + k] S[k, j]        (j < V, k < K)
+//
+// X: bf16 rows of width W = V + K; Y: rows of width V (bf16 or f32); S: f32 [nseq, H, K, V]
+// per (sequence, head), or null for a plain copy of the first V columns.
+// Rows: row i (< outer_per_seq * inner) of sequence s and head h is at
+//   ((outer * H + h) * inner + i % inner)  with  outer = outer0 + s * outer_per_seq + i / inner,
+// i.e. o [B*T, H, 1, .] (inner 1), chunk states [slots, H, K, .] (inner K), dDelta
+// [slots, H, 64, .] (inner 64).
+// GDP_FIX_THREADS threads a block (eight warps, each on 16-row tiles). The product runs on bf16
+// tensor cores with f32 accumulation, S rounded to bf16: every row it writes is a bf16 row of
+// the scan (o, the chunk states and dDelta that the gradient kernel reads in bf16, or o in
+// f32 from the bf16 o0), so S's rounding stays within the rows' own (S split into hi + lo
+// took twice the products and shared memory for digits the output does not keep).
+
+#pragma once
+
+#define GDP_FIX_THREADS 256
+#define GDP_FIX_COLS 128
+
+__device__ __forceinline__ void gdp_fix_store2(float* y, float v0, float v1, bool two) {
+  if (two) {
+    *reinterpret_cast<float2*>(y) = make_float2(v0, v1);
+  } else {
+    y[0] = v0;
+  }
+}
+__device__ __forceinline__ void gdp_fix_store2(__nv_bfloat16* y, float v0, float v1, bool two) {
+  if (two) {
+    *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(v0, v1);
+  } else {
+    y[0] = __float2bfloat16_rn(v0);
+  }
+}
+
+// Grid: (row groups, ceil(V / 128), nseq * H). Each block keeps S's 128 columns in shared
+// memory (as bf16 pairs, converted once); each warp then walks 16-row tiles of its
+// (sequence, head) on its own, reading its A fragments and X's first columns straight from
+// global memory (no block barrier in the loop, so many warps keep loads in flight: measured
+// faster than staging each warp's rows through shared memory with 16-byte copies, which
+// leaves room for one block per multiprocessor).
+template <typename TO>
+__device__ __forceinline__ void gdp_cp_fix_impl(const __nv_bfloat16* __restrict__ x,
+                                                TO* __restrict__ y, const float* __restrict__ s,
+                                                int H, int K, int V, long long outer0,
+                                                int outer_per_seq, int inner) {
+  extern __shared__ __align__(16) unsigned char gdp_fix_smem[];
+  const int W = V + K;
+  const int KP = (K + 15) & ~15;    // k padded to the mma's 16
+  const int LB = GDP_FIX_COLS + 8;  // B row stride (32-bit pairs)
+  uint32_t* bs = reinterpret_cast<uint32_t*>(gdp_fix_smem);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nwarps = GDP_FIX_THREADS / 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int seq = blockIdx.z / H, head = blockIdx.z - seq * H;
+  const int rows = outer_per_seq * inner;
+  const int n0 = blockIdx.y * GDP_FIX_COLS;
+  const long long seq_outer = outer0 + (long long)seq * outer_per_seq;
+  const bool pair_in = (W % 2 == 0) && (V % 2 == 0) && (K % 2 == 0);
+  const bool pair_out =
+      (V % 2 == 0) && ((reinterpret_cast<uintptr_t>(y) & (2 * sizeof(TO) - 1)) == 0);
+
+  if (s != nullptr) {
+    const float* sh = s + (long long)blockIdx.z * K * V;
+    for (int idx = tid; idx < (KP / 2) * GDP_FIX_COLS; idx += GDP_FIX_THREADS) {
+      const int kk = idx / GDP_FIX_COLS, n = idx - kk * GDP_FIX_COLS, col = n0 + n;
+      const int k0 = 2 * kk, k1 = k0 + 1;
+      const float s0 = (k0 < K && col < V) ? sh[(long long)k0 * V + col] : 0.f;
+      const float s1 = (k1 < K && col < V) ? sh[(long long)k1 * V + col] : 0.f;
+      bs[kk * LB + n] = MmaBf16::pack(s0, s1);
+    }
+    __syncthreads();
+  }
+  // A pair of bf16 of X's row at element offset `r` (or -1: zeros) at column `c` below `lim`.
+  auto pair_at = [&](long long r, int c, int lim) -> uint32_t {
+    if (r < 0 || c >= lim) return 0u;
+    const __nv_bfloat16* p = x + r * W + c;
+    if (pair_in && c + 1 < lim) return *reinterpret_cast<const uint32_t*>(p);
+    __nv_bfloat162 v;
+    v.x = p[0];
+    v.y = c + 1 < lim ? p[1] : __float2bfloat16_rn(0.f);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  };
+
+  const int mtiles = (rows + 15) / 16;
+  for (int tile = blockIdx.x * nwarps + warp; tile < mtiles; tile += gridDim.x * nwarps) {
+    long long ra[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = 16 * tile + g + 8 * h;
+      ra[h] = i < rows ? ((seq_outer + i / inner) * H + head) * inner + i % inner : -1;
+    }
+    float acc[GDP_FIX_COLS / 8][4];
+#pragma unroll
+    for (int j = 0; j < GDP_FIX_COLS / 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t p = pair_at(ra[h], n0 + 8 * j + 2 * t, V);
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p));
+        acc[j][2 * h] = f.x, acc[j][2 * h + 1] = f.y;
+      }
+    if (s != nullptr) {
+      for (int k0 = 0; k0 < KP; k0 += 16) {
+        uint32_t a[4];
+        a[0] = pair_at(ra[0], V + k0 + 2 * t, W);
+        a[1] = pair_at(ra[1], V + k0 + 2 * t, W);
+        a[2] = pair_at(ra[0], V + k0 + 2 * t + 8, W);
+        a[3] = pair_at(ra[1], V + k0 + 2 * t + 8, W);
+        const int kk = k0 / 2 + t;
+#pragma unroll
+        for (int j = 0; j < GDP_FIX_COLS / 8; ++j) {
+          const uint32_t b[2] = {bs[kk * LB + 8 * j + g], bs[(kk + 4) * LB + 8 * j + g]};
+          MmaBf16::mma(acc[j], a, b);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < GDP_FIX_COLS / 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = n0 + 8 * j + 2 * t;
+        if (ra[h] >= 0 && col < V)
+          gdp_fix_store2(y + ra[h] * V + col, acc[j][2 * h], acc[j][2 * h + 1],
+                         pair_out && col + 1 < V);
+      }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(GDP_FIX_THREADS)
+    gdp_cp_fix_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, const float* s, int H, int K, int V,
+                    long long outer0, int outer_per_seq, int inner) {
+  gdp_cp_fix_impl(x, y, s, H, K, V, outer0, outer_per_seq, inner);
+}
+
+extern "C" __global__ void __launch_bounds__(GDP_FIX_THREADS)
+    gdp_cp_fix_f32(const __nv_bfloat16* x, float* y, const float* s, int H, int K, int V,
+                   long long outer0, int outer_per_seq, int inner) {
+  gdp_cp_fix_impl(x, y, s, H, K, V, outer0, outer_per_seq, inner);
+}
+
+// [x | I_K] per (sequence, head): out [blocks, K, V + K] f32 from x [blocks, K, V] (or zeros
+// where x is null), the identity in the last K columns. One thread per element.
+extern "C" __global__ void gdp_cp_widen_states(const float* __restrict__ x, float* __restrict__ out,
+                                               long long blocks, int K, int V) {
+  const int W = V + K;
+  const long long total = blocks * K * W;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long row = i / W;
+    const int col = (int)(i - row * W), r = (int)(row % K);
+    out[i] = col < V ? (x != nullptr ? x[row * V + col] : 0.f) : (col - V == r ? 1.f : 0.f);
+  }
+}

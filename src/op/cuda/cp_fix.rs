@@ -1,0 +1,207 @@
+//! Context parallelism's row correction (`gdp_cp_fix_*`, `cuda/cp_fix.cuh`): a scan run on
+//! widened value columns from `[S0 | I_K]` writes rows `[y0 | ỹ]`, and once the state `S` that
+//! belongs on top of `S0` is known the true rows are `y = y0 + ỹ S`. This turns the summary's
+//! widened scan into the rank's own output, with no second pass over the chunks.
+
+use super::launch::{allow_smem, to_i32};
+use super::module::load_kernel;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::Result;
+use half::bf16;
+use std::ops::Range;
+
+/// Rows of one warp's tile, and warps per block.
+const ROWS: usize = 16;
+const WARPS: usize = 8;
+const COLS: usize = 128;
+const THREADS: u32 = 32 * WARPS as u32;
+
+/// Which rows a correction covers: `seqs` sequences of `outer_per_seq · inner` rows per head,
+/// row `i` of sequence `s` at row `(outer · H + h) · inner + i % inner` of its buffer with
+/// `outer = outer0 + s · outer_per_seq + i / inner` (`o [B·T, H, V]`: inner 1; chunk states
+/// `[slots, H, K, V]`: inner K; dDelta `[slots, H, 64, V]`: inner 64).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FixRows {
+    pub outer0: usize,
+    pub outer_per_seq: usize,
+    pub inner: usize,
+    pub seqs: usize,
+}
+
+/// Output element types of the correction.
+pub(crate) trait FixOut: DeviceRepr {
+    const KERNEL: &'static str;
+}
+
+impl FixOut for bf16 {
+    const KERNEL: &'static str = "gdp_cp_fix_bf16";
+}
+
+impl FixOut for f32 {
+    const KERNEL: &'static str = "gdp_cp_fix_f32";
+}
+
+/// Shared memory of `gdp_cp_fix_*`: `S`'s 128 columns as bf16 pairs.
+fn smem_bytes(dk: usize) -> usize {
+    let kp = dk.next_multiple_of(16);
+    (kp / 2) * (COLS + 8) * 4
+}
+
+/// `y[row, :V] = x[row, :V] + x[row, V:V+K] · s[seq, h]` over the rows of `rows` and `heads`
+/// heads: `x` rows of width `V + K` (bf16), `y` of width `V`, `s` f32 `[seqs, H, K, V]`; with
+/// `s = None` a plain copy of the first `V` columns.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fix_rows<T: FixOut>(
+    dev: &CudaDevice,
+    x: &CudaView<bf16>,
+    y: &mut CudaViewMut<T>,
+    s: Option<&CudaView<f32>>,
+    heads: usize,
+    dk: usize,
+    dv: usize,
+    rows: FixRows,
+) -> Result<()> {
+    let per_seq = rows.outer_per_seq * rows.inner;
+    if per_seq == 0 || rows.seqs * heads == 0 || dv == 0 {
+        return Ok(());
+    }
+    if rows.seqs * heads > 65_535 {
+        candle_core::bail!(
+            "gdp cuda: cp correction over {} sequences x {heads} heads exceeds the grid",
+            rows.seqs
+        );
+    }
+    let end_row = (rows.outer0 + rows.seqs * rows.outer_per_seq) * heads * rows.inner;
+    if end_row * (dv + dk) > x.len() || end_row * dv > y.len() {
+        candle_core::bail!(
+            "gdp cuda: cp correction out of bounds ({rows:?}, H {heads}, K {dk}, V {dv}; x {} \
+             and y {} elements)",
+            x.len(),
+            y.len()
+        );
+    }
+    if let Some(s) = s {
+        if s.len() < rows.seqs * heads * dk * dv {
+            candle_core::bail!("gdp cuda: cp correction state of {} elements", s.len());
+        }
+    }
+    let func = load_kernel(dev, T::KERNEL)?;
+    let smem = smem_bytes(dk);
+    allow_smem(&func, smem)?;
+    let null = 0u64;
+    let (h, k, v) = (to_i32(heads, "heads")?, to_i32(dk, "K")?, to_i32(dv, "V")?);
+    let outer0 = rows.outer0 as i64;
+    let (ops, inner) = (
+        to_i32(rows.outer_per_seq, "rows per sequence")?,
+        to_i32(rows.inner, "inner rows")?,
+    );
+    let mut args = func.builder();
+    args.arg(x);
+    args.arg(y);
+    match s {
+        Some(s) => args.arg(s),
+        None => args.arg(&null),
+    };
+    for a in [&h, &k, &v] {
+        args.arg(a);
+    }
+    args.arg(&outer0);
+    args.arg(&ops);
+    args.arg(&inner);
+    // Four blocks per multiprocessor in all (S takes 35 KB of shared memory at K = 128), each
+    // walking several row tiles of its (sequence, head), so that S is loaded and converted once
+    // per block.
+    let sms = super::chunked::smem_and_sms(dev)?.1;
+    let others = rows.seqs * heads * dv.div_ceil(COLS);
+    let groups = per_seq
+        .div_ceil(ROWS * WARPS)
+        .min((4 * sms).div_ceil(others))
+        .max(1);
+    let cfg = LaunchConfig {
+        grid_dim: (
+            to_i32(groups, "row tiles")? as u32,
+            dv.div_ceil(COLS) as u32,
+            to_i32(rows.seqs * heads, "sequences x heads")? as u32,
+        ),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    // SAFETY: the arguments match `gdp_cp_fix_impl`; every row it reads or writes lies below
+    // `end_row`, checked against `x` and `y` above, and `s` holds a state per (sequence, head).
+    unsafe { args.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// The launches that correct the sequences `fixed` and copy the others, for rows grouped by
+/// sequence: sequence `s` covers the outer indices `spans[s] = (first, count)` (in order,
+/// contiguous), `total` outer indices in all, `inner` rows each. The fixed sequences must have
+/// equal counts and follow each other (all of a dense batch, or one packed sequence).
+pub(crate) fn plan_rows(
+    spans: &[(usize, usize)],
+    total: usize,
+    fixed: Range<usize>,
+    inner: usize,
+) -> Result<Vec<(FixRows, bool)>> {
+    let copy = |outer0: usize, end: usize| {
+        (end > outer0).then_some((
+            FixRows {
+                outer0,
+                outer_per_seq: end - outer0,
+                inner,
+                seqs: 1,
+            },
+            false,
+        ))
+    };
+    if fixed.is_empty() {
+        return Ok(copy(0, total).into_iter().collect());
+    }
+    let fs = &spans[fixed.clone()];
+    let (first, count) = fs[0];
+    let even = fs
+        .iter()
+        .enumerate()
+        .all(|(i, &(o, c))| c == count && o == first + i * count);
+    if !even {
+        candle_core::bail!(
+            "gdp cuda: the corrected sequences {fixed:?} are not of equal, consecutive spans"
+        );
+    }
+    let end = first + fixed.len() * count;
+    let mut out: Vec<(FixRows, bool)> = copy(0, first).into_iter().collect();
+    if count > 0 {
+        out.push((
+            FixRows {
+                outer0: first,
+                outer_per_seq: count,
+                inner,
+                seqs: fixed.len(),
+            },
+            true,
+        ));
+    }
+    out.extend(copy(end, total));
+    Ok(out)
+}
+
+/// [`fix_rows`] over every launch of [`plan_rows`]: `s` f32 `[fixed.len(), H, K, V]`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fix_planned<T: FixOut>(
+    dev: &CudaDevice,
+    x: &CudaView<bf16>,
+    y: &mut CudaViewMut<T>,
+    s: Option<&CudaView<f32>>,
+    heads: usize,
+    dk: usize,
+    dv: usize,
+    plan: &[(FixRows, bool)],
+) -> Result<()> {
+    for &(rows, with_state) in plan {
+        let st = if with_state { s } else { None };
+        fix_rows(dev, x, y, st, heads, dk, dv, rows)?;
+    }
+    Ok(())
+}
