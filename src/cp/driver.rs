@@ -10,11 +10,12 @@
 
 use super::comm::Communicator;
 use super::protocol::{
-    backward_summary, compose_backward, compose_forward, summary_len, Composition,
+    backward_summary_with, compose_backward, compose_forward, summary_len, Composition,
 };
 use crate::error::GdpError;
 use crate::op::cpu::chunk::Dims;
 use crate::op::cpu::linalg::{matmul, MatRef};
+use crate::op::cpu::subnormal::FlushSubnormals;
 use crate::op::cpu::{self, PackedInputs};
 use crate::op::shape::GdpShape;
 use candle_core::{Result, WithDType};
@@ -35,6 +36,9 @@ pub struct CpLink {
     composition: Composition,
     /// The initial states `[N, H, K, V]` the forward used, for the backward's recomputation.
     saved_h0: Mutex<Option<SavedStates>>,
+    /// The CPU forward's transitions `M` (`[N, H, K, K]`; rows of sequences that continue from
+    /// an earlier rank), whose transposes the backward summaries send.
+    saved_m: Mutex<Option<Vec<f32>>>,
 }
 
 impl std::fmt::Debug for CpLink {
@@ -77,6 +81,7 @@ impl CpLink {
             packed,
             composition,
             saved_h0: Mutex::new(None),
+            saved_m: Mutex::new(None),
         })
     }
 
@@ -117,6 +122,7 @@ impl CpLink {
         let folded: Vec<Vec<f32>> = (0..seqs.len() * h)
             .into_par_iter()
             .map(|i| {
+                let _flush = FlushSubnormals::new();
                 let (f, hd) = (i / h, i % h);
                 let at = |r: usize| &all[r * per_rank + (f * h + hd) * sl..][..sl];
                 compose_forward(
@@ -143,6 +149,7 @@ impl CpLink {
         let folded: Vec<Vec<f32>> = (0..seqs.len() * h)
             .into_par_iter()
             .map(|i| {
+                let _flush = FlushSubnormals::new();
                 let (f, hd) = (i / h, i % h);
                 let at = |r: usize| &all[r * per_rank + (f * h + hd) * sl..][..sl];
                 compose_backward(
@@ -198,31 +205,48 @@ impl CpLink {
         let (kv, sl, wide) = (k * v, summary_len(k, v), v + k);
         let incoming = self.continuing_in(ns);
         let d = dims(sh, scale);
-        let dw = Dims { dv: wide, ..d };
-        // Per (sequence, head): the token rows (`[len, V]`, or `[len, V + K]` widened) and the
-        // final state (`[K, V]`, or `[ΔS | M]`).
-        let runs: Vec<(Vec<f32>, Vec<f32>)> = pairs(&(0..ns).collect::<Vec<_>>(), h)
-            .into_par_iter()
-            .map(|(s, hd)| {
-                let seq = &sh.seqs[s];
-                let mut inp = x.gather(sh, seq, hd);
-                if incoming.contains(&s) {
-                    inp.v = widen(&inp.v, v, k);
-                    let mut ws = cpu::forward::ForwardWorkspace::new(&dw);
-                    let mut state = vec![0.0f32; k * wide];
-                    (0..k).for_each(|r| state[r * wide + v + r] = 1.0);
-                    let mut o = vec![0.0f32; seq.len * wide];
-                    cpu::forward::forward_head(&inp, &dw, &mut state, &mut o, &mut ws);
-                    (o, state)
-                } else {
-                    let mut ws = cpu::forward::ForwardWorkspace::new(&d);
-                    let mut state = x.initial_state(sh, None, s, hd);
-                    let mut o = vec![0.0f32; seq.len * v];
-                    cpu::forward::forward_head(&inp, &d, &mut state, &mut o, &mut ws);
-                    (o, state)
-                }
+        // The recurrence is separable over value columns: with threads to spare, a continuing
+        // sequence's `V` columns (from zero) and its `K` identity columns run as two tasks side
+        // by side instead of one widened task.
+        let split = rayon::current_num_threads() >= (ns + incoming.len()) * h;
+        let jobs: Vec<(usize, usize, Columns)> = (0..ns)
+            .flat_map(|s| (0..h).map(move |hd| (s, hd)))
+            .flat_map(|(s, hd)| {
+                let parts: &[Columns] = match (incoming.contains(&s), split) {
+                    (false, _) => &[Columns::Plain],
+                    (true, false) => &[Columns::Widened],
+                    (true, true) => &[Columns::Values, Columns::Transition],
+                };
+                parts.iter().map(move |&c| (s, hd, c))
             })
             .collect();
+        let results: Vec<(Vec<f32>, Vec<f32>)> = jobs
+            .par_iter()
+            .map(|&(s, hd, cols)| {
+                let _flush = FlushSubnormals::new();
+                run_columns(x, sh, &d, s, hd, cols)
+            })
+            .collect();
+        // Per (sequence, head): the token rows (`[len, V]`, or `[len, V + K]` widened) and the
+        // final state (`[K, V]`, or `[ΔS | M]`).
+        let mut runs: Vec<(Vec<f32>, Vec<f32>)> = Vec::with_capacity(ns * h);
+        let mut it = jobs.iter().zip(results);
+        while let Some((&(s, _, cols), run)) = it.next() {
+            if cols != Columns::Values {
+                runs.push(run);
+                continue;
+            }
+            let Some((_, tr)) = it.next() else {
+                return Err(candle_core::Error::Msg(
+                    "gdp cp: a transition run is missing".into(),
+                ));
+            };
+            let len = sh.seqs[s].len;
+            runs.push((
+                join_columns(&run.0, &tr.0, len, v, k),
+                join_columns(&run.1, &tr.1, k, v, k),
+            ));
+        }
         // Exchange: the trailing fragments' `[ΔS | M]` (zeros where no later rank reads them).
         let frags = self.fragments(ns, true);
         let needed = !self.bwd_slice.is_empty();
@@ -248,10 +272,21 @@ impl CpLink {
         self.fold_into_initial_states(&all, frags.len(), sh, &mut h0);
         let o_len = sh.o_len();
         let mut out = vec![0.0f32; o_len + sh.state_len()];
+        let mut m_all = vec![0.0f32; ns * h * k * k];
+        for (i, (_, fin)) in runs.iter().enumerate() {
+            if fin.len() == sl {
+                for r in 0..k {
+                    m_all[(i * k + r) * k..(i * k + r + 1) * k]
+                        .copy_from_slice(&fin[r * wide + v..(r + 1) * wide]);
+                }
+            }
+        }
+        *self.saved_m.lock().map_err(|_| poisoned())? = Some(m_all);
         let finished: Vec<(Vec<f32>, Vec<f32>)> = runs
             .into_par_iter()
             .enumerate()
             .map(|(i, (o, fin))| {
+                let _flush = FlushSubnormals::new();
                 let (s, hd) = (i / h, i % h);
                 if !incoming.contains(&s) {
                     return (o, fin);
@@ -305,12 +340,22 @@ impl CpLink {
         let (dv, o_len) = (sh.dv, sh.o_len());
         let frags = self.fragments(ns, false);
         let needed = !self.fwd_slice.is_empty();
+        // A leading fragment that continues from an earlier rank ran widened in the forward:
+        // its `Mᵀ` is the transpose of the `M` kept then.
+        let saved_m = self.saved_m.lock().map_err(|_| poisoned())?.take();
+        let incoming = self.continuing_in(ns);
+        let kk = sh.dk * sh.dk;
         let local: Vec<f32> = pairs(&frags, h)
             .into_par_iter()
             .flat_map_iter(|(s, hd)| {
                 if !needed {
                     return vec![0.0; sl];
                 }
+                let _flush = FlushSubnormals::new();
+                let m = saved_m
+                    .as_ref()
+                    .filter(|_| incoming.contains(&s))
+                    .map(|m| &m[(s * h + hd) * kk..(s * h + hd + 1) * kk]);
                 let seq = &sh.seqs[s];
                 let mut dout = Vec::with_capacity(seq.len * dv);
                 for t in 0..seq.len {
@@ -318,7 +363,8 @@ impl CpLink {
                     dout.extend_from_slice(&grad[off..off + dv]);
                 }
                 let st = o_len + (s * h + hd) * kv;
-                backward_summary(&x.gather(sh, seq, hd), &d, &dout, &grad[st..st + kv])
+                let ds_end = &grad[st..st + kv];
+                backward_summary_with(&x.gather(sh, seq, hd), &d, &dout, ds_end, m)
             })
             .collect();
         let all = self.gather(local)?;
@@ -336,6 +382,70 @@ impl CpLink {
         }
         Ok(out)
     }
+}
+
+/// Which value columns a CPU forward task runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Columns {
+    /// The sequence as in the plain op, from its own initial state.
+    Plain,
+    /// `[v | 0_K]` from `[0 | I_K]`: `[o⁰ | Q̃]` and `[ΔS | M]` in one task.
+    Widened,
+    /// The `V` columns of [`Columns::Widened`] alone: `o⁰` and `ΔS`.
+    Values,
+    /// Its `K` columns alone: `Q̃` and `M`.
+    Transition,
+}
+
+/// Runs the forward of (sequence `s`, head `hd`) over the value columns `cols`: the token rows
+/// and the final state.
+fn run_columns<T: WithDType>(
+    x: &PackedInputs<T>,
+    sh: &GdpShape,
+    d: &Dims,
+    s: usize,
+    hd: usize,
+    cols: Columns,
+) -> (Vec<f32>, Vec<f32>) {
+    let (k, v) = (sh.dk, sh.dv);
+    let seq = &sh.seqs[s];
+    let mut inp = x.gather(sh, seq, hd);
+    let rows = inp.rows();
+    let (dv, state) = match cols {
+        Columns::Plain => (v, x.initial_state(sh, None, s, hd)),
+        Columns::Values => (v, vec![0.0f32; k * v]),
+        Columns::Widened => {
+            inp.v = widen(&inp.v, v, k);
+            (v + k, identity_columns(k, v))
+        }
+        Columns::Transition => {
+            inp.v = vec![0.0f32; rows * k];
+            (k, identity_columns(k, 0))
+        }
+    };
+    let dc = Dims { dv, ..*d };
+    let mut ws = cpu::forward::ForwardWorkspace::new(&dc);
+    let mut state = state;
+    let mut o = vec![0.0f32; seq.len * dv];
+    cpu::forward::forward_head(&inp, &dc, &mut state, &mut o, &mut ws);
+    (o, state)
+}
+
+/// `[0_V | I_K]`, `K` rows of `V + K`.
+fn identity_columns(k: usize, v: usize) -> Vec<f32> {
+    let mut m = vec![0.0f32; k * (v + k)];
+    (0..k).for_each(|r| m[r * (v + k) + v + r] = 1.0);
+    m
+}
+
+/// `rows` rows `[a | b]` from `a [rows, V]` and `b [rows, K]`.
+fn join_columns(a: &[f32], b: &[f32], rows: usize, v: usize, k: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(rows * (v + k));
+    for r in 0..rows {
+        out.extend_from_slice(&a[r * v..(r + 1) * v]);
+        out.extend_from_slice(&b[r * k..(r + 1) * k]);
+    }
+    out
 }
 
 /// `rows` rows of width `v` widened by `k` zero columns.

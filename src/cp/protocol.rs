@@ -78,6 +78,18 @@ pub fn forward_summary(x: &HeadInputs, d: &Dims, s0: &[f32]) -> Vec<f32> {
 /// output gradients `dout [len, V]` of its tokens and the end-state gradient `ds_end` (zeros
 /// for a fragment whose sequence continues on a later rank), `Mᵀ` the transposed transition.
 pub fn backward_summary(x: &HeadInputs, d: &Dims, dout: &[f32], ds_end: &[f32]) -> Vec<f32> {
+    backward_summary_with(x, d, dout, ds_end, None)
+}
+
+/// [`backward_summary`], with the fragment's forward transition `M` (`[K, K]`, from its forward
+/// summary) when known: then `Mᵀ` is its transpose and the reverse pass computes `γ` alone.
+pub fn backward_summary_with(
+    x: &HeadInputs,
+    d: &Dims,
+    dout: &[f32],
+    ds_end: &[f32],
+    transition: Option<&[f32]>,
+) -> Vec<f32> {
     let (dk, dv) = (d.dk, d.dv);
     let mut ds = ds_end.to_vec();
     let mut mt = identity(dk);
@@ -122,6 +134,9 @@ pub fn backward_summary(x: &HeadInputs, d: &Dims, dout: &[f32], ds_end: &[f32]) 
         matmul(&mut ds, MatRef::new(&qsel, nq, dk).t(), dom, true, gl, 1.0);
         let wt = MatRef::new(&wy.w, c, dk).t();
         matmul(&mut ds, wt, MatRef::new(&ddelta, c, dv), true, 1.0, -1.0);
+        if transition.is_some() {
+            continue;
+        }
         // Mᵀ ← (e^{G_last} I − Wᵀ kdec) Mᵀ
         matmul(
             &mut tmp,
@@ -132,6 +147,13 @@ pub fn backward_summary(x: &HeadInputs, d: &Dims, dout: &[f32], ds_end: &[f32]) 
             1.0,
         );
         matmul(&mut mt, wt, MatRef::new(&tmp, c, dk), true, gl, -1.0);
+    }
+    if let Some(m) = transition {
+        for r in 0..dk {
+            for c in 0..dk {
+                mt[r * dk + c] = m[c * dk + r];
+            }
+        }
     }
     pack(&ds, &mt, dk, dv)
 }

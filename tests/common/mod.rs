@@ -5,7 +5,7 @@
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_gdp::op::naive::{gated_delta_product_naive, gated_delta_product_naive_backward};
-use candle_gdp::{gated_delta_product, GdpOptions, SaveIntermediates};
+use candle_gdp::{gated_delta_product, ContextParallel, Cotangents, GdpOptions, SaveIntermediates};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -528,4 +528,65 @@ pub fn median_ms(
     }
     ts.sort_by(|a, b| a.total_cmp(b));
     Ok(ts[ts.len() / 2])
+}
+
+/// Context parallelism on CPU ranks (`ranks` group sizes) against the single-device op: the
+/// outputs, final states and every gradient within 1e-5 (f32).
+#[allow(dead_code)]
+pub fn cp_check_cpu(c: &Case, ranks: &[usize]) -> Result<()> {
+    let x = inputs(c, DType::F32)?;
+    let want = run_op(c, &x, DType::F32)?;
+    let Inputs {
+        q,
+        k,
+        v,
+        g,
+        beta,
+        h0,
+        dout,
+        dht,
+    } = x.cast(DType::F32)?;
+    for &r in ranks {
+        let opts = GdpOptions {
+            initial_state: h0.as_ref(),
+            output_final_state: true,
+            cu_seqlens: c.cu.as_deref(),
+            ..Default::default()
+        };
+        let cp = ContextParallel::cpu(r)?;
+        let got = cp.gated_delta_product(
+            &q,
+            &k,
+            &v,
+            &g,
+            &beta,
+            &opts,
+            Some(Cotangents {
+                dout: &dout,
+                dht: Some(&dht),
+            }),
+        )?;
+        let grads = got.grads.expect("grads");
+        let mut pairs = vec![
+            ("o", got.o, want.o.clone()),
+            ("ht", got.final_state.expect("ht"), want.ht.clone()),
+            ("dq", grads.dq, want.grads[0].1.clone()),
+            ("dk", grads.dk, want.grads[1].1.clone()),
+            ("dv", grads.dv, want.grads[2].1.clone()),
+            ("dg", grads.dg, want.grads[3].1.clone()),
+            ("dbeta", grads.dbeta, want.grads[4].1.clone()),
+        ];
+        if let Some(dh0) = grads.dh0 {
+            pairs.push(("dh0", dh0, want.grads[5].1.clone()));
+        }
+        let mut report = vec![];
+        for (name, a, b) in pairs {
+            assert_eq!(a.dims(), b.dims(), "{} cp={r}: {name} shape", c.name);
+            let e = rel_rms(&a, &b)?;
+            report.push(format!("{name} {e:.0e}"));
+            assert!(e <= 1e-5, "{} cp={r}: {name} relative RMS {e:.2e}", c.name);
+        }
+        println!("{:<26} cp={r} {}", c.name, report.join(" "));
+    }
+    Ok(())
 }

@@ -8,6 +8,7 @@ pub mod backward;
 pub mod chunk;
 pub mod forward;
 pub mod linalg;
+pub mod subnormal;
 
 use crate::op::shape::{GdpShape, SeqSpan};
 use candle_core::WithDType;
@@ -132,6 +133,7 @@ pub fn forward<T: WithDType>(
     tasks(sh).into_par_iter().for_each_init(
         || forward::ForwardWorkspace::new(&d),
         |ws, (s, h)| {
+            let _flush = subnormal::FlushSubnormals::new();
             let seq = &sh.seqs[s];
             let inp = x.gather(sh, seq, h);
             let mut state = x.initial_state(sh, h0, s, h);
@@ -172,6 +174,7 @@ pub fn backward<T: WithDType>(
     let ptr = OutPtr(out.as_mut_ptr());
     let o_len = sh.o_len();
     tasks(sh).into_par_iter().for_each(|(s, hd)| {
+        let _flush = subnormal::FlushSubnormals::new();
         let seq = &sh.seqs[s];
         let inp = x.gather(sh, seq, hd);
         let h0s = x.initial_state(sh, h0, s, hd);
