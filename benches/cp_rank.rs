@@ -31,23 +31,25 @@ struct Args {
     bench: bool,
 }
 
+/// `(tokens, heads, K = V, n)`.
+type Shape = (usize, usize, usize, usize);
+
 fn main() -> candle_core::Result<()> {
     let a = Args::parse();
-    let (device, dtype, shapes): (Device, DType, Vec<(usize, usize, usize, usize)>) =
-        match a.device.as_str() {
-            "cpu" => (Device::Cpu, DType::F32, vec![(16384, 4, 64, 2)]),
-            "cuda" => (
-                Device::new_cuda(0)?,
-                DType::BF16,
-                vec![
-                    (65536, 16, 128, 1),
-                    (65536, 16, 128, 2),
-                    (16384, 16, 128, 1),
-                    (16384, 16, 128, 2),
-                ],
-            ),
-            other => candle_core::bail!("--device: expected cpu or cuda, got {other}"),
-        };
+    let (device, dtype, shapes): (Device, DType, Vec<Shape>) = match a.device.as_str() {
+        "cpu" => (Device::Cpu, DType::F32, vec![(16384, 4, 64, 2)]),
+        "cuda" => (
+            Device::new_cuda(0)?,
+            DType::BF16,
+            vec![
+                (65536, 16, 128, 1),
+                (65536, 16, 128, 2),
+                (16384, 16, 128, 1),
+                (16384, 16, 128, 2),
+            ],
+        ),
+        other => candle_core::bail!("--device: expected cpu or cuda, got {other}"),
+    };
     let mut json = vec![];
     println!(
         "tokens | H | K=V | n | plain fwd ms | rank fwd ms | fwd eff | plain ms | rank ms | eff"

@@ -882,3 +882,56 @@ fn explicit_backward_matches_autograd_run() -> Result<()> {
     expect_error("explicit with cp", &r, 1, "--backward explicit")?;
     Ok(())
 }
+
+#[test]
+fn cp_bench_times_a_rank_and_ends_with_json() -> Result<()> {
+    let r = gdp(&[
+        "cp-bench",
+        "--ranks",
+        "3",
+        "--tokens",
+        "200",
+        "--heads",
+        "2",
+        "--dk",
+        "16",
+        "--dv",
+        "12",
+        "--householder",
+        "2",
+        "--iters",
+        "2",
+        "--warmup",
+        "0",
+    ])?;
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    ensure!(
+        r.status.success(),
+        "cp-bench failed: {}",
+        String::from_utf8_lossy(&r.stderr)
+    );
+    let last = stdout.lines().last().unwrap_or_default();
+    let json: serde_json::Value = serde_json::from_str(last)
+        .map_err(|e| anyhow::anyhow!("last line is not JSON ({e}): {last}"))?;
+    for key in [
+        "plain_ms",
+        "rank_ms",
+        "efficiency",
+        "plain_fwd_ms",
+        "rank_fwd_ms",
+        "fwd_efficiency",
+    ] {
+        let x = json[key].as_f64();
+        ensure!(
+            x.is_some_and(|x| x.is_finite() && x > 0.0),
+            "`{key}` missing or not positive in {last}"
+        );
+    }
+    // The middle rank by default; its shard of 200 tokens over 3 ranks.
+    ensure!(json["rank"] == 1 && json["shard_tokens"] == 67, "{last}");
+    let r = gdp(&["cp-bench", "--ranks", "4", "--rank", "4"])?;
+    expect_error("cp-bench rank", &r, 1, "--rank 4")?;
+    let r = gdp(&["cp-bench", "--ranks", "4", "--tokens", "3"])?;
+    expect_error("cp-bench tokens", &r, 1, "--tokens 3")?;
+    Ok(())
+}

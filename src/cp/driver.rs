@@ -1,12 +1,16 @@
-//! The per-rank driver, run inside the op's forward and backward: prepare the summaries of the
-//! boundary fragments → all-gather → fold the causal slice → apply (`megatron_cp.md` §6).
+//! The per-rank driver, run inside the op's forward and backward (`megatron_cp.md` §6,
+//! `docs/cp.md`):
 //!
 //! * forward: `[ΔS | M]` of the trailing fragment (last local sequence); the preceding ranks'
 //!   summaries fold into the initial state of the first local sequence;
 //! * backward: `[γ | Mᵀ]` of the leading fragment (first local sequence); the following ranks'
 //!   summaries fold into the final-state gradient of the last local sequence.
 //!
-//! Dense input (every batch row spans all ranks) treats every row as both fragments.
+//! Dense input (every batch row spans all ranks) treats every row as both fragments. A rank
+//! runs its scans once, on value columns widened by the transition's `K`: the widened rows are
+//! affine in the state the exchange brings, and are corrected once it is known (on CUDA bf16
+//! in both directions, on the CPU in the forward; the CPU backward computes `γ` in a pass of
+//! its own and sends the forward's `M` transposed).
 
 use super::comm::Communicator;
 use super::protocol::{

@@ -3,12 +3,13 @@
 //!
 //! * [`shard`]: the shard plan and the per-rank metadata of packed sequences;
 //! * [`protocol`]: the summaries `[ΔS | M]`, `[γ | Mᵀ]` and their composition (fold or scan);
-//! * [`driver`]: prepare → all-gather → compose → apply, run inside the op's forward/backward;
+//! * [`driver`]: a rank's pass (widened by the transition's columns) → all-gather → fold →
+//!   correct, run inside the op's forward and backward (`docs/cp.md`);
 //! * [`context`]: [`ContextParallel`] and the per-rank entry points;
 //! * [`comm`]: the [`Communicator`] trait and its transports (in-process threads; NCCL across
 //!   processes with the `nccl` feature), the multi-process rendezvous;
 //! * [`launch`]: the multi-process launcher behind `gdp launch`;
-//! * [`bench`]: one rank timed alone on one device against the plain op (`gdp cp-bench`).
+//! * [`mod@bench`]: one rank timed alone on one device against the plain op (`gdp cp-bench`).
 
 pub mod bench;
 pub mod comm;

@@ -7,7 +7,7 @@ use crate::run::{DTypeArg, DeviceArg};
 use candle_gdp::cp::{rank_alone, RankBenchConfig, RankBenchReport};
 use candle_gdp::SaveIntermediates;
 use clap::{Args, ValueEnum};
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 
 /// What the forward keeps for the backward (`GdpOptions::save_intermediates`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -103,6 +103,7 @@ pub fn cp_bench(a: &CpBenchArgs) -> Result<(), CliError> {
         iters: a.iters,
     };
     let mut err = std::io::stderr().lock();
+    let progress = err.is_terminal();
     let _ = writeln!(
         err,
         "cp-bench: rank {rank} of {} on {}, {} tokens ({} on the rank), H{} K{} V{} n{} {}, \
@@ -120,11 +121,15 @@ pub fn cp_bench(a: &CpBenchArgs) -> Result<(), CliError> {
         a.iters
     );
     let report = rank_alone(&cfg, |i| {
-        let _ = write!(err, "\r  iteration {}/{}", i + 1, a.iters);
-        let _ = err.flush();
+        if progress {
+            let _ = write!(err, "\r  iteration {}/{}", i + 1, a.iters);
+            let _ = err.flush();
+        }
     })
     .map_err(|e| CliError::from_lib(&e))?;
-    let _ = writeln!(err);
+    if progress {
+        let _ = writeln!(err);
+    }
     print_report(&report)
 }
 

@@ -3,8 +3,8 @@
 //! A chunk transition `M` of context parallelism (and the `Q̃` and `Mᵀ` built from it) decays
 //! with the gates and has no inputs to keep it up, so its entries pass through the subnormal
 //! range on their way to zero. On Intel cores every such operand takes a microcode assist: a
-//! CP rank's widened forward on a 16-core Xeon took 4x the plain op (H4, K = V = 64, 4096
-//! tokens; `docs/cp.md`), against 1.3x on an AMD core. Values below `f32::MIN_POSITIVE`
+//! CP rank's forward took 4x the plain op's on a 16-core Xeon (H4, K = V = 64, 4096 tokens;
+//! `docs/cp.md`), 1.5x on an AMD EPYC core, where they cost little. Values below `f32::MIN_POSITIVE`
 //! (1.2e-38) are far under the f32 rounding of the `O(1)` values they are added to, so
 //! flushing them changes no result beyond rounding.
 

@@ -1,11 +1,17 @@
-//! Context parallelism's summaries (`cp::protocol`) on the bf16 chunked kernels: the forward
-//! summary `[ΔS | M]` is the forward scan (`gdp_fwd_scan_bf16_*`) run on the value columns
-//! widened to `[u | 0_K]` from the initial states `[h0 | I_K]`, the backward summary `[γ | Mᵀ]`
-//! the state-gradient scan (`gdp_bwd_dh_bf16_*`) run with `[do | 0_K]` from `[dht | I_K]`. Both
-//! recurrences are separable over value columns, so the `K` extra columns carry the fragment's
-//! transition; the WY factors (which do not depend on the values' width) are computed once for
-//! the real `V`. At small `B·H` the scans are short of blocks, so the extra columns cost little
-//! time; the per-value-tile kernel's summary modes (`backward.rs`), which redo the WY factors in
+//! Context parallelism on the bf16 chunked kernels.
+//!
+//! A rank's forward in one widened pass ([`widened_forward`], [`finish_widened_forward`]): the
+//! forward scan (`gdp_fwd_scan_bf16_*`) on the value columns widened to `[u | 0_K]` from the
+//! initial states `[h0 | I_K]` writes `[o⁰ | Q̃]` and the summary `[ΔS | M]`; after the exchange
+//! `o = o⁰ + Q̃ S_in` ([`super::cp_fix`]). The backward's widened state-gradient scan lives in
+//! `chunked_bwd` (`WidenedDh`). Both recurrences are separable over value columns, so the `K`
+//! extra columns carry the fragment's transition; the WY factors (which do not depend on the
+//! values' width) are computed once for the real `V`. At small `B·H` the scans are short of
+//! blocks, so the extra columns cost little time.
+//!
+//! The summaries alone ([`forward_summaries_bf16`], [`backward_summaries_bf16`]: final states
+//! and initial-state gradients only) serve a rank whose backward takes the packed f32 path;
+//! the per-value-tile kernel's summary modes (`backward.rs`), which redo the WY factors in
 //! every value tile, remain for the shapes and dtypes these kernels do not serve, and under
 //! `GDP_CUDA_SUMMARY=fused` (`chunked` makes a shape these kernels do not serve an error).
 
