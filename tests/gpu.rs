@@ -734,6 +734,10 @@ fn context_parallel_bf16_on_cuda_matches_single_device() -> Result<()> {
         &[2, 4],
     )?;
     bf(
+        &Case::new("bf16 dense n1 K33 V22", 1, 200, 2, 33, 22, 1).seed(71),
+        &[2],
+    )?;
+    bf(
         &Case::new("bf16 packed n3 strong h0", 1, 290, 2, 32, 40, 3)
             .packed(&[0, 5, 140, 141, 290])
             .strong_gates()
@@ -751,6 +755,13 @@ fn context_parallel_bf16_on_cuda_matches_single_device() -> Result<()> {
         (
             Case::new("bf16 plain dense n1 K=V=128", 1, 333, 3, 128, 128, 1).seed(59),
             &[4][..],
+        ),
+        // Odd K (rows of odd width V + K): the correction's element-wise paths.
+        (
+            Case::new("bf16 plain dense n2 K33 V22", 2, 150, 2, 33, 22, 2)
+                .h0()
+                .seed(67),
+            &[3][..],
         ),
         (
             Case::new("bf16 plain packed n2 strong", 1, 290, 2, 48, 32, 2)
