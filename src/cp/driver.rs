@@ -120,26 +120,12 @@ impl CpLink {
     /// (`all`: `[ranks, frags, H, K, V+K]`) into the initial states `h0 [N, H, K, V]` of the
     /// sequences that continue from an earlier rank.
     fn fold_into_initial_states(&self, all: &[f32], frags: usize, sh: &GdpShape, h0: &mut [f32]) {
-        let (h, kv, sl) = (sh.heads, sh.dk * sh.dv, summary_len(sh.dk, sh.dv));
-        let per_rank = frags * h * sl;
         let seqs = self.continuing_in(sh.num_seqs());
-        let folded: Vec<Vec<f32>> = (0..seqs.len() * h)
-            .into_par_iter()
-            .map(|i| {
-                let _flush = FlushSubnormals::new();
-                let (f, hd) = (i / h, i % h);
-                let at = |r: usize| &all[r * per_rank + (f * h + hd) * sl..][..sl];
-                compose_forward(
-                    self.fwd_slice.clone().map(at),
-                    sh.dk,
-                    sh.dv,
-                    self.composition,
-                )
-            })
-            .collect();
+        let folded = self.fold_per_head(all, frags, sh, seqs.len(), true);
+        let kv = sh.dk * sh.dv;
         for (i, s_in) in folded.into_iter().enumerate() {
-            let (s, hd) = (seqs[i / h], i % h);
-            h0[(s * h + hd) * kv..(s * h + hd + 1) * kv].copy_from_slice(&s_in);
+            let at = (seqs[i / sh.heads] * sh.heads + i % sh.heads) * kv;
+            h0[at..at + kv].copy_from_slice(&s_in);
         }
     }
 
@@ -147,30 +133,55 @@ impl CpLink {
     /// summaries to the final-state gradients `dht [N, H, K, V]` of the sequences that continue
     /// on a later rank.
     fn fold_into_final_grads(&self, all: &[f32], frags: usize, sh: &GdpShape, dht: &mut [f32]) {
-        let (h, kv, sl) = (sh.heads, sh.dk * sh.dv, summary_len(sh.dk, sh.dv));
-        let per_rank = frags * h * sl;
         let seqs = self.continuing_out(sh.num_seqs());
-        let folded: Vec<Vec<f32>> = (0..seqs.len() * h)
+        let folded = self.fold_per_head(all, frags, sh, seqs.len(), false);
+        let kv = sh.dk * sh.dv;
+        for (i, ds_out) in folded.into_iter().enumerate() {
+            let at = (seqs[i / sh.heads] * sh.heads + i % sh.heads) * kv;
+            dht[at..at + kv]
+                .iter_mut()
+                .zip(&ds_out)
+                .for_each(|(g, d)| *g += d);
+        }
+    }
+
+    /// The states `[K, V]` that the gathered summaries `all` (`[ranks, frags, H, K, V+K]`) of
+    /// the causal slice carry into each of the first `count` fragments and each head, in
+    /// (fragment, head) order, in parallel: the preceding ranks' (`forward`) or the following
+    /// ranks' (backward).
+    fn fold_per_head(
+        &self,
+        all: &[f32],
+        frags: usize,
+        sh: &GdpShape,
+        count: usize,
+        forward: bool,
+    ) -> Vec<Vec<f32>> {
+        let (h, sl) = (sh.heads, summary_len(sh.dk, sh.dv));
+        let per_rank = frags * h * sl;
+        (0..count * h)
             .into_par_iter()
             .map(|i| {
                 let _flush = FlushSubnormals::new();
                 let (f, hd) = (i / h, i % h);
                 let at = |r: usize| &all[r * per_rank + (f * h + hd) * sl..][..sl];
-                compose_backward(
-                    self.bwd_slice.clone().map(at),
-                    sh.dk,
-                    sh.dv,
-                    self.composition,
-                )
+                if forward {
+                    compose_forward(
+                        self.fwd_slice.clone().map(at),
+                        sh.dk,
+                        sh.dv,
+                        self.composition,
+                    )
+                } else {
+                    compose_backward(
+                        self.bwd_slice.clone().map(at),
+                        sh.dk,
+                        sh.dv,
+                        self.composition,
+                    )
+                }
             })
-            .collect();
-        for (i, ds_out) in folded.into_iter().enumerate() {
-            let st = (seqs[i / h] * h + i % h) * kv;
-            dht[st..st + kv]
-                .iter_mut()
-                .zip(&ds_out)
-                .for_each(|(g, d)| *g += d);
-        }
+            .collect()
     }
 
     /// The initial states this rank's forward folded (what its backward runs from).

@@ -382,7 +382,9 @@ pub fn try_backward_bf16(
     let mut dhs = unsafe { dev.alloc::<bf16>(slots * kv)? };
     let mut ddn = unsafe { dev.alloc::<bf16>(slots * CHUNK * sh.dv)? };
     let dh0_at = aux_len - if has_h0 { s_len } else { 0 };
-    let side = if let Some(fold) = widened {
+    // A context-parallel rank's widened scan (`WidenedDh`) or the plain op's, launched on a side
+    // stream; then the rerun on the device's stream, beside it.
+    let launched = if let Some(fold) = widened {
         if wy_again {
             wy.launch(dev, &inp, &table, sh, scale, None)?;
         }
@@ -399,38 +401,7 @@ pub fn try_backward_bf16(
                 0
             },
         };
-        let dh0 = ctx.run(dev, &mut dhs, &mut ddn, fold, |dev| {
-            if rerun {
-                let dest = ScanDest {
-                    out: ScanOut::None,
-                    states: Some(&mut states),
-                };
-                run_scan(
-                    dev,
-                    &inp,
-                    &table,
-                    &wy,
-                    sh,
-                    has_h0,
-                    h0_override,
-                    &rerun_plan,
-                    dest,
-                    None,
-                )?;
-            }
-            Ok(())
-        })?;
-        if has_h0 {
-            let at = match &out {
-                Grads::Packed(_) => sh.qk_len() + sh.v_len() + dh0_at,
-                Grads::Parts { .. } => dh0_at,
-            };
-            match &mut out {
-                Grads::Packed(p) => super::copy_tensor_into(&dh0, p, at)?,
-                Grads::Parts { daux, .. } => super::copy_tensor_into(&dh0, daux, at)?,
-            }
-        }
-        Side::Joined(dev.cuda_stream())
+        Launched::Widened(ctx.launch(dev)?, fold)
     } else {
         let mut dh0 = match &mut out {
             Grads::Packed(p) => p.slice_mut(sh.qk_len() + sh.v_len() + dh0_at..),
@@ -489,25 +460,41 @@ pub fn try_backward_bf16(
             side.ready(),
             signal,
         )?;
-        if rerun {
-            let dest = ScanDest {
-                out: ScanOut::None,
-                states: Some(&mut states),
-            };
-            run_scan(
-                dev,
-                &inp,
-                &table,
-                &wy,
-                sh,
-                has_h0,
-                h0_override,
-                &rerun_plan,
-                dest,
-                None,
-            )?;
+        Launched::Plain(side)
+    };
+    if rerun {
+        let dest = ScanDest {
+            out: ScanOut::None,
+            states: Some(&mut states),
+        };
+        run_scan(
+            dev,
+            &inp,
+            &table,
+            &wy,
+            sh,
+            has_h0,
+            h0_override,
+            &rerun_plan,
+            dest,
+            None,
+        )?;
+    }
+    let side = match launched {
+        Launched::Plain(side) => side,
+        Launched::Widened(run, fold) => {
+            let dh0 = run.finish(dev, &mut dhs, &mut ddn, fold)?;
+            if has_h0 {
+                match &mut out {
+                    Grads::Packed(p) => {
+                        let at = sh.qk_len() + sh.v_len() + dh0_at;
+                        super::copy_tensor_into(&dh0, p, at)?
+                    }
+                    Grads::Parts { daux, .. } => super::copy_tensor_into(&dh0, daux, dh0_at)?,
+                }
+            }
+            Side::Joined(dev.cuda_stream())
         }
-        side
     };
 
     // 4. Every gradient, per (chunk, head): beside the state-gradient scan where it counts its
@@ -954,23 +941,13 @@ struct WidenedDh<'a> {
     beside_blocks: usize,
 }
 
-impl WidenedDh<'_> {
-    /// Runs the widened scan on a side stream beside `beside` (launched on the device's
-    /// stream), joins, calls `fold` with the scan's `[γ | Mᵀ]` and writes the corrected chunk
-    /// rows into `dhs [slots, K, V]` and `ddn [slots, 64, V]`; returns the initial-state
-    /// gradients f32 `[N, H, K, V]`.
-    fn run(
-        &self,
-        dev: &CudaDevice,
-        dhs: &mut CudaSlice<bf16>,
-        ddn: &mut CudaSlice<bf16>,
-        fold: WidenedFold,
-        beside: impl FnOnce(&CudaDevice) -> Result<()>,
-    ) -> Result<Tensor> {
-        use super::cp_fix::{fix_planned, plan_rows};
-        use super::summary::{chunk_spans, widen_rows, widened_states_dev};
+impl<'a> WidenedDh<'a> {
+    /// Launches the widened scan on a side stream forked from the device's (what runs on the
+    /// device's stream until [`WidenedRun::finish`] runs beside it).
+    fn launch(self, dev: &CudaDevice) -> Result<WidenedRun<'a>> {
+        use super::summary::{widen_rows, widened_states_dev};
         let sh = self.sh;
-        let (ns, h, k, v) = (sh.num_seqs(), sh.heads, sh.dk, sh.dv);
+        let (h, k, v) = (sh.heads, sh.dk, sh.dv);
         let wide = GdpShape {
             dv: v + k,
             ..sh.clone()
@@ -1026,16 +1003,54 @@ impl WidenedDh<'_> {
                 None,
             )?;
         }
-        beside(dev)?;
-        side.join()?;
-        let folded = fold(&dh0w)?;
+        Ok(WidenedRun {
+            sh,
+            chunks: self.table.chunks,
+            side,
+            dhs_w,
+            ddn_w,
+            dh0w,
+            _inputs: (dow, dhtw),
+        })
+    }
+}
+
+/// A launched [`WidenedDh`]: its side stream and widened outputs.
+struct WidenedRun<'a> {
+    sh: &'a GdpShape,
+    chunks: usize,
+    side: SideStream,
+    dhs_w: CudaSlice<bf16>,
+    ddn_w: CudaSlice<bf16>,
+    dh0w: CudaSlice<f32>,
+    /// `[do | 0]` and `[dht | I]`, alive until the scan that reads them is joined.
+    _inputs: (CudaSlice<bf16>, CudaSlice<f32>),
+}
+
+impl WidenedRun<'_> {
+    /// Joins the scan, calls `fold` with its `[γ | Mᵀ]` and writes the corrected chunk rows into
+    /// `dhs [slots, K, V]` and `ddn [slots, 64, V]`; returns the initial-state gradients f32
+    /// `[N, H, K, V]`.
+    fn finish(
+        self,
+        dev: &CudaDevice,
+        dhs: &mut CudaSlice<bf16>,
+        ddn: &mut CudaSlice<bf16>,
+        fold: WidenedFold,
+    ) -> Result<Tensor> {
+        use super::cp_fix::{fix_planned, plan_rows};
+        use super::summary::chunk_spans;
+        let sh = self.sh;
+        let (ns, h, k, v) = (sh.num_seqs(), sh.heads, sh.dk, sh.dv);
+        self.side.join()?;
+        let folded = fold(&self.dh0w)?;
         let (s, fixed) = match &folded {
             Some((s, r)) => (Some(s.slice(..)), r.clone()),
             None => (None, 0..0),
         };
         let spans = chunk_spans(sh);
-        for (dst, src, inner) in [(dhs, &dhs_w, k), (ddn, &ddn_w, CHUNK)] {
-            let rows = plan_rows(&spans, self.table.chunks, fixed.clone(), inner)?;
+        for (dst, src, inner) in [(dhs, &self.dhs_w, k), (ddn, &self.ddn_w, CHUNK)] {
+            let rows = plan_rows(&spans, self.chunks, fixed.clone(), inner)?;
             let src = src.slice(..);
             fix_planned(
                 dev,
@@ -1049,7 +1064,7 @@ impl WidenedDh<'_> {
             )?;
         }
         // The initial-state gradients: γ⁰ + Mᵀ dS for the corrected sequences.
-        let t = super::tensor_of(dev, &dh0w, &[ns, h, k, v + k])?;
+        let t = super::tensor_of(dev, &self.dh0w, &[ns, h, k, v + k])?;
         let dh0 = t.narrow(3, 0, v)?;
         let Some((s, r)) = &folded else {
             return dh0.contiguous();
@@ -1067,4 +1082,11 @@ impl WidenedDh<'_> {
         }
         Tensor::cat(&parts, 0)
     }
+}
+
+/// The state-gradient scan as launched in the split backward: the plain op's, or a
+/// context-parallel rank's widened one with the exchange still to run.
+enum Launched<'a, 'f> {
+    Plain(Side),
+    Widened(WidenedRun<'a>, WidenedFold<'f>),
 }
