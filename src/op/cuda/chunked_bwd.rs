@@ -401,7 +401,7 @@ pub fn try_backward_bf16(
                 0
             },
         };
-        Launched::Widened(ctx.launch(dev)?, fold)
+        Launched::Widened(Box::new(ctx.launch(dev)?), fold)
     } else {
         let mut dh0 = match &mut out {
             Grads::Packed(p) => p.slice_mut(sh.qk_len() + sh.v_len() + dh0_at..),
@@ -1038,7 +1038,7 @@ impl WidenedRun<'_> {
         ddn: &mut CudaSlice<bf16>,
         fold: WidenedFold,
     ) -> Result<Tensor> {
-        use super::cp_fix::{fix_planned, plan_rows};
+        use super::cp_fix::{fix_planned, plan_rows, FixDims};
         use super::summary::chunk_spans;
         let sh = self.sh;
         let (ns, h, k, v) = (sh.num_seqs(), sh.heads, sh.dk, sh.dv);
@@ -1049,19 +1049,15 @@ impl WidenedRun<'_> {
             None => (None, 0..0),
         };
         let spans = chunk_spans(sh);
+        let dims = FixDims {
+            heads: h,
+            dk: k,
+            dv: v,
+        };
         for (dst, src, inner) in [(dhs, &self.dhs_w, k), (ddn, &self.ddn_w, CHUNK)] {
             let rows = plan_rows(&spans, self.chunks, fixed.clone(), inner)?;
             let src = src.slice(..);
-            fix_planned(
-                dev,
-                &src,
-                &mut dst.slice_mut(..),
-                s.as_ref(),
-                h,
-                k,
-                v,
-                &rows,
-            )?;
+            fix_planned(dev, (&src, &mut dst.slice_mut(..)), s.as_ref(), dims, &rows)?;
         }
         // The initial-state gradients: γ⁰ + Mᵀ dS for the corrected sequences.
         let t = super::tensor_of(dev, &self.dh0w, &[ns, h, k, v + k])?;
@@ -1088,5 +1084,5 @@ impl WidenedRun<'_> {
 /// context-parallel rank's widened one with the exchange still to run.
 enum Launched<'a, 'f> {
     Plain(Side),
-    Widened(WidenedRun<'a>, WidenedFold<'f>),
+    Widened(Box<WidenedRun<'a>>, WidenedFold<'f>),
 }

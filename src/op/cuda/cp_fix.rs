@@ -50,18 +50,22 @@ fn smem_bytes(dk: usize) -> usize {
     (kp / 2) * (COLS + 8) * 4
 }
 
-/// `y[row, :V] = x[row, :V] + x[row, V:V+K] · s[seq, h]` over the rows of `rows` and `heads`
-/// heads: `x` rows of width `V + K` (bf16), `y` of width `V`, `s` f32 `[seqs, H, K, V]`; with
-/// `s = None` a plain copy of the first `V` columns.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn fix_rows<T: FixOut>(
+/// The heads and the widths of a correction: rows of `V + K` corrected into rows of `V`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FixDims {
+    pub heads: usize,
+    pub dk: usize,
+    pub dv: usize,
+}
+
+/// `y[row, :V] = x[row, :V] + x[row, V:V+K] · s[seq, h]` over the rows of `rows`: `x` rows of
+/// width `V + K` (bf16), `y` of width `V`, `s` f32 `[seqs, H, K, V]`; with `s = None` a plain
+/// copy of the first `V` columns.
+fn fix_rows<T: FixOut>(
     dev: &CudaDevice,
-    x: &CudaView<bf16>,
-    y: &mut CudaViewMut<T>,
+    (x, y): (&CudaView<bf16>, &mut CudaViewMut<T>),
     s: Option<&CudaView<f32>>,
-    heads: usize,
-    dk: usize,
-    dv: usize,
+    FixDims { heads, dk, dv }: FixDims,
     rows: FixRows,
 ) -> Result<()> {
     let per_seq = rows.outer_per_seq * rows.inner;
@@ -187,21 +191,18 @@ pub(crate) fn plan_rows(
     Ok(out)
 }
 
-/// [`fix_rows`] over every launch of [`plan_rows`]: `s` f32 `[fixed.len(), H, K, V]`.
-#[allow(clippy::too_many_arguments)]
+/// `y = x[.., :V] + x[.., V:] · s` over every launch of [`plan_rows`] (`s` f32
+/// `[fixed.len(), H, K, V]` for its fixed sequences; the others copied).
 pub(crate) fn fix_planned<T: FixOut>(
     dev: &CudaDevice,
-    x: &CudaView<bf16>,
-    y: &mut CudaViewMut<T>,
+    (x, y): (&CudaView<bf16>, &mut CudaViewMut<T>),
     s: Option<&CudaView<f32>>,
-    heads: usize,
-    dk: usize,
-    dv: usize,
+    dims: FixDims,
     plan: &[(FixRows, bool)],
 ) -> Result<()> {
     for &(rows, with_state) in plan {
         let st = if with_state { s } else { None };
-        fix_rows(dev, x, y, st, heads, dk, dv, rows)?;
+        fix_rows(dev, (x, &mut *y), st, dims, rows)?;
     }
     Ok(())
 }

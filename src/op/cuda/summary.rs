@@ -416,8 +416,13 @@ pub(crate) fn finish_widened_forward(
     s_in: Option<&CudaSlice<f32>>,
     plain: bool,
 ) -> Result<candle_core::CudaStorage> {
-    use super::cp_fix::{fix_planned, plan_rows};
+    use super::cp_fix::{fix_planned, plan_rows, FixDims};
     let (h, k, v) = (sh.heads, sh.dk, sh.dv);
+    let dims = FixDims {
+        heads: h,
+        dk: k,
+        dv: v,
+    };
     let fixed = if s_in.is_some() { fixed } else { 0..0 };
     let plan = plan_rows(&token_spans(sh), sh.batch * sh.tokens, fixed.clone(), 1)?;
     let x = wf.o.slice(..);
@@ -425,7 +430,7 @@ pub(crate) fn finish_widened_forward(
     if plain {
         // SAFETY: the planned launches write every token row of o.
         let mut o = unsafe { dev.alloc::<bf16>(sh.o_len().max(1))? };
-        fix_planned(dev, &x, &mut o.slice_mut(..), s.as_ref(), h, k, v, &plan)?;
+        fix_planned(dev, (&x, &mut o.slice_mut(..)), s.as_ref(), dims, &plan)?;
         return Ok(candle_core::CudaStorage::wrap_cuda_slice(o, dev.clone()));
     }
     let (o_len, s_len) = (sh.o_len(), sh.state_len());
@@ -433,12 +438,9 @@ pub(crate) fn finish_widened_forward(
     let mut out = unsafe { dev.alloc::<f32>((o_len + s_len).max(1))? };
     fix_planned(
         dev,
-        &x,
-        &mut out.slice_mut(..o_len),
+        (&x, &mut out.slice_mut(..o_len)),
         s.as_ref(),
-        h,
-        k,
-        v,
+        dims,
         &plan,
     )?;
     // Final states: [ΔS | M] rows read as f32; ΔS + M S for the fixed sequences.
