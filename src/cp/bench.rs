@@ -21,15 +21,23 @@ use crate::op::{gated_delta_product, GdpOptions, SaveIntermediates};
 /// `q, k [.., K = dk]`, `v [.., V = dv]`, `householder` keys per token.
 #[derive(Debug, Clone)]
 pub struct RankBenchConfig {
+    /// Ranks `R` of the group.
     pub ranks: usize,
+    /// The rank timed, below `R`.
     pub rank: usize,
+    /// Tokens `T` of the whole dense sequence (`B = 1`).
     pub tokens: usize,
+    /// Heads `H`.
     pub heads: usize,
+    /// Key head dimension `K`.
     pub dk: usize,
+    /// Value head dimension `V`.
     pub dv: usize,
+    /// Householder keys per token `n`.
     pub householder: usize,
     /// Dtype of `q, k, v, beta` (the gate is f32).
     pub dtype: DType,
+    /// Where the plain op and the rank run.
     pub device: Device,
     /// What the forward keeps for the backward, in both the plain op and the rank.
     pub save_intermediates: SaveIntermediates,
@@ -43,27 +51,43 @@ pub struct RankBenchConfig {
 /// costs what the plain op on its shard costs).
 #[derive(Debug, Clone, Serialize)]
 pub struct RankBenchReport {
+    /// Ranks `R` of the group.
     pub ranks: usize,
+    /// The rank timed.
     pub rank: usize,
+    /// Tokens of the whole sequence.
     pub tokens: usize,
+    /// Tokens of the rank's shard (what the plain op ran on).
     pub shard_tokens: usize,
+    /// Heads `H`.
     pub heads: usize,
+    /// Key head dimension `K`.
     pub dk: usize,
+    /// Value head dimension `V`.
     pub dv: usize,
+    /// Householder keys per token `n`.
     pub householder: usize,
+    /// Dtype of `q, k, v, beta` (`f32`, `bf16`, `f16`).
     pub dtype: String,
+    /// The device, as Candle names its location.
     pub device: String,
+    /// Timed iterations behind each median.
     pub iters: usize,
     /// Plain op on the shard, forward + backward.
     pub plain_ms: f64,
     /// The rank, forward + backward.
     pub rank_ms: f64,
+    /// `plain_ms / rank_ms`.
     pub efficiency: f64,
+    /// Plain op on the shard, forward alone.
     pub plain_fwd_ms: f64,
+    /// The rank, forward alone.
     pub rank_fwd_ms: f64,
+    /// `plain_fwd_ms / rank_fwd_ms`.
     pub fwd_efficiency: f64,
     /// Shard tokens per second of the rank, forward + backward.
     pub rank_tokens_per_s: f64,
+    /// Shard tokens per second of the plain op, forward + backward.
     pub plain_tokens_per_s: f64,
 }
 
