@@ -360,11 +360,27 @@ impl CpLink {
         let saved_m = self.saved_m.lock().map_err(|_| poisoned())?.take();
         let incoming = self.continuing_in(ns);
         let kk = sh.dk * sh.dk;
-        let local: Vec<f32> = pairs(&frags, h)
-            .into_par_iter()
-            .flat_map_iter(|(s, hd)| {
-                if !needed {
-                    return vec![0.0; sl];
+        let h0 = self.saved_initial_states()?;
+        // With a thread for each, one parallel pass runs both kinds of work that need no
+        // exchange: the leading fragments' summaries and every (sequence, head)'s chunk start
+        // states for the backward's reverse pass (its rerun of the forward scan from `h0`),
+        // which then need not wait for the exchange. (With fewer threads the tasks would not
+        // all run at once, and every task's states would be held at once: the reverse pass
+        // reruns them itself then.)
+        let summaries = if needed { pairs(&frags, h) } else { vec![] };
+        let all_pairs = pairs(&(0..ns).collect::<Vec<_>>(), h);
+        let overlap = needed && summaries.len() + all_pairs.len() <= rayon::current_num_threads();
+        let rerun = if overlap { all_pairs } else { vec![] };
+        let jobs: Vec<(bool, (usize, usize))> = summaries
+            .iter()
+            .map(|&p| (true, p))
+            .chain(rerun.into_iter().map(|p| (false, p)))
+            .collect();
+        let mut results: Vec<Vec<f32>> = jobs
+            .par_iter()
+            .map(|&(summary, (s, hd))| {
+                if !summary {
+                    return cpu::head_start_states(x, sh, scale, Some(&h0), (s, hd));
                 }
                 let _flush = FlushSubnormals::new();
                 let m = saved_m
@@ -382,11 +398,17 @@ impl CpLink {
                 backward_summary_with(&x.gather(sh, seq, hd), &d, &dout, ds_end, m)
             })
             .collect();
+        let states = results.split_off(summaries.len());
+        let local = if needed {
+            results.concat()
+        } else {
+            vec![0.0; frags.len() * h * sl]
+        };
         let all = self.gather(local)?;
         let mut grad = grad.to_vec();
         self.fold_into_final_grads(&all, frags.len(), sh, &mut grad[o_len..]);
-        let h0 = self.saved_initial_states()?;
-        let mut out = cpu::backward(x, sh, scale, &grad, Some(&h0));
+        let states = overlap.then_some(states.as_slice());
+        let mut out = cpu::backward_from(x, sh, scale, &grad, Some(&h0), states);
         if x.has_h0 {
             // The initial state of a continuing sequence came from earlier ranks; its gradient
             // travelled there as γ, so the given initial-state row gets none.

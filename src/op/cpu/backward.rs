@@ -92,7 +92,7 @@ impl Scratch {
 /// Runs the forward state scan of one (sequence, head) and returns the state at the start of
 /// every chunk, `[chunks, K, V]`: the only thing kept between the two passes, so memory stays at
 /// `K·V` floats per chunk (as FLA's backward, which recomputes `h`).
-fn chunk_start_states(x: &HeadInputs, d: &Dims, h0: &[f32], wy: &mut ChunkWy) -> Vec<f32> {
+pub fn chunk_start_states(x: &HeadInputs, d: &Dims, h0: &[f32], wy: &mut ChunkWy) -> Vec<f32> {
     let kv = d.dk * d.dv;
     let mut state = h0.to_vec();
     let mut kdec = vec![0.0; CHUNK * d.dk];
@@ -110,6 +110,19 @@ fn chunk_start_states(x: &HeadInputs, d: &Dims, h0: &[f32], wy: &mut ChunkWy) ->
 
 /// Backward of one (sequence, head). `dout [len, V]` is `∂L/∂o`, `dht [K, V]` is `∂L/∂S_T`.
 pub fn backward_head(x: &HeadInputs, d: &Dims, h0: &[f32], dout: &[f32], dht: &[f32]) -> HeadGrads {
+    let hs = chunk_start_states(x, d, h0, &mut ChunkWy::new(d));
+    backward_head_from(x, d, &hs, dout, dht)
+}
+
+/// [`backward_head`] from the chunk start states `hs [chunks, K, V]` of
+/// [`chunk_start_states`] (computed beforehand, e.g. beside other work).
+pub fn backward_head_from(
+    x: &HeadInputs,
+    d: &Dims,
+    hs: &[f32],
+    dout: &[f32],
+    dht: &[f32],
+) -> HeadGrads {
     let (dk, dv, n) = (d.dk, d.dv, d.n);
     let rows = x.rows();
     let len = x.q.len() / dk;
@@ -122,7 +135,6 @@ pub fn backward_head(x: &HeadInputs, d: &Dims, h0: &[f32], dout: &[f32], dht: &[
         dh0: Vec::new(),
     };
     let mut wy = ChunkWy::new(d);
-    let hs = chunk_start_states(x, d, h0, &mut wy);
     let kv = dk * dv;
     let mut delta = vec![0.0; CHUNK * dv];
     let mut ds_state = dht.to_vec();

@@ -161,6 +161,35 @@ pub fn backward<T: WithDType>(
     grad: &[f32],
     h0: Option<&[f32]>,
 ) -> Vec<f32> {
+    backward_from(x, sh, scale, grad, h0, None)
+}
+
+/// The chunk start states `[chunks, K, V]` of (sequence `s`, head `hd`) from its initial state
+/// (`h0` as in [`forward()`]): what [`backward_from`] reruns, to run beside other work.
+pub fn head_start_states<T: WithDType>(
+    x: &PackedInputs<T>,
+    sh: &GdpShape,
+    scale: f32,
+    h0: Option<&[f32]>,
+    (s, hd): (usize, usize),
+) -> Vec<f32> {
+    let _flush = subnormal::FlushSubnormals::new();
+    let d = dims(sh, scale);
+    let inp = x.gather(sh, &sh.seqs[s], hd);
+    let h0s = x.initial_state(sh, h0, s, hd);
+    backward::chunk_start_states(&inp, &d, &h0s, &mut chunk::ChunkWy::new(&d))
+}
+
+/// [`backward()`], with each (sequence, head)'s chunk start states from `states` (in (sequence,
+/// head) order, [`head_start_states`]) instead of a rerun of the forward scan when given.
+pub fn backward_from<T: WithDType>(
+    x: &PackedInputs<T>,
+    sh: &GdpShape,
+    scale: f32,
+    grad: &[f32],
+    h0: Option<&[f32]>,
+    states: Option<&[Vec<f32>]>,
+) -> Vec<f32> {
     let d = dims(sh, scale);
     let (h, k, v, n, tt) = (sh.heads, sh.dk, sh.dv, sh.n, sh.tokens);
     let (qk_len, v_len, th) = (sh.qk_len(), sh.v_len(), sh.token_heads());
@@ -177,14 +206,20 @@ pub fn backward<T: WithDType>(
         let _flush = subnormal::FlushSubnormals::new();
         let seq = &sh.seqs[s];
         let inp = x.gather(sh, seq, hd);
-        let h0s = x.initial_state(sh, h0, s, hd);
         let mut dout = Vec::with_capacity(seq.len * v);
         for t in 0..seq.len {
             let off = ((seq.batch * tt + seq.start + t) * h + hd) * v;
             dout.extend_from_slice(&grad[off..off + v]);
         }
         let st = o_len + (s * h + hd) * k * v;
-        let gr = backward::backward_head(&inp, &d, &h0s, &dout, &grad[st..st + k * v]);
+        let dht = &grad[st..st + k * v];
+        let gr = match states {
+            Some(hs) => backward::backward_head_from(&inp, &d, &hs[s * h + hd], &dout, dht),
+            None => {
+                let h0s = x.initial_state(sh, h0, s, hd);
+                backward::backward_head(&inp, &d, &h0s, &dout, dht)
+            }
+        };
         // SAFETY (all writes below): the rows of token/sub-token (tok, hd) and the state slot
         // (s, hd) belong to this task only, and every offset is inside `out`.
         unsafe {
