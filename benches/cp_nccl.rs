@@ -16,7 +16,8 @@
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_gdp::cp::{
-    cp_gated_delta_product, dense_rank_meta, Communicator, Composition, CpRank, NcclComm, ShardPlan,
+    cp_gated_delta_product, dense_rank_meta, Communicator, Composition, CpRank, DistEnv, NcclComm,
+    ShardPlan, DEFAULT_TIMEOUT,
 };
 use candle_gdp::{gated_delta_product, GdpOptions, SaveIntermediates};
 use clap::Parser;
@@ -144,8 +145,10 @@ fn median(mut xs: Vec<f64>) -> f64 {
 
 fn main() -> Res<()> {
     let a = Args::parse();
-    let dev = NcclComm::local_device()?;
-    let comm = Arc::new(NcclComm::from_env(&dev)?);
+    let env = DistEnv::from_vars(std::env::vars_os())?;
+    let dev = NcclComm::local_device(&env)?;
+    candle_gdp::op::cuda::retain_freed_memory(&dev)?;
+    let comm = Arc::new(NcclComm::from_dist_env(&dev, &env, DEFAULT_TIMEOUT)?);
     let (r, w) = (comm.rank(), comm.world_size());
     let x = inputs(&a, &dev, 1000 + r as u64)?;
     let iters = a.iters.max(1);

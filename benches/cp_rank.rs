@@ -50,6 +50,9 @@ fn main() -> candle_core::Result<()> {
         ),
         other => candle_core::bail!("--device: expected cpu or cuda, got {other}"),
     };
+    // Freed memory stays in CUDA's pool, as in `gdp` (throughput; process-wide for the GPU).
+    #[cfg(feature = "cuda")]
+    candle_gdp::op::cuda::retain_freed_memory(&device)?;
     let mut json = vec![];
     println!(
         "tokens | H | K=V | n | plain fwd ms | rank fwd ms | fwd eff | plain ms | rank ms | eff"
@@ -66,6 +69,7 @@ fn main() -> candle_core::Result<()> {
             dtype,
             device: device.clone(),
             save_intermediates: SaveIntermediates::default(),
+            kernels: Default::default(),
             warmup: 1,
             iters: a.iters,
         };

@@ -12,13 +12,14 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_gdp::op::naive::gated_delta_product_naive;
 use candle_gdp::op::recurrent::gated_delta_product_step;
+use candle_gdp::op::{KernelConfig, KernelPath, TileConfig};
 use candle_gdp::SaveIntermediates::{self, All, Nothing, WyFactors};
 use candle_gdp::{
     gated_delta_product, gated_delta_product_packed, ContextParallel, Cotangents, GdpOptions,
 };
 use common::{
-    inputs, median_ms, rel_rms, run_op_on, run_op_packed_on, run_op_plain_on, run_op_saving_on,
-    run_op_vjp_on, run_reference, Case, Inputs, Results,
+    inputs, median_ms, rel_rms, run_op_configured_on, run_op_on, run_op_packed_on, run_op_plain_on,
+    run_op_saving_on, run_op_vjp_on, run_reference, Case, Inputs, Results,
 };
 
 fn cuda() -> Result<Device> {
@@ -61,6 +62,17 @@ fn cases() -> Vec<Case> {
 /// Runs the op on `dev` with the inputs in `dtype` (gates and h0 in f32); returns `(o, ht)` on
 /// the CPU.
 fn run_on(c: &Case, x: &Inputs, dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
+    run_configured_on(c, x, dtype, dev, KernelConfig::default())
+}
+
+/// [`run_on`] with the CUDA kernel choices `kernels`.
+fn run_configured_on(
+    c: &Case,
+    x: &Inputs,
+    dtype: DType,
+    dev: &Device,
+    kernels: KernelConfig,
+) -> Result<(Tensor, Tensor)> {
     let put = |t: &Tensor, dt: DType| -> Result<Tensor> { Ok(t.to_dtype(dt)?.to_device(dev)?) };
     let (q, k, v) = (put(&x.q, dtype)?, put(&x.k, dtype)?, put(&x.v, dtype)?);
     let (g, beta) = (put(&x.g, DType::F32)?, put(&x.beta, dtype)?);
@@ -72,6 +84,7 @@ fn run_on(c: &Case, x: &Inputs, dtype: DType, dev: &Device) -> Result<(Tensor, T
         initial_state: h0.as_ref(),
         output_final_state: true,
         cu_seqlens: c.cu.as_deref(),
+        kernels,
         ..Default::default()
     };
     let (o, ht) = gated_delta_product(&q, &k, &v, &g, &beta, &opts)?;
@@ -372,11 +385,10 @@ fn overlapped_forward_is_bit_identical_and_matches_f64_reference() -> Result<()>
     // (`src/op/cuda/pipeline.rs`); the recomputing backward runs its state-gradient scan beside
     // its WY kernel the same way. Outputs, final states and (through the saved
     // intermediates, and recomputed) every gradient must be bit-identical to those of the
-    // kernels one after the other (GDP_CUDA_OVERLAP=0; dg and dβ up to the order of float
-    // atomics), and within the bf16 tolerance of the f64 reference; so must the
-    // overlapped launches queued on one stream (GDP_CUDA_STREAMS=1). The small shapes of the
-    // other tests take the overlapped path too. Tests running meanwhile may see the variables:
-    // they then take the other path, which must give their results as well.
+    // kernels one after the other (`KernelConfig::overlap` off; dg and dβ up to the order of
+    // float atomics), and within the bf16 tolerance of the f64 reference; so must the
+    // overlapped launches queued on one stream (`side_streams` off). The small shapes of the
+    // other tests take the overlapped path too.
     let dev = cuda()?;
     let dtype = DType::BF16;
     let c = Case::new("packed n2 long overlapped", 1, 2300, 2, 64, 48, 2)
@@ -386,21 +398,28 @@ fn overlapped_forward_is_bit_identical_and_matches_f64_reference() -> Result<()>
         .seed(31);
     let x = inputs(&c, dtype)?;
     let want = run_reference(&c, &x)?;
-    let run = |var: &str, value: &str| -> Result<_> {
-        std::env::set_var(var, value);
-        let out = (
-            run_on(&c, &x, dtype, &dev),
-            run_op_saving_on(&c, &x, dtype, &dev, false, All),
-            run_op_saving_on(&c, &x, dtype, &dev, true, All),
-            run_op_saving_on(&c, &x, dtype, &dev, false, WyFactors),
-        );
-        std::env::remove_var(var);
-        Ok((out.0?, out.1?, out.2?, out.3?))
+    let run = |kernels: KernelConfig| -> Result<_> {
+        Ok((
+            run_configured_on(&c, &x, dtype, &dev, kernels)?,
+            run_op_configured_on(&c, &x, dtype, &dev, false, All, kernels)?,
+            run_op_configured_on(&c, &x, dtype, &dev, true, All, kernels)?,
+            run_op_configured_on(&c, &x, dtype, &dev, false, WyFactors, kernels)?,
+        ))
     };
-    let (off, off_saved, off_plain, off_wy) = run("GDP_CUDA_OVERLAP", "0")?;
-    for (var, value) in [("GDP_CUDA_OVERLAP", "auto"), ("GDP_CUDA_STREAMS", "1")] {
-        let ((o, ht), saved, plain, wy) = run(var, value)?;
-        let what = format!("{var}={value}");
+    let (off, off_saved, off_plain, off_wy) = run(KernelConfig {
+        overlap: false,
+        ..Default::default()
+    })?;
+    let one_stream = KernelConfig {
+        side_streams: false,
+        ..Default::default()
+    };
+    for (value, kernels) in [
+        ("overlap", KernelConfig::default()),
+        ("one stream", one_stream),
+    ] {
+        let ((o, ht), saved, plain, wy) = run(kernels)?;
+        let what = value.to_string();
         check(&c, &format!("o {value}"), &o, &want.o, 1e-2)?;
         check(&c, &format!("ht {value}"), &ht, &want.ht, 1e-2)?;
         assert_eq!(rel_rms(&o, &off.0)?, 0.0, "o with {what}");
@@ -800,25 +819,26 @@ fn timing_bf16_b4_t4096_h16_k128_v128_n2() -> Result<()> {
     };
     let flops_note = "B4 T4096 H16 K=V=128 n=2 bf16";
     let mut results = vec![];
-    for bv in ["", "64", "32", "16"] {
-        if bv.is_empty() {
-            std::env::remove_var("GDP_CUDA_BV");
-        } else {
-            std::env::set_var("GDP_CUDA_BV", bv);
-        }
+    for bv in [None, Some(64), Some(32), Some(16)] {
+        let forced = GdpOptions {
+            kernels: KernelConfig {
+                forward: KernelPath::Fused,
+                tiles: TileConfig {
+                    fused_forward: bv,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            ..opts.clone()
+        };
         let ms = median_ms(&dev, 3, 20, || {
-            gated_delta_product_packed(&qk, &v, &g, &beta, &opts)?;
+            gated_delta_product_packed(&qk, &v, &g, &beta, &forced)?;
             Ok(())
         })?;
-        let label = if bv.is_empty() {
-            "auto".to_string()
-        } else {
-            format!("BV={bv}")
-        };
-        println!("timing {flops_note}: packed entry, {label}: median {ms:.3} ms");
+        let label = bv.map_or("auto".to_string(), |bv| format!("BV={bv}"));
+        println!("timing {flops_note}: packed entry, fused forward, {label}: median {ms:.3} ms");
         results.push((label, ms));
     }
-    std::env::remove_var("GDP_CUDA_BV");
     let ms = median_ms(&dev, 3, 20, || {
         gated_delta_product(&q, &k, &v, &g, &beta, &opts)?;
         Ok(())
@@ -883,18 +903,13 @@ fn timing_context_parallel_bf16_b1_t32768_h16_k128_v128_n2() -> Result<()> {
     // times is what the protocol costs (summaries, collectives, fold), at this GPU sharing.
     use candle_gdp::cp::{cp_gated_delta_product, dense_rank_meta, CpRank, ShardPlan};
     let (t, h, d, n) = (32768usize, 16usize, 128usize, 2usize);
-    let mut configs = vec![
-        (2usize, "auto", false),
-        (2, "fused", false),
-        (2, "auto", true),
-        (4, "auto", false),
+    let configs = [
+        (2usize, KernelPath::Auto, false),
+        (2, KernelPath::Fused, false),
+        (2, KernelPath::Auto, true),
+        (4, KernelPath::Auto, false),
     ];
-    // `GDP_TIMING_CP=i` runs configuration i alone (for a profiler).
-    if let Ok(i) = std::env::var("GDP_TIMING_CP") {
-        configs = vec![configs[i.trim().parse::<usize>()?]];
-    }
     for (ranks, summaries, save) in configs {
-        std::env::set_var("GDP_CUDA_SUMMARY", summaries);
         let devices = (0..ranks)
             .map(|_| Device::new_cuda(0))
             .collect::<candle_core::Result<Vec<_>>>()?;
@@ -925,6 +940,10 @@ fn timing_context_parallel_bf16_b1_t32768_h16_k128_v128_n2() -> Result<()> {
             };
             let opts = GdpOptions {
                 save_intermediates: save.into(),
+                kernels: KernelConfig {
+                    summaries,
+                    ..Default::default()
+                },
                 ..Default::default()
             };
             // (forward ms on this rank, forward + backward ms until every rank is done)
@@ -964,14 +983,13 @@ fn timing_context_parallel_bf16_b1_t32768_h16_k128_v128_n2() -> Result<()> {
         };
         println!(
             "timing B1 T32768 H16 K=V=128 n=2 bf16, {ranks} ranks of {} tokens on one GPU \
-             (summaries {summaries}, save_intermediates {save}): plain op on every rank fwd \
+             (summaries {summaries:?}, save_intermediates {save}): plain op on every rank fwd \
              {pf:.2} ms, fwd+bwd {plain:.2} ms; context parallel fwd {cf:.2} ms, fwd+bwd \
              {with_cp:.2} ms; ratio {:.2}",
             t / ranks,
             plain / with_cp
         );
     }
-    std::env::remove_var("GDP_CUDA_SUMMARY");
     // The whole-problem wrapper (shards, runs the ranks, gathers on `q`'s device).
     let dev = cuda()?;
     let unit = |rows: usize| -> Result<Tensor> {

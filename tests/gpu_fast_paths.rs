@@ -1,59 +1,45 @@
 //! GPU tests of the fast paths: both bf16 forwards (the two-kernel one, the default where it
-//! fits, and the one-kernel one, `GDP_CUDA_FWD=fused`) and both bf16 backwards (the split one,
-//! the default where it fits, and the per-value-tile one, `GDP_CUDA_BWD=fused`), the op after
+//! fits, and the one-kernel one, `KernelPath::Fused`) and both bf16 backwards (the split one,
+//! the default where it fits, and the per-value-tile one), the op after
 //! `retain_freed_memory`, every value tile of the forward and states-only scans, and the fused
 //! decode step. Feature `cuda`, needs a GPU: `cargo test --release --features cuda --test
-//! gpu_fast_paths`; `--ignored` adds the decode-step bandwidth timing (B64 H16 K=V=128, issue
-//! 5).
+//! gpu_fast_paths`; `--ignored` adds the decode-step bandwidth timing (B64 H16 K=V=128).
 #![cfg(feature = "cuda")]
 
 mod common;
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_gdp::op::recurrent::{gated_delta_product_step, gated_delta_product_step_fused};
+use candle_gdp::op::{KernelConfig, KernelPath, TileConfig};
+use candle_gdp::SaveIntermediates;
 use common::{
-    assert_close, inputs, median_ms, rel_rms, run_op_on, run_reference, step_inputs, Case,
+    assert_close, inputs, median_ms, rel_rms, run_op_configured_on, run_op_on, run_reference,
+    step_inputs, Case,
 };
 
 fn cuda() -> Result<Device> {
     Ok(Device::new_cuda(0)?)
 }
 
-/// Set in the child processes that run the bf16 checks.
-const CHILD: &str = "GDP_FAST_PATH_CHILD";
-
-/// Runs the test `name` of this binary alone in a child process with the environment `env`
-/// (and [`CHILD`] set), prints its output under `what` and asserts that it passed.
-fn run_child(name: &str, env: &[(&str, &str)], what: &str) -> Result<()> {
-    let out = std::process::Command::new(std::env::current_exe()?)
-        .envs(env.iter().copied())
-        .env(CHILD, "1")
-        .args([name, "--exact", "--test-threads", "1", "--nocapture"])
-        .output()?;
-    let log = String::from_utf8_lossy(&out.stdout);
-    println!("{what}\n{log}");
-    assert!(out.status.success(), "{what}:\n{log}");
-    assert!(log.contains("1 passed"), "the child ran no test:\n{log}");
+/// The op under `kernels` (nothing kept between forward and backward) against the f64
+/// reference.
+fn check_configured(c: &Case, dev: &Device, kernels: KernelConfig, what: &str) -> Result<()> {
+    let x = inputs(c, DType::BF16)?;
+    let nothing = SaveIntermediates::Nothing;
+    let got = run_op_configured_on(c, &x, DType::BF16, dev, false, nothing, kernels)
+        .with_context(|| format!("{}: {what}", c.name))?;
+    let want = run_reference(c, &x)?;
+    println!("{}: {what}", c.name);
+    assert_close(c, &got, &want, 1e-2)?;
     Ok(())
 }
 
-/// Both bf16 forwards and both bf16 backwards against the f64 reference. The paths are chosen
-/// per process by `GDP_CUDA_FWD` and `GDP_CUDA_BWD`, so the checks run in a child process of
-/// this binary for each setting: the split kernels where they fit (K256 takes the other
-/// backward), then the one-kernel forward and the per-value-tile backward everywhere.
+/// Both bf16 forwards and both bf16 backwards against the f64 reference: the split kernels
+/// where they fit (K256 takes the other backward), then the one-kernel forward and the
+/// per-value-tile backward everywhere.
 #[test]
 fn bf16_paths_match_f64_reference() -> Result<()> {
-    if std::env::var_os(CHILD).is_none() {
-        for (fwd, bwd) in [("chunked", "auto"), ("fused", "fused")] {
-            run_child(
-                "bf16_paths_match_f64_reference",
-                &[("GDP_CUDA_FWD", fwd), ("GDP_CUDA_BWD", bwd)],
-                &format!("GDP_CUDA_FWD={fwd} GDP_CUDA_BWD={bwd}"),
-            )?;
-        }
-        return Ok(());
-    }
     let dev = cuda()?;
     for c in [
         Case::new("n1 T100 K32 V48 h0", 2, 100, 2, 32, 48, 1).h0(),
@@ -76,38 +62,36 @@ fn bf16_paths_match_f64_reference() -> Result<()> {
             .h0()
             .seed(23),
     ] {
-        let x = inputs(&c, DType::BF16)?;
-        let got = run_op_on(&c, &x, DType::BF16, &dev)?;
-        let want = run_reference(&c, &x)?;
-        assert_close(&c, &got, &want, 1e-2)?;
+        for (fwd, bwd) in [
+            (KernelPath::Chunked, KernelPath::Auto),
+            (KernelPath::Fused, KernelPath::Fused),
+        ] {
+            let kernels = KernelConfig {
+                forward: fwd,
+                backward: bwd,
+                ..Default::default()
+            };
+            check_configured(
+                &c,
+                &dev,
+                kernels,
+                &format!("forward {fwd:?}, backward {bwd:?}"),
+            )?;
+        }
     }
     Ok(())
 }
 
-/// Every value tile of the forward scan (`GDP_CUDA_SCAN_BV`: three stages where they fit, as
-/// at BV 32 and K = 128, else two), of the backward's states-only rerun (`GDP_CUDA_STATES_BV`,
-/// `gdp_fwd_states_bf16_*`) and of its state-gradient scan (`GDP_CUDA_DH_BV`), the last two
-/// also at 128 columns: the tile rule picks one from the SM count and B·H, and the small shapes
-/// of the other tests take BV = 16. Each forced tile runs in a child process of this binary, so
-/// that no other test sees the variable (a forced tile is an error where it does not exist,
-/// e.g. BV 64 at K = 256), and every output and gradient is checked against the f64 reference.
+/// Every value tile of the forward scan (`TileConfig::forward_scan`: three stages where they
+/// fit, as at BV 32 and K = 128, else two), of the backward's states-only rerun
+/// (`states_scan`, `gdp_fwd_states_bf16_*`) and of its state-gradient scan (`dh_scan`), the last
+/// two also at 128 columns: the tile rule picks one from the SM count and B·H, and the small
+/// shapes of the other tests take BV = 16. Every output and gradient is checked against the f64
+/// reference.
 #[test]
 fn every_scan_tile_matches_f64_reference() -> Result<()> {
-    if std::env::var_os(CHILD).is_none() {
-        for (var, tiles) in [
-            ("GDP_CUDA_SCAN_BV", &["16", "32", "64"][..]),
-            ("GDP_CUDA_STATES_BV", &["16", "32", "64", "128"][..]),
-            ("GDP_CUDA_DH_BV", &["16", "32", "64", "128"][..]),
-        ] {
-            for &bv in tiles {
-                let name = "every_scan_tile_matches_f64_reference";
-                run_child(name, &[(var, bv)], &format!("{var}={bv}"))?;
-            }
-        }
-        return Ok(());
-    }
     let dev = cuda()?;
-    for c in [
+    let cases = [
         Case::new("n2 T333 K128 V128 h0", 1, 333, 2, 128, 128, 2)
             .h0()
             .seed(41),
@@ -117,12 +101,59 @@ fn every_scan_tile_matches_f64_reference() -> Result<()> {
             .h0()
             .seed(43),
         Case::new("n1 T200 K64 V80", 2, 200, 1, 64, 80, 1).seed(47),
-    ] {
-        let x = inputs(&c, DType::BF16)?;
-        let got = run_op_on(&c, &x, DType::BF16, &dev)?;
-        let want = run_reference(&c, &x)?;
-        assert_close(&c, &got, &want, 1e-2)?;
+    ];
+    let kernels = |tiles: TileConfig| KernelConfig {
+        tiles,
+        ..Default::default()
+    };
+    let mut forced = vec![];
+    for bv in [16, 32, 64] {
+        let tiles = TileConfig {
+            forward_scan: Some(bv),
+            ..Default::default()
+        };
+        forced.push((format!("tiles.forward_scan = {bv}"), kernels(tiles)));
     }
+    for bv in [16, 32, 64, 128] {
+        let states = TileConfig {
+            states_scan: Some(bv),
+            ..Default::default()
+        };
+        let dh = TileConfig {
+            dh_scan: Some(bv),
+            ..Default::default()
+        };
+        forced.push((format!("tiles.states_scan = {bv}"), kernels(states)));
+        forced.push((format!("tiles.dh_scan = {bv}"), kernels(dh)));
+    }
+    for (what, kernels) in forced {
+        for c in &cases {
+            check_configured(c, &dev, kernels, &what)?;
+        }
+    }
+    Ok(())
+}
+
+/// A forced tile that has no kernel at the shape is an error that names it, not a fallback.
+#[test]
+fn a_forced_tile_that_does_not_exist_is_an_error() -> Result<()> {
+    let dev = cuda()?;
+    let c = Case::new("K256 V256 n2", 1, 80, 1, 256, 256, 2).seed(23);
+    let x = inputs(&c, DType::BF16)?;
+    let kernels = KernelConfig {
+        forward: KernelPath::Chunked,
+        tiles: TileConfig {
+            forward_scan: Some(64),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let nothing = SaveIntermediates::Nothing;
+    let e = run_op_configured_on(&c, &x, DType::BF16, &dev, false, nothing, kernels)
+        .err()
+        .context("BV 64 at K = 256 must be refused")?;
+    let msg = format!("{e:#}");
+    assert!(msg.contains("tiles.forward_scan"), "{msg}");
     Ok(())
 }
 

@@ -17,7 +17,7 @@ fn rendezvous_worker() {
     let Ok(scenario) = std::env::var(WORKER) else {
         return;
     };
-    let env = DistEnv::from_env().expect("launcher environment");
+    let env = DistEnv::from_vars(std::env::vars_os()).expect("launcher environment");
     let r = env.rank;
     let rdv = Rendezvous::establish(
         r,

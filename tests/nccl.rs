@@ -17,7 +17,9 @@ use anyhow::{ensure, Context as _, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_gdp::cp::comm::DistEnv;
 use candle_gdp::cp::launch::{launch, LaunchConfig};
-use candle_gdp::cp::{distributed_gated_delta_product, Communicator, Composition, NcclComm};
+use candle_gdp::cp::{
+    distributed_gated_delta_product, Communicator, Composition, NcclComm, DEFAULT_TIMEOUT,
+};
 use candle_gdp::{Cotangents, GdpOptions};
 use common::{inputs, rel_rms, run_op_on, Case, Inputs};
 use std::sync::Arc;
@@ -87,10 +89,11 @@ fn nccl_worker() -> Result<()> {
     if std::env::var_os(WORKER).is_none() {
         return Ok(());
     }
-    let env = DistEnv::from_env()?;
+    let env = DistEnv::from_vars(std::env::vars_os())?;
     let (r, w) = (env.rank, env.world_size);
     let dev = Device::new_cuda(env.local_rank)?;
-    let comm = Arc::new(NcclComm::from_env(&dev).context("NcclComm::from_env")?);
+    let comm = NcclComm::from_dist_env(&dev, &env, DEFAULT_TIMEOUT).context("NcclComm")?;
+    let comm = Arc::new(comm);
     ensure!(comm.rank() == r && comm.world_size() == w);
     collectives(&comm, &dev).context("collectives")?;
     for c in cases() {
@@ -273,10 +276,12 @@ fn cp_case(comm: &Arc<NcclComm>, dev: &Device, c: &Case) -> Result<()> {
 fn failures(env: &DistEnv, dev: &Device) -> Result<()> {
     let (r, w) = (env.rank, env.world_size);
     // A non-CUDA device is refused.
-    let e = NcclComm::from_env(&Device::Cpu).unwrap_err().to_string();
+    let e = NcclComm::from_dist_env(&Device::Cpu, env, DEFAULT_TIMEOUT)
+        .unwrap_err()
+        .to_string();
     ensure!(e.contains("CUDA device"), "{e}");
     if w == 1 {
-        let comm = NcclComm::from_env(dev)?;
+        let comm = NcclComm::from_dist_env(dev, env, DEFAULT_TIMEOUT)?;
         comm.abort("on purpose");
         let e = comm.all_gather(&[1.0]).unwrap_err().to_string();
         ensure!(e.contains("on purpose") && e.contains("rank 0"), "{e}");
@@ -284,7 +289,7 @@ fn failures(env: &DistEnv, dev: &Device) -> Result<()> {
         return Ok(());
     }
     // Abort: rank 1 gives up while the others wait in an all-gather.
-    let comm = NcclComm::from_env(dev)?;
+    let comm = NcclComm::from_dist_env(dev, env, DEFAULT_TIMEOUT)?;
     comm.barrier()?;
     let t0 = Instant::now();
     if r == 1 {
@@ -304,7 +309,7 @@ fn failures(env: &DistEnv, dev: &Device) -> Result<()> {
     }
     drop(comm);
     // Timeout: rank 0 waits alone for 2 s; the others come late and fail at once.
-    let comm = NcclComm::from_env_with_timeout(dev, Duration::from_secs(2))?;
+    let comm = NcclComm::from_dist_env(dev, env, Duration::from_secs(2))?;
     comm.barrier()?;
     let t0 = Instant::now();
     if r == 0 {

@@ -24,6 +24,8 @@ mod demo;
 mod error;
 #[path = "gdp/input.rs"]
 mod input;
+#[path = "gdp/kernels.rs"]
+mod kernels;
 #[path = "gdp/launch.rs"]
 mod launch;
 #[path = "gdp/run.rs"]

@@ -41,6 +41,8 @@ pub struct RankBenchConfig {
     pub device: Device,
     /// What the forward keeps for the backward, in both the plain op and the rank.
     pub save_intermediates: SaveIntermediates,
+    /// CUDA kernel choices of the plain op and the rank alike.
+    pub kernels: crate::op::KernelConfig,
     /// Untimed iterations first.
     pub warmup: usize,
     /// Timed iterations (medians reported).
@@ -127,6 +129,7 @@ fn shard_inputs(c: &RankBenchConfig, t: usize) -> Result<Shard> {
 fn step(x: &Shard, c: &RankBenchConfig, rank: Option<&CpRank>) -> Result<(f64, f64)> {
     let opts = GdpOptions {
         save_intermediates: c.save_intermediates,
+        kernels: c.kernels,
         ..Default::default()
     };
     let t0 = Instant::now();

@@ -365,6 +365,7 @@ impl<'a> Problem<'a> {
             // The rank's forward keeps its intermediates (of the folded initial states) for its
             // backward when asked to, as the plain op does.
             save_intermediates: opts.save_intermediates,
+            kernels: opts.kernels,
         };
         let rank = CpRank {
             comm,

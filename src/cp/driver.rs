@@ -21,6 +21,9 @@ use crate::op::cpu::chunk::Dims;
 use crate::op::cpu::linalg::{matmul, MatRef};
 use crate::op::cpu::subnormal::FlushSubnormals;
 use crate::op::cpu::{self, PackedInputs};
+#[cfg(feature = "cuda")]
+use crate::op::link::CudaCall;
+use crate::op::link::{CpuInputs, RankLink};
 use crate::op::shape::GdpShape;
 use candle_core::{Result, WithDType};
 use rayon::prelude::*;
@@ -549,24 +552,27 @@ fn poisoned() -> candle_core::Error {
 impl CpLink {
     /// The forward on this rank, like [`CpLink::forward`], on CUDA storages (with `plain`, `o`
     /// alone in the inputs' dtype, as [`cuda::forward`](crate::op::cuda::forward)); with a
-    /// `cache` slot the bf16 chunked forward keeps its intermediates for
-    /// [`CpLink::backward_cuda`] (they are of the folded initial states, which the backward
+    /// `cache` slot the bf16 chunked forward keeps its intermediates for the backward (they are of the folded initial states, which the backward
     /// uses too).
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_cuda(
+    fn forward_cuda_impl(
         &self,
         qk: CudaIn,
         v: CudaIn,
         aux: CudaIn,
-        sh: &GdpShape,
-        scale: f32,
-        has_h0: bool,
-        plain: bool,
+        call: &CudaCall,
         cache: Option<&crate::op::cuda::CacheSlot>,
     ) -> Result<candle_core::CudaStorage> {
         use crate::op::cuda;
         use candle_core::backend::BackendStorage;
-        if let Some(out) = self.forward_cuda_widened(qk, v, aux, sh, scale, has_h0, plain, cache)? {
+        let CudaCall {
+            shape: sh,
+            scale,
+            has_h0,
+            plain,
+            kernels: cfg,
+        } = *call;
+        let widened = self.forward_cuda_widened(qk, v, aux, call, cache)?;
+        if let Some(out) = widened {
             return Ok(out);
         }
         let dev = qk.0.device().clone();
@@ -589,7 +595,7 @@ impl CpLink {
         let local = if self.bwd_slice.is_empty() {
             vec![0.0; frags.len() * h * sl]
         } else {
-            cuda::forward_summaries(qk, v, aux, sh, scale, has_h0, &frags, &h0)?
+            cuda::forward_summaries(qk, v, aux, sh, scale, has_h0, &frags, &h0, cfg)?
         };
         let all = self.gather(local)?;
         self.fold_into_initial_states(&all, frags.len(), sh, &mut h0);
@@ -604,6 +610,7 @@ impl CpLink {
             Some(&h0_dev),
             plain,
             cache,
+            cfg,
         )?;
         *self.saved_h0.lock().map_err(|_| poisoned())? = Some(SavedStates::Host(h0));
         Ok(out)
@@ -613,20 +620,23 @@ impl CpLink {
     /// `[o⁰ | Q̃]` and `[ΔS | M]` from one scan), the summaries gathered and folded on the
     /// device, and the output corrected as `o = o⁰ + Q̃ S_in`; `Ok(None)` where the bf16
     /// chunked kernels do not serve (then nothing was exchanged).
-    #[allow(clippy::too_many_arguments)]
     fn forward_cuda_widened(
         &self,
         qk: CudaIn,
         v: CudaIn,
         aux: CudaIn,
-        sh: &GdpShape,
-        scale: f32,
-        has_h0: bool,
-        plain: bool,
+        call: &CudaCall,
         cache: Option<&crate::op::cuda::CacheSlot>,
     ) -> Result<Option<candle_core::CudaStorage>> {
         use crate::op::cuda;
         use candle_core::backend::BackendStorage;
+        let CudaCall {
+            shape: sh,
+            scale,
+            has_h0,
+            plain,
+            kernels: cfg,
+        } = *call;
         let dev = qk.0.device().clone();
         let (ns, h, k, v_dim) = (sh.num_seqs(), sh.heads, sh.dk, sh.dv);
         let kv = k * v_dim;
@@ -644,7 +654,8 @@ impl CpLink {
                 .memset_zeros(&mut part)
                 .map_err(candle_core::Error::wrap)?;
         }
-        let Some(wf) = cuda::widened_forward(qk, v, aux, sh, scale, has_h0, &h0, cache)? else {
+        let Some(wf) = cuda::widened_forward(qk, v, aux, sh, scale, has_h0, &h0, cache, cfg)?
+        else {
             return Ok(None);
         };
         let fin = cuda::tensor_of(&dev, &wf.fin, &[ns, h, k, v_dim + k])?;
@@ -684,16 +695,15 @@ impl CpLink {
 
     /// The backward on this rank, like [`CpLink::backward`], on CUDA storages `(qk, v, aux,
     /// grad)`; `grad` is `[do | dht]`; `cache`, what [`CpLink::forward_cuda`] kept.
-    pub fn backward_cuda(
+    fn backward_cuda_impl(
         &self,
         (qk, v, aux, grad): (CudaIn, CudaIn, CudaIn, CudaIn),
-        sh: &GdpShape,
-        scale: f32,
-        has_h0: bool,
+        call: &CudaCall,
         cache: Option<crate::op::cuda::ForwardCache>,
     ) -> Result<candle_core::CudaStorage> {
         use crate::op::cuda;
         use candle_core::backend::BackendStorage;
+        let (sh, scale, has_h0, cfg) = (call.shape, call.scale, call.has_h0, call.kernels);
         let dev = qk.0.device().clone();
         let (h, sl, ns) = (sh.heads, summary_len(sh.dk, sh.dv), sh.num_seqs());
         let frags = self.fragments(ns, false);
@@ -701,7 +711,7 @@ impl CpLink {
         let local = if self.fwd_slice.is_empty() {
             vec![0.0; frags.len() * h * sl]
         } else {
-            cuda::backward_summaries(qk, v, aux, grad, sh, scale, has_h0, &frags, &dht)?
+            cuda::backward_summaries(qk, v, aux, grad, sh, scale, has_h0, &frags, &dht, cfg)?
         };
         let o = self.cuda_overrides(local, frags.len(), dht, sh, has_h0, &dev)?;
         let cuda::CpFinalGrads::Folded(dht) = &o.dht else {
@@ -719,7 +729,64 @@ impl CpLink {
             Some(dht),
             &o.zero_dh0,
             cache,
+            cfg,
         )
+    }
+}
+
+impl RankLink for CpLink {
+    fn forward_cpu(&self, x: CpuInputs<'_>, sh: &GdpShape, scale: f32) -> Result<Vec<f32>> {
+        match x {
+            CpuInputs::F32(x) => self.forward(x, sh, scale),
+            CpuInputs::F64(x) => self.forward(x, sh, scale),
+            CpuInputs::Bf16(x) => self.forward(x, sh, scale),
+            CpuInputs::F16(x) => self.forward(x, sh, scale),
+        }
+    }
+
+    fn backward_cpu(
+        &self,
+        x: CpuInputs<'_>,
+        sh: &GdpShape,
+        scale: f32,
+        grad: &[f32],
+    ) -> Result<Vec<f32>> {
+        match x {
+            CpuInputs::F32(x) => self.backward(x, sh, scale, grad),
+            CpuInputs::F64(x) => self.backward(x, sh, scale, grad),
+            CpuInputs::Bf16(x) => self.backward(x, sh, scale, grad),
+            CpuInputs::F16(x) => self.backward(x, sh, scale, grad),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn forward_cuda(
+        &self,
+        (qk, v, aux): (CudaIn, CudaIn, CudaIn),
+        call: &CudaCall,
+        cache: Option<&crate::op::cuda::CacheSlot>,
+    ) -> Result<candle_core::CudaStorage> {
+        self.forward_cuda_impl(qk, v, aux, call, cache)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn backward_cuda(
+        &self,
+        ins: (CudaIn, CudaIn, CudaIn, CudaIn),
+        call: &CudaCall,
+        cache: Option<crate::op::cuda::ForwardCache>,
+    ) -> Result<candle_core::CudaStorage> {
+        self.backward_cuda_impl(ins, call, cache)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn backward_overrides_cuda<'a>(
+        &'a self,
+        dev: &candle_core::CudaDevice,
+        sh: &GdpShape,
+        has_h0: bool,
+    ) -> Result<crate::op::cuda::CpOverrides<'a>> {
+        self.backward_overrides_cuda_impl(dev, sh, has_h0)
     }
 }
 
@@ -733,7 +800,7 @@ impl CpLink {
     /// all-gathered and the following ranks' folded on the device into the final-state
     /// gradients of the sequences that continue on a later rank. The caller checked
     /// [`crate::op::cuda::backward_summaries_served`].
-    pub(crate) fn backward_overrides_cuda<'a>(
+    fn backward_overrides_cuda_impl<'a>(
         &'a self,
         dev: &candle_core::CudaDevice,
         sh: &GdpShape,

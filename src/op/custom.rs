@@ -8,9 +8,9 @@
 //! kernels (`docs/perf.md`).
 
 use super::cpu;
+use super::link::{CpuInputs, RankLink};
 use super::shape::GdpShape;
 use super::QueryKeys;
-use crate::cp::driver::CpLink;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use std::sync::{Arc, Mutex};
@@ -22,10 +22,13 @@ pub(crate) struct GdpForward {
     pub scale: f32,
     pub has_h0: bool,
     /// Context parallelism: this rank's link to its group (`None` for the plain op).
-    pub cp: Option<Arc<CpLink>>,
+    pub cp: Option<Arc<dyn RankLink>>,
     /// The output is the packed f32 `[o | final state]`; otherwise `o` alone in the inputs'
     /// dtype.
     pub with_final_state: bool,
+    /// CUDA kernel choices ([`crate::GdpOptions::kernels`]).
+    #[cfg(feature = "cuda")]
+    pub kernels: super::KernelConfig,
     /// Where the CUDA forward keeps its intermediates for the backward
     /// ([`crate::GdpOptions::save_intermediates`]).
     #[cfg(feature = "cuda")]
@@ -120,6 +123,18 @@ impl GdpForward {
         Ok((dqk, dv, daux))
     }
 
+    /// What a rank's link is told about a CUDA call.
+    #[cfg(feature = "cuda")]
+    fn cuda_call(&self) -> super::link::CudaCall<'_> {
+        super::link::CudaCall {
+            shape: &self.shape,
+            scale: self.scale,
+            has_h0: self.has_h0,
+            plain: !self.with_final_state,
+            kernels: &self.kernels,
+        }
+    }
+
     /// The CUDA forward on the queries and keys `qk` (packed, or FLA's `q`, `k` read in place),
     /// `v` and the gate buffer.
     #[cfg(feature = "cuda")]
@@ -134,11 +149,12 @@ impl GdpForward {
         let out = match (&self.cp, qk) {
             (None, qk) => {
                 let cache = self.cache.as_deref();
-                super::cuda::forward(qk, v, aux, sh, scale, has_h0, None, plain, cache)?
+                let cfg = &self.kernels;
+                super::cuda::forward(qk, v, aux, sh, scale, has_h0, None, plain, cache, cfg)?
             }
             (Some(link), super::cuda::QkIn::Packed(qk)) => {
-                let cache = self.cache.as_deref();
-                link.forward_cuda(qk, v, aux, sh, scale, has_h0, plain, cache)?
+                let call = self.cuda_call();
+                link.forward_cuda((qk, v, aux), &call, self.cache.as_deref())?
             }
             (Some(_), super::cuda::QkIn::Split(..)) => {
                 candle_core::bail!("gdp: context parallelism runs on the packed `qk`")
@@ -163,7 +179,7 @@ impl GdpForward {
         let grad = grad_res.contiguous()?;
         let cp = match &self.cp {
             None => None,
-            Some(link) => match self.cp_overrides(link, qk, v)? {
+            Some(link) => match self.cp_overrides(link.as_ref(), qk, v)? {
                 Some(o) => Some(o),
                 None => return Ok(None),
             },
@@ -171,7 +187,17 @@ impl GdpForward {
         let cache = self.cache.as_ref().and_then(|c| c.take());
         let has_h0 = self.has_h0;
         let out = super::cuda::try_backward_tensors(
-            qk, v, aux, &grad, sh, scale, has_h0, plain, cache, cp,
+            qk,
+            v,
+            aux,
+            &grad,
+            sh,
+            scale,
+            has_h0,
+            plain,
+            cache,
+            cp,
+            &self.kernels,
         )?;
         let cp_ran = self.cp.is_some();
         if cp_ran && out.is_none() {
@@ -189,7 +215,7 @@ impl GdpForward {
     #[cfg(feature = "cuda")]
     fn cp_overrides<'a>(
         &self,
-        link: &'a CpLink,
+        link: &'a dyn RankLink,
         qk: QueryKeys,
         v: &Tensor,
     ) -> Result<Option<super::cuda::CpOverrides<'a>>> {
@@ -203,8 +229,8 @@ impl GdpForward {
         };
         if qk.dtype() != DType::BF16
             || v.dtype() != DType::BF16
-            || !split_backward_fits(dev, sh)?
-            || !backward_summaries_served(dev, sh)?
+            || !split_backward_fits(dev, sh, &self.kernels)?
+            || !backward_summaries_served(dev, sh, &self.kernels)?
         {
             return Ok(None);
         }
@@ -272,7 +298,7 @@ impl CustomOp3 for GdpForward {
             let x = self.packed::<T>((s1, l1), (s2, l2), (s3, l3))?;
             let out = match &self.cp {
                 None => cpu::forward(&x, &self.shape, self.scale, None),
-                Some(link) => link.forward(&x, &self.shape, self.scale)?,
+                Some(link) => link.forward_cpu(CpuInputs::from(&x), &self.shape, self.scale)?,
             };
             if self.with_final_state {
                 CpuStorage::F32(out)
@@ -333,7 +359,7 @@ impl CustomOp3 for GdpBackward {
             let (sh, scale) = (&self.fwd.shape, self.fwd.scale);
             match &self.fwd.cp {
                 None => cpu::backward(&x, sh, scale, grad, None),
-                Some(link) => link.backward(&x, sh, scale, grad)?,
+                Some(link) => link.backward_cpu(CpuInputs::from(&x), sh, scale, grad)?,
             }
         });
         let n = out.len();
@@ -370,11 +396,12 @@ impl CustomOp3 for GdpBackward {
                 None,
                 &[],
                 None,
+                &self.fwd.kernels,
             )?,
             Some(link) => {
                 let cache = self.fwd.cache.as_ref().and_then(|c| c.take());
                 let ins = ((s1, l1), (s2, l2), (s3, l3), (grad, gl));
-                link.backward_cuda(ins, sh, scale, has_h0, cache)?
+                link.backward_cuda(ins, &self.fwd.cuda_call(), cache)?
             }
         };
         Ok((out, Shape::from(super::cuda::backward_len(sh, has_h0))))
@@ -409,7 +436,8 @@ impl GdpForwardSplit {
     pub fn new(op: GdpForward, q: &Tensor, k: &Tensor, v: Tensor, aux: Tensor) -> Result<Self> {
         let pack = super::pack::PackQk::of(&op.shape);
         #[cfg(feature = "cuda")]
-        let in_place = op.cp.is_none() && super::cuda::reads_qk_in_place(q, &op.shape)?;
+        let in_place =
+            op.cp.is_none() && super::cuda::reads_qk_in_place(q, &op.shape, &op.kernels)?;
         #[cfg(not(feature = "cuda"))]
         let in_place = false;
         let qk = if in_place {

@@ -2,11 +2,12 @@
 //! split into `naive` (the readable f64 specification), `chunk` kernels (training, in
 //! [`cpu`]) and [`recurrent`] (one decode step).
 
+pub mod config;
 pub mod cpu;
-// CUDA kernels (feature `cuda`; owned by the CUDA kernel work).
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod custom;
+pub(crate) mod link;
 pub mod naive;
 pub(crate) mod pack;
 pub mod recurrent;
@@ -15,6 +16,7 @@ pub mod vjp;
 
 use crate::error::GdpError;
 use candle_core::{DType, Device, Result, Tensor};
+pub use config::{KernelConfig, KernelPath, TileConfig};
 use custom::GdpForward;
 use shape::{validate_cu_seqlens, GdpShape};
 pub use vjp::{gated_delta_product_vjp, GdpGrads, GdpVjp};
@@ -36,9 +38,10 @@ pub struct GdpOptions<'a> {
     /// What the chunked forward keeps for the backward instead of recomputing it there (bf16 on
     /// CUDA with the split backward, context-parallel ranks included; ignored elsewhere, and
     /// when no input tracks gradients): see [`SaveIntermediates`]. The op's backward frees
-    /// what was kept; it lives as long as the output's graph until then. `GDP_CUDA_SAVE=0` /
-    /// `wy` / `1` overrides it (nothing / the WY factors / all).
+    /// what was kept; it lives as long as the output's graph until then.
     pub save_intermediates: SaveIntermediates,
+    /// CUDA kernel choices and tiles (automatic by default; ignored on the CPU).
+    pub kernels: KernelConfig,
 }
 
 /// What the chunked bf16 CUDA forward keeps for its backward
@@ -155,7 +158,7 @@ pub(crate) fn apply(
     beta: &Tensor,
     sh: GdpShape,
     opts: &GdpOptions,
-    cp: Option<std::sync::Arc<crate::cp::driver::CpLink>>,
+    cp: Option<std::sync::Arc<dyn link::RankLink>>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let aux = gate_buffer(g, beta, opts.initial_state)?;
     let tracked = match qk {
@@ -199,14 +202,14 @@ pub(crate) fn gate_buffer(g: &Tensor, beta: &Tensor, h0: Option<&Tensor>) -> Res
 pub(crate) fn forward_op(
     sh: GdpShape,
     opts: &GdpOptions,
-    cp: Option<std::sync::Arc<crate::cp::driver::CpLink>>,
+    cp: Option<std::sync::Arc<dyn link::RankLink>>,
     tracked: bool,
     device: &Device,
 ) -> Result<GdpForward> {
     let scale = opts.scale.unwrap_or((sh.dk as f64).powf(-0.5)) as f32;
     #[cfg(feature = "cuda")]
     let cache = {
-        let keep = save_intermediates(opts.save_intermediates)?;
+        let keep = opts.save_intermediates;
         (keep != SaveIntermediates::Nothing && tracked && device.is_cuda())
             .then(|| std::sync::Arc::new(cuda::CacheSlot::new(keep == SaveIntermediates::All)))
     };
@@ -218,6 +221,8 @@ pub(crate) fn forward_op(
         has_h0: opts.initial_state.is_some(),
         cp,
         with_final_state: opts.output_final_state,
+        #[cfg(feature = "cuda")]
+        kernels: opts.kernels,
         #[cfg(feature = "cuda")]
         cache,
     })
@@ -240,26 +245,6 @@ pub(crate) fn split_output(
     let o = out.narrow(0, 0, o_len)?.reshape(o_shape)?.to_dtype(dtype)?;
     let ht = out.narrow(0, o_len, s_len)?.reshape(s_shape)?;
     Ok((o, Some(ht)))
-}
-
-/// What the CUDA forward keeps: [`GdpOptions::save_intermediates`] under the `GDP_CUDA_SAVE`
-/// override (`0`: nothing, `wy`: the WY factors, `1`: all).
-#[cfg(feature = "cuda")]
-fn save_intermediates(option: SaveIntermediates) -> Result<SaveIntermediates> {
-    match std::env::var("GDP_CUDA_SAVE") {
-        Err(_) => Ok(option),
-        Ok(v) => match v.trim() {
-            "" => Ok(option),
-            "0" => Ok(SaveIntermediates::Nothing),
-            "wy" => Ok(SaveIntermediates::WyFactors),
-            "1" => Ok(SaveIntermediates::All),
-            other => Err(GdpError::Option {
-                name: "GDP_CUDA_SAVE".into(),
-                reason: format!("must be `0`, `wy` or `1`, got {other:?}"),
-            }
-            .into()),
-        },
-    }
 }
 
 /// Checks the FLA-layout inputs and returns the problem geometry.

@@ -5,6 +5,7 @@
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_gdp::op::naive::{gated_delta_product_naive, gated_delta_product_naive_backward};
+use candle_gdp::op::KernelConfig;
 use candle_gdp::{gated_delta_product, ContextParallel, Cotangents, GdpOptions, SaveIntermediates};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -205,6 +206,7 @@ struct OpVars {
     beta: Var,
     h0: Option<Var>,
     save_intermediates: SaveIntermediates,
+    kernels: KernelConfig,
     /// Through [`candle_gdp::gated_delta_product_packed`] on `q`, `k` concatenated by Candle.
     packed: bool,
 }
@@ -222,6 +224,7 @@ impl OpVars {
             beta: var(&x.beta, dtype)?,
             h0: x.h0.as_ref().map(|h| var(h, DType::F32)).transpose()?,
             save_intermediates: SaveIntermediates::Nothing,
+            kernels: KernelConfig::default(),
             packed: false,
         })
     }
@@ -232,6 +235,7 @@ impl OpVars {
             output_final_state: final_state,
             cu_seqlens: c.cu.as_deref(),
             save_intermediates: self.save_intermediates,
+            kernels: self.kernels,
             ..Default::default()
         };
         if self.packed {
@@ -297,8 +301,22 @@ pub fn run_op_saving_on(
     plain: bool,
     what: SaveIntermediates,
 ) -> Result<Results> {
+    run_op_configured_on(c, x, dtype, dev, plain, what, KernelConfig::default())
+}
+
+/// [`run_op_saving_on`] with the CUDA kernel choices `kernels`.
+pub fn run_op_configured_on(
+    c: &Case,
+    x: &Inputs,
+    dtype: DType,
+    dev: &Device,
+    plain: bool,
+    what: SaveIntermediates,
+    kernels: KernelConfig,
+) -> Result<Results> {
     let mut vars = OpVars::new(x, dtype, dev)?;
     vars.save_intermediates = what;
+    vars.kernels = kernels;
     if plain {
         run_vars_plain(c, x, vars, dtype, dev)
     } else {

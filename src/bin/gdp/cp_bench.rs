@@ -3,29 +3,11 @@
 //! line.
 
 use crate::error::CliError;
+use crate::kernels::KernelArgs;
 use crate::run::{DTypeArg, DeviceArg};
 use candle_gdp::cp::{rank_alone, RankBenchConfig, RankBenchReport};
-use candle_gdp::SaveIntermediates;
-use clap::{Args, ValueEnum};
+use clap::Args;
 use std::io::{IsTerminal, Write};
-
-/// What the forward keeps for the backward (`GdpOptions::save_intermediates`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum SaveArg {
-    Nothing,
-    Wy,
-    All,
-}
-
-impl From<SaveArg> for SaveIntermediates {
-    fn from(s: SaveArg) -> Self {
-        match s {
-            SaveArg::Nothing => Self::Nothing,
-            SaveArg::Wy => Self::WyFactors,
-            SaveArg::All => Self::All,
-        }
-    }
-}
 
 fn count(lo: u64, hi: u64) -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::<usize>::new().range(lo..=hi)
@@ -62,9 +44,9 @@ pub struct CpBenchArgs {
     /// Device: cpu or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = DeviceArg::parse)]
     pub device: DeviceArg,
-    /// What the forward keeps for the backward.
-    #[arg(long, value_enum, default_value_t = SaveArg::Wy)]
-    pub save: SaveArg,
+    /// Kernel choices (CUDA) and what the forward keeps.
+    #[command(flatten)]
+    pub kernels: KernelArgs,
     /// Timed iterations (medians reported).
     #[arg(long, default_value_t = 5, value_parser = count(1, 10_000))]
     pub iters: usize,
@@ -88,6 +70,8 @@ pub fn cp_bench(a: &CpBenchArgs) -> Result<(), CliError> {
             a.tokens, a.ranks
         )));
     }
+    let device = a.device.open()?;
+    a.kernels.prepare(&device)?;
     let cfg = RankBenchConfig {
         ranks: a.ranks,
         rank,
@@ -97,8 +81,9 @@ pub fn cp_bench(a: &CpBenchArgs) -> Result<(), CliError> {
         dv: a.dv,
         householder: a.householder,
         dtype: a.dtype.dtype(),
-        device: a.device.open()?,
-        save_intermediates: a.save.into(),
+        device,
+        save_intermediates: a.kernels.save(),
+        kernels: a.kernels.config(),
         warmup: a.warmup,
         iters: a.iters,
     };

@@ -252,6 +252,7 @@ fn rate(tokens: usize, ms: f64) -> String {
 /// Runs `gdp demo`: prints the table, fails if an error exceeds the dtype's tolerance.
 pub fn demo(args: &DemoArgs) -> Result<(), CliError> {
     let device = args.device.open()?;
+    crate::kernels::retain_pool(&device)?;
     let tc = args.tokens.min(CHECK_TOKENS);
     let cut = |f: f64| ((tc as f64 * f) as usize).clamp(0, tc);
     let cu = [0, cut(0.2), cut(0.2), cut(0.65), tc];

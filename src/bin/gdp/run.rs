@@ -15,11 +15,13 @@
 
 use crate::error::CliError;
 use crate::input::LoadedInput;
+use crate::kernels::KernelArgs;
 use candle_core::{DType, Device, Tensor, Var};
 #[cfg(feature = "nccl")]
 use candle_gdp::cp::{Communicator, Composition};
 use candle_gdp::cp::{CpOutput, ShardPlan};
-use candle_gdp::{gated_delta_product, ContextParallel, Cotangents, GdpOptions};
+use candle_gdp::op::KernelConfig;
+use candle_gdp::{gated_delta_product, ContextParallel, Cotangents, GdpOptions, SaveIntermediates};
 use clap::{Args, ValueEnum};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -165,6 +167,9 @@ pub struct RunArgs {
     /// gathered outputs. Needs a CUDA `--device` (its index is replaced by LOCAL_RANK).
     #[arg(long)]
     pub distributed: bool,
+    /// Kernel choices (CUDA) and what the forward keeps.
+    #[command(flatten)]
+    pub kernels: KernelArgs,
 }
 
 /// Timings in milliseconds: medians, or means with `--timing events`.
@@ -208,6 +213,8 @@ pub struct Prepared<'a> {
     cu_seqlens: Option<&'a [usize]>,
     scale: Option<f64>,
     backward: BackwardArg,
+    kernels: KernelConfig,
+    save: SaveIntermediates,
 }
 
 impl<'a> Prepared<'a> {
@@ -242,7 +249,18 @@ impl<'a> Prepared<'a> {
             cu_seqlens: x.cu_seqlens.as_deref(),
             scale,
             backward: BackwardArg::Autograd,
+            kernels: KernelConfig::default(),
+            save: SaveIntermediates::default(),
         })
+    }
+
+    /// The same, with the kernel choices and the save level of `k`.
+    pub fn with_kernels(self, k: &KernelArgs) -> Self {
+        Self {
+            kernels: k.config(),
+            save: k.save(),
+            ..self
+        }
     }
 
     /// The same, with the gradients computed by `backward`.
@@ -256,6 +274,8 @@ impl<'a> Prepared<'a> {
             initial_state: self.h0.as_ref().map(|v| v.as_tensor()),
             output_final_state: final_state,
             cu_seqlens: self.cu_seqlens,
+            kernels: self.kernels,
+            save_intermediates: self.save,
             ..Default::default()
         }
     }
@@ -419,6 +439,8 @@ struct CpPrepared<'a> {
     dht: Option<Tensor>,
     cu_seqlens: Option<&'a [usize]>,
     scale: Option<f64>,
+    kernels: KernelConfig,
+    save: SaveIntermediates,
 }
 
 /// Checks that `r` ranks can shard `x` before any device is opened (the library checks it
@@ -443,8 +465,12 @@ impl<'a> CpPrepared<'a> {
         check_plan(x, r)?;
         // Every `Device::new_cuda` call is a distinct Candle device: one per rank.
         let devices = (0..r)
-            .map(|_| args.device.open())
-            .collect::<Result<Vec<_>, _>>()?;
+            .map(|_| {
+                let d = args.device.open()?;
+                args.kernels.prepare(&d)?;
+                Ok(d)
+            })
+            .collect::<Result<Vec<_>, CliError>>()?;
         let cp = ContextParallel::new(devices).map_err(|e| CliError::from_lib(&e))?;
         Self::new(x, args, CpExec::InProcess(cp))
     }
@@ -497,6 +523,8 @@ impl<'a> CpPrepared<'a> {
             dht,
             cu_seqlens: x.cu_seqlens.as_deref(),
             scale: args.scale,
+            kernels: args.kernels.config(),
+            save: args.kernels.save(),
         })
     }
 
@@ -507,6 +535,8 @@ impl<'a> CpPrepared<'a> {
             initial_state: self.h0.as_ref(),
             output_final_state: true,
             cu_seqlens: self.cu_seqlens,
+            kernels: self.kernels,
+            save_intermediates: self.save,
             ..Default::default()
         };
         let cotangents = match (grads, &self.dout) {
@@ -695,8 +725,10 @@ pub fn run(args: &RunArgs, input: &LoadedInput) -> Result<RunOutput, CliError> {
         return run_cp(args, input);
     }
     let device = args.device.open()?;
-    let p =
-        Prepared::new(input, args.dtype.dtype(), &device, args.scale)?.with_backward(args.backward);
+    args.kernels.prepare(&device)?;
+    let p = Prepared::new(input, args.dtype.dtype(), &device, args.scale)?
+        .with_backward(args.backward)
+        .with_kernels(&args.kernels);
     let with_grads = input.wants_grads();
     let (tensors, timings) = match args.repeat {
         None if with_grads => (with_final_state(&p, p.forward_backward()?)?, None),
@@ -806,7 +838,7 @@ pub fn check_distributed(args: &RunArgs) -> Result<(), CliError> {
             args.cp_size
         )));
     }
-    candle_gdp::cp::DistEnv::from_env()
+    candle_gdp::cp::DistEnv::from_vars(std::env::vars_os())
         .map(|_| ())
         .map_err(|e| CliError::new(format!("--distributed: {}", CliError::from_lib(&e))))
 }
@@ -821,10 +853,12 @@ pub fn run_distributed(args: &RunArgs, input: &LoadedInput) -> Result<Option<Run
     #[cfg(feature = "nccl")]
     {
         let lib = |e: candle_core::Error| CliError::from_lib(&e);
-        let env = candle_gdp::cp::DistEnv::from_env().map_err(lib)?;
+        let env = candle_gdp::cp::DistEnv::from_vars(std::env::vars_os()).map_err(lib)?;
         check_plan(input, env.world_size)?;
         let device = DeviceArg::Cuda(env.local_rank).open()?;
-        let comm = candle_gdp::cp::NcclComm::from_env(&device).map_err(lib)?;
+        args.kernels.prepare(&device)?;
+        let timeout = candle_gdp::cp::DEFAULT_TIMEOUT;
+        let comm = candle_gdp::cp::NcclComm::from_dist_env(&device, &env, timeout).map_err(lib)?;
         let exec = CpExec::Distributed {
             comm: std::sync::Arc::new(comm),
             device,

@@ -1,7 +1,7 @@
 //! NCCL transport (feature `nccl`): one process per GPU, collectives on the GPU, through
 //! cudarc's NCCL bindings as re-exported by candle-core.
 //!
-//! Setup ([`NcclComm::from_env`]): the torchrun environment gives rank, world size and GPU
+//! Setup ([`NcclComm::from_dist_env`]): the launcher's environment gives rank, world size and GPU
 //! ([`DistEnv`]); the [`Rendezvous`] broadcasts rank 0's NCCL unique id over TCP and stays open
 //! as the health channel; every rank then creates its NCCL communicator in **non-blocking** mode
 //! (`ncclCommInitRankConfig` with `blocking = 0`), so that no NCCL call can block the host
@@ -36,7 +36,7 @@ use candle_core::cuda_backend::cudarc::nccl::{safe::Id, sys};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
 
-use super::rendezvous::{timeout_from_env, DistEnv, Rendezvous, RendezvousAddr};
+use super::rendezvous::{DistEnv, Rendezvous, RendezvousAddr};
 use super::{host_f32, Collective, Communicator, DEFAULT_TIMEOUT};
 use crate::error::{GdpError, Result};
 
@@ -203,24 +203,16 @@ impl Backoff {
 }
 
 impl NcclComm {
-    /// Rank, world size and rendezvous from the torchrun environment ([`DistEnv`]: `RANK`,
-    /// `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`); the timeout from `GDP_COMM_TIMEOUT_S`
-    /// (seconds), else [`DEFAULT_TIMEOUT`]. `device` should be `cuda:LOCAL_RANK`
-    /// ([`NcclComm::local_device`]).
-    pub fn from_env(device: &Device) -> Result<Self> {
-        Self::from_env_with_timeout(device, timeout_from_env()?)
-    }
-
-    /// [`NcclComm::from_env`] with an explicit timeout for the rendezvous, the NCCL setup and
-    /// every collective.
-    pub fn from_env_with_timeout(device: &Device, timeout: Duration) -> Result<Self> {
-        let env = DistEnv::from_env()?;
+    /// Rank, world size and rendezvous from the launcher's environment `env`
+    /// (`DistEnv::from_vars(std::env::vars_os())` under `gdp launch` or torchrun), with
+    /// `timeout` for the rendezvous, the NCCL setup and every collective ([`DEFAULT_TIMEOUT`]
+    /// is the usual one). `device` should be `cuda:LOCAL_RANK` ([`NcclComm::local_device`]).
+    pub fn from_dist_env(device: &Device, env: &DistEnv, timeout: Duration) -> Result<Self> {
         Self::new_with_timeout(device, env.rank, env.world_size, &env.master, timeout)
     }
 
-    /// Opens `cuda:LOCAL_RANK`, this process's GPU under `gdp launch` (or torchrun).
-    pub fn local_device() -> Result<Device> {
-        let env = DistEnv::from_env()?;
+    /// Opens `cuda:LOCAL_RANK` of `env`, this process's GPU under `gdp launch` (or torchrun).
+    pub fn local_device(env: &DistEnv) -> Result<Device> {
         Device::new_cuda(env.local_rank).map_err(|e| {
             comm_err(format!(
                 "rank {}: cannot open cuda:{} (LOCAL_RANK): {e}",

@@ -28,12 +28,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::DEFAULT_TIMEOUT;
 use crate::error::{GdpError, Result};
-
-/// Environment variable that overrides the communicator timeout, in seconds (a positive number,
-/// fractions allowed).
-pub const TIMEOUT_ENV: &str = "GDP_COMM_TIMEOUT_S";
 
 const LAUNCH_HINT: &str = "start the processes with `gdp launch --nproc R -- ...` (or torchrun), \
                            which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT";
@@ -92,14 +87,15 @@ fn env_err(var: &str, reason: impl Into<String>) -> candle_core::Error {
 
 impl DistEnv {
     /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` (optional), `MASTER_ADDR`
-    /// and `MASTER_PORT`. A missing or malformed variable is a [`GdpError::Env`] naming it and
-    /// the value it had.
-    pub fn from_env() -> Result<Self> {
-        Self::from_lookup(|k| std::env::var_os(k))
+    /// and `MASTER_PORT` from `vars`, the environment that `gdp launch` (or torchrun) gave the
+    /// process: pass `std::env::vars_os()`. The library itself reads no environment variable.
+    /// A missing or malformed variable is a [`GdpError::Env`] naming it and the value it had.
+    pub fn from_vars(vars: impl IntoIterator<Item = (OsString, OsString)>) -> Result<Self> {
+        let vars: std::collections::HashMap<OsString, OsString> = vars.into_iter().collect();
+        Self::from_lookup(|k| vars.get(std::ffi::OsStr::new(k)).cloned())
     }
 
-    /// [`DistEnv::from_env`] with the variables taken from `get` instead of the process
-    /// environment.
+    /// [`DistEnv::from_vars`] with each variable looked up through `get`.
     pub fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Result<Self> {
         let text = |var: &str| -> Result<Option<String>> {
             match get(var) {
@@ -185,30 +181,6 @@ impl DistEnv {
             master: RendezvousAddr { host, port },
         })
     }
-}
-
-/// The communicator timeout: `GDP_COMM_TIMEOUT_S` (seconds) when set, else [`DEFAULT_TIMEOUT`].
-pub fn timeout_from_env() -> Result<Duration> {
-    timeout_from_lookup(|k| std::env::var_os(k))
-}
-
-/// [`timeout_from_env`] with the variable taken from `get`.
-pub fn timeout_from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Result<Duration> {
-    let Some(v) = get(TIMEOUT_ENV) else {
-        return Ok(DEFAULT_TIMEOUT);
-    };
-    let s = v.to_string_lossy();
-    s.trim()
-        .parse::<f64>()
-        .ok()
-        .filter(|x| x.is_finite() && *x > 0.0 && *x < 1e9)
-        .map(Duration::from_secs_f64)
-        .ok_or_else(|| {
-            env_err(
-                TIMEOUT_ENV,
-                format!("expected a positive number of seconds, got `{s}`"),
-            )
-        })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -883,21 +855,6 @@ mod tests {
                 .local_world_size,
             None
         );
-    }
-
-    #[test]
-    fn timeout_from_variable() {
-        assert_eq!(timeout_from_lookup(lookup(&[])).unwrap(), DEFAULT_TIMEOUT);
-        assert_eq!(
-            timeout_from_lookup(lookup(&[(TIMEOUT_ENV, "2.5")])).unwrap(),
-            Duration::from_millis(2500)
-        );
-        for bad in ["0", "-1", "soon", "inf"] {
-            let e = timeout_from_lookup(lookup(&[(TIMEOUT_ENV, bad)]))
-                .unwrap_err()
-                .to_string();
-            assert!(e.contains(TIMEOUT_ENV) && e.contains(bad), "{e}");
-        }
     }
 
     fn local(port: u16) -> RendezvousAddr {

@@ -6,6 +6,7 @@
 
 use super::launch::{allow_smem, check_states, device_attr, shape_i32, to_i32, view, THREADS};
 use super::module::load_kernel;
+use crate::op::config::KernelConfig;
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
@@ -48,7 +49,7 @@ pub struct BwdPlan {
 
 impl BwdPlan {
     /// Picks the value tile for `rows` (entry, head) pairs over `width` state columns:
-    /// `GDP_CUDA_BWD_BV` when set, else the widest fitting tile that still gives at least
+    /// `forced` when set, else the widest fitting tile that still gives at least
     /// `sms / 2` blocks (else the narrowest fitting tile of at least 16 columns).
     pub fn new(
         dk: usize,
@@ -57,18 +58,16 @@ impl BwdPlan {
         elem: usize,
         max_smem: usize,
         sms: usize,
+        forced: Option<usize>,
     ) -> Result<Self> {
         let cap = width.next_power_of_two().clamp(8, 64);
         let fits = |bv: usize| bwd_smem_bytes(dk, bv, elem) <= max_smem;
         let blocks = |bv: usize| rows * width.div_ceil(bv);
-        let forced = std::env::var("GDP_CUDA_BWD_BV")
-            .ok()
-            .and_then(|s| s.trim().parse::<usize>().ok());
         let bv = match forced {
             Some(bv) => {
                 if !BV_CANDIDATES.contains(&bv) || !fits(bv) {
                     candle_core::bail!(
-                        "gdp cuda: GDP_CUDA_BWD_BV={bv} must be one of {BV_CANDIDATES:?} and fit \
+                        "gdp cuda: KernelConfig::tiles.fused_backward = {bv} must be one of {BV_CANDIDATES:?} and fit \
                          in {max_smem} bytes of shared memory (needs {})",
                         bwd_smem_bytes(dk, bv, elem)
                     );
@@ -158,6 +157,8 @@ struct Launch<'a> {
     grad: Option<In<'a>>,
     /// Replaces the `dht` part of `grad`.
     dht: Option<&'a CudaSlice<f32>>,
+    /// The value tile forced by [`KernelConfig`]'s `tiles.fused_backward`.
+    forced_bv: Option<usize>,
 }
 
 impl Launch<'_> {
@@ -229,6 +230,7 @@ impl Launch<'_> {
             std::mem::size_of::<T>(),
             max_smem,
             sms,
+            self.forced_bv,
         )?;
         let table = dev.clone_htod(&table)?;
         // Chunk start states [chunks, H, K, V] (FULL only); every element the kernel reads it
@@ -306,7 +308,7 @@ pub fn backward_len(sh: &GdpShape, has_h0: bool) -> usize {
 
 /// Backward on CUDA: `grad` is the f32 `[do (B·T·H·V) | dht (N·H·K·V)]`; returns the packed f32
 /// `[dqk | dv | dg | dbeta | dh0?]` of [`crate::op::cpu::backward`]. bf16 inputs take the
-/// split backward of `chunked_bwd.rs` where it fits (`GDP_CUDA_BWD`), everything else the
+/// split backward of `chunked_bwd.rs` where it fits (`KernelConfig::backward`), everything else the
 /// per-value-tile kernel `gdp_bwd_*`. `h0_override` replaces the
 /// initial states and `dht_override` the `dht` part of `grad` (context parallelism); the
 /// initial-state gradients of the sequences in `zero_dh0` are set to zero. `cache`, what the
@@ -325,9 +327,9 @@ pub fn backward(
     dht_override: Option<&CudaSlice<f32>>,
     zero_dh0: &[usize],
     cache: Option<super::chunked::ForwardCache>,
+    cfg: &KernelConfig,
 ) -> Result<CudaStorage> {
     let dev = check_inputs(qk, v, aux, Some(grad))?;
-    super::memory::default_pool_policy(&dev)?;
     let total = backward_len(sh, has_h0);
     let split = if qk.0.dtype() == DType::BF16 {
         use super::chunked::QkIn;
@@ -348,6 +350,7 @@ pub fn backward(
             layout,
             cache,
             None,
+            cfg,
         )? {
             Some(Grads::Packed(out)) => Some(out),
             Some(Grads::Parts { .. }) => candle_core::bail!("gdp cuda: packed gradients expected"),
@@ -370,6 +373,7 @@ pub fn backward(
                 h0: h0_override,
                 grad: Some(grad),
                 dht: dht_override,
+                forced_bv: cfg.tiles.fused_backward,
             }
             .run(qk, v, aux, &mut out)?;
             out
@@ -400,6 +404,7 @@ pub fn forward_summaries(
     has_h0: bool,
     frags: &[usize],
     h0: &[f32],
+    cfg: &KernelConfig,
 ) -> Result<Vec<f32>> {
     if frags.is_empty() {
         return Ok(vec![]);
@@ -413,7 +418,7 @@ pub fn forward_summaries(
         );
     }
     if let Some(s) =
-        super::summary::forward_summaries_bf16(qk, v, aux, sh, scale, has_h0, frags, h0)?
+        super::summary::forward_summaries_bf16(qk, v, aux, sh, scale, has_h0, frags, h0, cfg)?
     {
         return Ok(s);
     }
@@ -429,6 +434,7 @@ pub fn forward_summaries(
         MODE_FWD_SUM,
         Some(&h0),
         None,
+        cfg.tiles.fused_backward,
     )
 }
 
@@ -447,6 +453,7 @@ pub fn backward_summaries(
     has_h0: bool,
     frags: &[usize],
     dht: &[f32],
+    cfg: &KernelConfig,
 ) -> Result<Vec<f32>> {
     if frags.is_empty() {
         return Ok(vec![]);
@@ -460,9 +467,9 @@ pub fn backward_summaries(
         );
     }
     let cot = super::chunked_bwd::Cotangent::Packed(grad);
-    if let Some(s) =
-        super::summary::backward_summaries_bf16(qk, v, aux, cot, sh, scale, has_h0, frags, dht)?
-    {
+    if let Some(s) = super::summary::backward_summaries_bf16(
+        qk, v, aux, cot, sh, scale, has_h0, frags, dht, cfg,
+    )? {
         return Ok(s);
     }
     summaries(
@@ -476,6 +483,7 @@ pub fn backward_summaries(
         MODE_BWD_SUM,
         None,
         Some(grad),
+        cfg.tiles.fused_backward,
     )
 }
 
@@ -491,6 +499,7 @@ fn summaries(
     mode: i32,
     h0: Option<&CudaSlice<f32>>,
     grad: Option<In>,
+    forced_bv: Option<usize>,
 ) -> Result<Vec<f32>> {
     let len = frags.len() * sh.heads * sh.dk * (sh.dv + sh.dk);
     if len == 0 {
@@ -507,6 +516,7 @@ fn summaries(
         h0,
         grad,
         dht: None,
+        forced_bv,
     }
     .run(qk, v, aux, &mut out)?;
     dev.clone_dtoh(&out)

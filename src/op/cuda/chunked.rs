@@ -4,8 +4,8 @@
 //! with cp.async while the current one computes). The one-kernel forward of `launch.rs`
 //! recomputes the V-independent WY factors in every value tile and keeps them on the sequential
 //! path; this split takes them off it. It is the bf16 default wherever its shared memory fits
-//! (K up to 128 for every n, K = 256 for n >= 2 on an H200); `GDP_CUDA_FWD=fused` forces the
-//! one-kernel forward, `GDP_CUDA_FWD=chunked` this one (an error where it does not fit). The
+//! (K up to 128 for every n, K = 256 for n >= 2 on an H200); `KernelConfig::forward` forces the
+//! one-kernel forward (`Fused`) or this one (`Chunked`, an error where it does not fit). The
 //! bf16 backward (`chunked_bwd.rs`) reruns the WY kernel and the scan without its output
 //! ([`STATES_SCAN`]) to get each chunk's start state and Delta. Timings in `docs/perf.md`.
 
@@ -13,6 +13,7 @@ use super::backward::In;
 use super::launch::{allow_smem, check_states, device_attr, shape_i32, to_i32, view};
 use super::module::load_kernel;
 use super::pipeline::{wy_then_scan, Pipeline};
+use crate::op::config::{KernelConfig, KernelPath, TileConfig};
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -25,31 +26,6 @@ use std::sync::Arc;
 
 /// Threads per block of the WY kernel (`GDPC_THREADS`).
 const THREADS: u32 = 128;
-
-/// Which implementation an environment variable (`GDP_CUDA_FWD`, `GDP_CUDA_BWD`) asks for:
-/// `fused` (the one-kernel path), `chunked` (the split kernels, an error where they do not
-/// fit), or unset / `auto`: the split kernels where they fit.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Choice {
-    Auto,
-    Fused,
-    Chunked,
-}
-
-/// The setting of `var` (`GDP_CUDA_FWD` or `GDP_CUDA_BWD`).
-pub fn choice(var: &str) -> Result<Choice> {
-    match std::env::var(var) {
-        Err(_) => Ok(Choice::Auto),
-        Ok(v) => match v.trim() {
-            "" | "auto" => Ok(Choice::Auto),
-            "fused" => Ok(Choice::Fused),
-            "chunked" => Ok(Choice::Chunked),
-            other => candle_core::bail!(
-                "gdp cuda: {var} must be `fused`, `chunked` or `auto`, got {other:?}"
-            ),
-        },
-    }
-}
 
 /// f32 row stride of the inverse's tiles (`GDP_INV_LD`).
 const INV_LD: usize = 68;
@@ -103,7 +79,7 @@ pub(super) struct ScanPlan {
 
 /// What a scan kernel family needs to be planned: its kernel-name prefix (`<prefix>_<BV>_<KPT>`),
 /// its shared memory `(kpt, query rows, bv, stages) -> bytes`, the largest key tile it exists
-/// for, the environment variable that forces its value tile, whether it stages query rows
+/// for, its value tile in [`TileConfig`] (forced when set), whether it stages query rows
 /// (`query_rows(n)` of them, else none), the most stage buffers worth giving it, and whether
 /// it has kernels of 128 value columns (for K <= 128), planned only for two scans side by side
 /// ([`scan_pair_plan`]) or when forced.
@@ -111,7 +87,8 @@ pub(super) struct ScanKind {
     pub prefix: &'static str,
     pub smem: fn(usize, usize, usize, usize) -> usize,
     pub max_kpt: usize,
-    pub env: &'static str,
+    pub tile: fn(&TileConfig) -> Option<usize>,
+    pub tile_name: &'static str,
     pub queries: bool,
     pub max_stages: usize,
     pub wide: bool,
@@ -122,7 +99,8 @@ pub(super) const FWD_SCAN: ScanKind = ScanKind {
     prefix: "gdp_fwd_scan_bf16",
     smem: scan_smem_bytes,
     max_kpt: 256,
-    env: "GDP_CUDA_SCAN_BV",
+    tile: |t| t.forward_scan,
+    tile_name: "tiles.forward_scan",
     queries: true,
     max_stages: 3,
     wide: false,
@@ -138,14 +116,15 @@ pub(super) const STATES_SCAN: ScanKind = ScanKind {
     prefix: "gdp_fwd_states_bf16",
     smem: scan_smem_bytes,
     max_kpt: 256,
-    env: "GDP_CUDA_STATES_BV",
+    tile: |t| t.states_scan,
+    tile_name: "tiles.states_scan",
     queries: false,
     max_stages: 2,
     wide: true,
 };
 
-/// Picks a scan's value tile: `kind.env` (16, 32 or 64, or 128 for a [`ScanKind::wide`] kind
-/// at K <= 128) when set; else the widest of 64, 32 and 16 that still gives about one block per
+/// Picks a scan's value tile: the one `tiles` forces for `kind` (16, 32 or 64, or 128 for a
+/// [`ScanKind::wide`] kind at K <= 128) when set; else the widest of 64, 32 and 16 that still gives about one block per
 /// two multiprocessors, or 16. Fewer, wider blocks stage each chunk's W, K and Q fewer times,
 /// and a scan's chunk step is latency-bound: at B1 T32768 H16 (H200, `docs/perf.md` v9) 64
 /// blocks of BV = 32 (eight warps) took 2.85 / 2.86 / 3.30 ms for the forward scan, its rerun
@@ -159,11 +138,12 @@ pub(super) fn scan_plan(
     sh: &GdpShape,
     max_smem: usize,
     sms: usize,
+    forced: &TileConfig,
 ) -> Result<Option<ScanPlan>> {
     let Some(tiles) = ScanTiles::new(kind, sh, max_smem) else {
         return Ok(None);
     };
-    if let Some(bv) = forced_tile(kind, sh, &tiles, max_smem)? {
+    if let Some(bv) = forced_tile(kind, sh, &tiles, max_smem, forced)? {
         return Ok(Some(tiles.plan(bv)));
     }
     let rows = sh.num_seqs() * sh.heads;
@@ -193,12 +173,13 @@ pub(super) fn widened_scan_plan(
     max_smem: usize,
     sms: usize,
     budget: usize,
+    forced: &TileConfig,
 ) -> Result<Option<ScanPlan>> {
     let Some(tiles) = ScanTiles::new(kind, wide, max_smem) else {
         return Ok(None);
     };
-    if forced_tile(kind, wide, &tiles, max_smem)?.is_some() {
-        return scan_plan(kind, wide, max_smem, sms);
+    if forced_tile(kind, wide, &tiles, max_smem, forced)?.is_some() {
+        return scan_plan(kind, wide, max_smem, sms, forced);
     }
     let rows = wide.num_seqs() * wide.heads;
     let one_wave = [32, 64]
@@ -206,7 +187,7 @@ pub(super) fn widened_scan_plan(
         .find(|&bv| tiles.fits(bv) && rows * wide.dv.div_ceil(bv) <= budget);
     match one_wave {
         Some(bv) => Ok(Some(tiles.plan(bv))),
-        None => scan_plan(kind, wide, max_smem, sms),
+        None => scan_plan(kind, wide, max_smem, sms, forced),
     }
 }
 
@@ -217,14 +198,15 @@ pub(super) fn widened_scan_plan(
 /// the whole GPU, so that the two, which cannot share a multiprocessor, run one after the other:
 /// at B4 T4096 H16 n2 (H200, `docs/perf.md` v26) 128 blocks each of BV 64 took 0.883 ms side by
 /// side, 64 each of BV 128 0.793 (n3: 1.309 against 1.176). `None` where no tile does that, or
-/// where either scan's tile is forced (`kind.env`): then each is planned alone.
+/// where either scan's tile is forced in `forced`: then each is planned alone.
 pub(super) fn scan_pair_plan(
     kinds: [&ScanKind; 2],
     sh: &GdpShape,
     max_smem: usize,
     sms: usize,
+    forced: &TileConfig,
 ) -> Result<Option<[ScanPlan; 2]>> {
-    if kinds.iter().any(|k| std::env::var_os(k.env).is_some()) {
+    if kinds.iter().any(|k| (k.tile)(forced).is_some()) {
         return Ok(None);
     }
     let (Some(a), Some(b)) = (
@@ -294,17 +276,18 @@ impl<'a> ScanTiles<'a> {
     }
 }
 
-/// The value tile forced by `kind.env`, checked against the kernels that exist and fit.
+/// The value tile that `forced` sets for `kind`, checked against the kernels that exist and
+/// fit.
 fn forced_tile(
     kind: &ScanKind,
     sh: &GdpShape,
     tiles: &ScanTiles,
     max_smem: usize,
+    forced: &TileConfig,
 ) -> Result<Option<usize>> {
-    let Ok(s) = std::env::var(kind.env) else {
+    let Some(bv) = (kind.tile)(forced) else {
         return Ok(None);
     };
-    let bv: usize = s.trim().parse().unwrap_or(0);
     if !tiles.fits(bv) {
         let allowed = if kind.wide {
             "16, 32, 64 or 128"
@@ -312,9 +295,9 @@ fn forced_tile(
             "16, 32 or 64"
         };
         candle_core::bail!(
-            "gdp cuda: {} must be {allowed} and fit (K = {}, n = {}, {max_smem} bytes of shared \
-             memory), got {s:?}",
-            kind.env,
+            "gdp cuda: KernelConfig::{} must be {allowed} and fit (K = {}, n = {}, {max_smem} \
+             bytes of shared memory), got {bv}",
+            kind.tile_name,
             sh.dk,
             sh.n
         );
@@ -356,23 +339,23 @@ impl<'a> QkIn<'a> {
     }
 }
 
-/// Whether the bf16 chunked kernels serve this shape both ways (the two-kernel forward, and
-/// the split backward under `GDP_CUDA_BWD`), so that the op can give them FLA's `q`, `k` in
-/// place instead of a packed copy. `q` says the device and dtype.
-pub fn reads_qk_in_place(q: &Tensor, sh: &GdpShape) -> Result<bool> {
+/// Whether the bf16 chunked kernels serve this shape both ways under `cfg` (the two-kernel
+/// forward, and the split backward), so that the op can give them FLA's `q`, `k` in place
+/// instead of a packed copy. `q` says the device and dtype.
+pub fn reads_qk_in_place(q: &Tensor, sh: &GdpShape, cfg: &KernelConfig) -> Result<bool> {
     let Device::Cuda(dev) = q.device() else {
         return Ok(false);
     };
-    if q.dtype() != DType::BF16 || choice("GDP_CUDA_FWD")? == Choice::Fused {
+    if q.dtype() != DType::BF16 || cfg.forward == KernelPath::Fused {
         return Ok(false);
     }
     let (max_smem, sms) = smem_and_sms(dev)?;
     let forward = wy_smem_bytes(sh.dk, sh.dv) <= max_smem
-        && scan_plan(&FWD_SCAN, sh, max_smem, sms)?.is_some();
-    Ok(forward && super::chunked_bwd::split_backward_fits(dev, sh)?)
+        && scan_plan(&FWD_SCAN, sh, max_smem, sms, &cfg.tiles)?.is_some();
+    Ok(forward && super::chunked_bwd::split_backward_fits(dev, sh, cfg)?)
 }
 
-/// Runs the two-kernel bf16 forward if `GDP_CUDA_FWD` allows it and it fits this shape: the
+/// Runs the two-kernel bf16 forward if `cfg.forward` allows it and it fits this shape: the
 /// packed f32 `[o | final state]`, or with `plain` only `o` in bf16; `Ok(None)` means: use the
 /// one-kernel forward.
 #[allow(clippy::too_many_arguments)]
@@ -387,26 +370,26 @@ pub fn try_forward_bf16(
     h0_override: Option<&CudaSlice<f32>>,
     plain: bool,
     cache: Option<&CacheSlot>,
+    cfg: &KernelConfig,
 ) -> Result<Option<CudaStorage>> {
-    let choice = choice("GDP_CUDA_FWD")?;
-    if choice == Choice::Fused {
+    if cfg.forward == KernelPath::Fused {
         return Ok(None);
     }
     let (max_smem, sms) = smem_and_sms(dev)?;
     let wy_smem = wy_smem_bytes(sh.dk, sh.dv);
-    let plan = scan_plan(&FWD_SCAN, sh, max_smem, sms)?.filter(|_| wy_smem <= max_smem);
-    match (plan, choice) {
+    let plan = scan_plan(&FWD_SCAN, sh, max_smem, sms, &cfg.tiles)?.filter(|_| wy_smem <= max_smem);
+    match (plan, cfg.forward) {
         (Some(plan), _) => {
             let inp = Bf16Inputs::new(qk, v, aux, sh, has_h0)?;
             check_states(h0_override, sh, "initial-state override")?;
             let table = ChunkTable::new(dev, sh)?;
             // Keep the intermediates only where the split backward will read them.
             let cache = match cache {
-                Some(slot) if super::chunked_bwd::split_backward_fits(dev, sh)? => Some(slot),
+                Some(slot) if super::chunked_bwd::split_backward_fits(dev, sh, cfg)? => Some(slot),
                 _ => None,
             };
             let order = sh.chunks_time_major();
-            let pipeline = Pipeline::plan(dev, sh, &table, &plan, sms, order)?;
+            let pipeline = Pipeline::plan(dev, sh, &table, &plan, sms, order, cfg)?;
             let mut wy = WyFactors::alloc(dev, &table, sh, cache.is_some())?;
             let mut states = cache
                 .filter(|slot| slot.states)
@@ -435,8 +418,8 @@ pub fn try_forward_bf16(
             }
             Ok(Some(out))
         }
-        (None, Choice::Chunked) => candle_core::bail!(
-            "gdp cuda: GDP_CUDA_FWD=chunked does not fit K = {}, V = {}, n = {} in {max_smem} \
+        (None, KernelPath::Chunked) => candle_core::bail!(
+            "gdp cuda: KernelConfig::forward = Chunked does not fit K = {}, V = {}, n = {} in {max_smem} \
              bytes of shared memory",
             sh.dk,
             sh.dv,

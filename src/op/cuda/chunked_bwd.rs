@@ -13,18 +13,19 @@
 //! order the scan finishes them and wait for each group of chunks (`gdpg_pipe` in the kernel
 //! file), and once the scan is done a second launch takes the pairs left on every
 //! multiprocessor. The bf16 default where it fits (K, V <= 128);
-//! `GDP_CUDA_BWD=fused` forces the other, `GDP_CUDA_BWD=chunked` this one (an error where it
+//! `KernelConfig::backward` forces the other (`Fused`) or this one (`Chunked`, an error where it
 //! does not fit).
 
 use super::chunked::{
-    choice, key_tile, query_rows, run_scan, scan_pair_plan, scan_plan, smem_and_sms, untracked,
-    wy_smem_bytes, Bf16Inputs, Choice, ChunkStates, ChunkTable, ForwardCache, QkIn, ScanDest,
-    ScanKind, ScanOut, ScanPlan, WyFactors, STATES_SCAN,
+    key_tile, query_rows, run_scan, scan_pair_plan, scan_plan, smem_and_sms, untracked,
+    wy_smem_bytes, Bf16Inputs, ChunkStates, ChunkTable, ForwardCache, QkIn, ScanDest, ScanKind,
+    ScanOut, ScanPlan, WyFactors, STATES_SCAN,
 };
 use super::launch::{allow_smem, check_states, shape_i32, to_i32, view};
 use super::module::load_kernel;
 use super::pipeline::{OverlapRun, Pipeline};
 use super::side::SideStream;
+use crate::op::config::{KernelConfig, KernelPath};
 use crate::op::shape::{GdpShape, CHUNK};
 use crate::op::QueryKeys;
 use candle_core::backend::BackendStorage;
@@ -57,7 +58,8 @@ pub(super) const DH_SCAN: ScanKind = ScanKind {
     prefix: "gdp_bwd_dh_bf16",
     smem: dh_smem_bytes,
     max_kpt: 128,
-    env: "GDP_CUDA_DH_BV",
+    tile: |t| t.dh_scan,
+    tile_name: "tiles.dh_scan",
     queries: true,
     max_stages: 3,
     wide: true,
@@ -111,13 +113,13 @@ pub enum Grads {
     },
 }
 
-/// Whether the split backward serves this shape under `GDP_CUDA_BWD`: `Ok(None)` means the
-/// per-value-tile backward; `GDP_CUDA_BWD=chunked` where it does not fit is an error.
-fn plan(dev: &CudaDevice, sh: &GdpShape) -> Result<Option<SplitPlan>> {
-    let choice = choice("GDP_CUDA_BWD")?;
-    if choice == Choice::Fused {
+/// Whether the split backward serves this shape under `cfg.backward`: `Ok(None)` means the
+/// per-value-tile backward; `Chunked` where it does not fit is an error.
+fn plan(dev: &CudaDevice, sh: &GdpShape, cfg: &KernelConfig) -> Result<Option<SplitPlan>> {
+    if cfg.backward == KernelPath::Fused {
         return Ok(None);
     }
+    let forced = &cfg.tiles;
     let (max_smem, sms) = smem_and_sms(dev)?;
     let qr = query_rows(sh.n);
     let tiles = grad_tile(sh.dk)
@@ -125,16 +127,15 @@ fn plan(dev: &CudaDevice, sh: &GdpShape) -> Result<Option<SplitPlan>> {
         .filter(|&(kp, vp)| grads_smem_bytes(kp, vp, qr) <= max_smem);
     let fits = wy_smem_bytes(sh.dk, sh.dv) <= max_smem && key_tile(sh.dk).is_some();
     // The scans are planned only where the gradient and WY kernels fit (K, V <= 128), so that a
-    // scan's forced value tile (`GDP_CUDA_STATES_BV`, `GDP_CUDA_DH_BV`) is not checked against
+    // scan's forced value tile (`tiles.states_scan`, `tiles.dh_scan`) is not checked against
     // shapes the split backward never serves.
     let scans = match (tiles, fits) {
-        (Some(_), true) => {
-            scan_plan(&STATES_SCAN, sh, max_smem, sms)?.zip(scan_plan(&DH_SCAN, sh, max_smem, sms)?)
-        }
+        (Some(_), true) => scan_plan(&STATES_SCAN, sh, max_smem, sms, forced)?
+            .zip(scan_plan(&DH_SCAN, sh, max_smem, sms, forced)?),
         _ => None,
     };
     let side_by_side = match scans {
-        Some(_) => scan_pair_plan([&STATES_SCAN, &DH_SCAN], sh, max_smem, sms)?,
+        Some(_) => scan_pair_plan([&STATES_SCAN, &DH_SCAN], sh, max_smem, sms, forced)?,
         None => None,
     };
     match (tiles, scans) {
@@ -145,8 +146,8 @@ fn plan(dev: &CudaDevice, sh: &GdpShape) -> Result<Option<SplitPlan>> {
             dh,
             side_by_side,
         })),
-        _ if choice == Choice::Chunked => candle_core::bail!(
-            "gdp cuda: GDP_CUDA_BWD=chunked does not fit K = {}, V = {}, n = {} (needs K, V <= \
+        _ if cfg.backward == KernelPath::Chunked => candle_core::bail!(
+            "gdp cuda: KernelConfig::backward = Chunked does not fit K = {}, V = {}, n = {} (needs K, V <= \
              128 and {max_smem} bytes of shared memory)",
             sh.dk,
             sh.dv,
@@ -157,8 +158,12 @@ fn plan(dev: &CudaDevice, sh: &GdpShape) -> Result<Option<SplitPlan>> {
 }
 
 /// Whether the split backward serves this shape (what a forward keeps its intermediates for).
-pub(crate) fn split_backward_fits(dev: &CudaDevice, sh: &GdpShape) -> Result<bool> {
-    Ok(plan(dev, sh)?.is_some())
+pub(crate) fn split_backward_fits(
+    dev: &CudaDevice,
+    sh: &GdpShape,
+    cfg: &KernelConfig,
+) -> Result<bool> {
+    Ok(plan(dev, sh, cfg)?.is_some())
 }
 
 /// The side stream of the backward's state-gradient scan: forked after the WY kernel, or an
@@ -225,7 +230,7 @@ pub(crate) type WidenedFold<'a> = Box<
     dyn FnOnce(&CudaSlice<f32>) -> Result<Option<(CudaSlice<f32>, std::ops::Range<usize>)>> + 'a,
 >;
 
-/// Runs the split bf16 backward if `GDP_CUDA_BWD` allows it and it fits this shape (the
+/// Runs the split bf16 backward if `cfg.backward` allows it and it fits this shape (the
 /// contract of [`super::backward`] without `zero_dh0`, and with a plain `do` allowed);
 /// `Ok(None)` means: use the per-value-tile backward. With the forward's `cache` (of these
 /// inputs, without an initial-state override) the WY factors and chunk states are not
@@ -246,6 +251,7 @@ pub fn try_backward_bf16(
     layout: GradLayout,
     cache: Option<ForwardCache>,
     widened: Option<WidenedFold<'_>>,
+    cfg: &KernelConfig,
 ) -> Result<Option<Grads>> {
     let Some(SplitPlan {
         kp,
@@ -253,7 +259,7 @@ pub fn try_backward_bf16(
         rerun: rerun_alone,
         dh: dh_alone,
         side_by_side,
-    }) = plan(dev, sh)?
+    }) = plan(dev, sh, cfg)?
     else {
         return Ok(None);
     };
@@ -317,7 +323,7 @@ pub fn try_backward_bf16(
     };
     let sms = smem_and_sms(dev)?.1;
     let pipeline = match widened {
-        None => Pipeline::plan(dev, sh, &table, &dh, sms, sh.chunks_from_the_end())?,
+        None => Pipeline::plan(dev, sh, &table, &dh, sms, sh.chunks_from_the_end(), cfg)?,
         Some(_) => None,
     };
     // With a pipeline, the WY kernel runs beside the state-gradient scan only where the scan
@@ -400,6 +406,7 @@ pub fn try_backward_bf16(
             } else {
                 0
             },
+            cfg,
         };
         Launched::Widened(Box::new(ctx.launch(dev)?), fold)
     } else {
@@ -439,7 +446,7 @@ pub fn try_backward_bf16(
                 if wy_beside {
                     wy.launch(dev, &inp, &table, sh, scale, None)?;
                 }
-                Side::Plain(SideStream::fork(dev)?)
+                Side::Plain(SideStream::fork(dev, cfg.side_streams)?)
             }
         };
         let signal = match &side {
@@ -843,6 +850,7 @@ pub(crate) fn try_backward_tensors(
     plain: bool,
     cache: Option<ForwardCache>,
     cp: Option<CpOverrides>,
+    cfg: &KernelConfig,
 ) -> Result<Option<(Vec<Tensor>, Tensor, Tensor)>> {
     let inputs: Vec<&Tensor> = match qk {
         QueryKeys::Packed(qk) => vec![qk],
@@ -872,7 +880,6 @@ pub(crate) fn try_backward_tensors(
         return Ok(None);
     };
     let dev = vs.device().clone();
-    super::memory::default_pool_policy(&dev)?;
     let cot = if plain {
         Cotangent::Plain((gs, gl))
     } else {
@@ -899,6 +906,7 @@ pub(crate) fn try_backward_tensors(
         GradLayout::Parts,
         cache,
         widened,
+        cfg,
     )?;
     let Some(Grads::Parts { dqk, dv, mut daux }) = grads else {
         return Ok(None);
@@ -939,6 +947,7 @@ struct WidenedDh<'a> {
     dht_src: Option<(&'a CudaSlice<f32>, usize)>,
     /// Blocks of the states rerun beside the scan (0: none): the scan's tile leaves them room.
     beside_blocks: usize,
+    cfg: &'a KernelConfig,
 }
 
 impl<'a> WidenedDh<'a> {
@@ -954,7 +963,9 @@ impl<'a> WidenedDh<'a> {
         };
         let (max_smem, sms) = smem_and_sms(dev)?;
         let budget = sms.saturating_sub(self.beside_blocks);
-        let Some(plan) = super::chunked::widened_scan_plan(&DH_SCAN, &wide, max_smem, sms, budget)?
+        let forced = &self.cfg.tiles;
+        let Some(plan) =
+            super::chunked::widened_scan_plan(&DH_SCAN, &wide, max_smem, sms, budget, forced)?
         else {
             candle_core::bail!(
                 "gdp cuda: the widened state-gradient scan does not fit K = {k}, V = {v}, n = {}",
@@ -980,7 +991,7 @@ impl<'a> WidenedDh<'a> {
             )
         };
         let mut dh0w = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
-        let side = SideStream::fork(dev)?;
+        let side = SideStream::fork(dev, self.cfg.side_streams)?;
         {
             let mut d0 = dh0w.slice_mut(..);
             let dest = DhDest {

@@ -4,6 +4,7 @@
 
 use super::chunked::{CacheSlot, QkIn};
 use super::module::load_kernel;
+use crate::op::config::KernelConfig;
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::cudarc::driver::sys::{
@@ -43,27 +44,30 @@ pub struct LaunchPlan {
 }
 
 impl LaunchPlan {
-    /// Picks the value tile `bv`: `GDP_CUDA_BV` when set, else the widest tile that fits in
+    /// Picks the value tile `bv`: `forced` when set, else the widest tile that fits in
     /// `max_smem` bytes and still gives at least `sms / 2` blocks (else the narrowest fitting
     /// tile of at least 16 columns, for parallelism).
-    pub fn new(sh: &GdpShape, elem: usize, max_smem: usize, sms: usize) -> Result<Self> {
+    pub fn new(
+        sh: &GdpShape,
+        elem: usize,
+        max_smem: usize,
+        sms: usize,
+        forced: Option<usize>,
+    ) -> Result<Self> {
         let cap = sh.dv.next_power_of_two().clamp(8, 64);
         let fits = |bv: usize| smem_bytes(sh.dk, bv, elem) <= max_smem;
         let rows = sh.num_seqs() * sh.heads;
         let blocks = |bv: usize| rows * sh.dv.div_ceil(bv);
-        let forced = std::env::var("GDP_CUDA_BV")
-            .ok()
-            .and_then(|s| s.trim().parse::<usize>().ok());
         let bv = match forced {
             Some(bv) => {
                 if !BV_CANDIDATES.contains(&bv) {
                     candle_core::bail!(
-                        "gdp cuda: GDP_CUDA_BV must be one of {BV_CANDIDATES:?}, got {bv}"
+                        "gdp cuda: KernelConfig::tiles.fused_forward must be one of {BV_CANDIDATES:?}, got {bv}"
                     );
                 }
                 if !fits(bv) {
                     candle_core::bail!(
-                        "gdp cuda: GDP_CUDA_BV={bv} needs {} bytes of shared memory, the device allows {max_smem}",
+                        "gdp cuda: KernelConfig::tiles.fused_forward = {bv} needs {} bytes of shared memory, the device allows {max_smem}",
                         smem_bytes(sh.dk, bv, elem)
                     );
                 }
@@ -193,6 +197,7 @@ pub fn forward(
     h0_override: Option<&CudaSlice<f32>>,
     plain: bool,
     cache: Option<&CacheSlot>,
+    cfg: &KernelConfig,
 ) -> Result<CudaStorage> {
     let lead = qk.lead();
     let dev = lead.0.device().clone();
@@ -218,7 +223,6 @@ pub fn forward(
             aux.0.dtype()
         );
     }
-    super::memory::default_pool_policy(&dev)?;
     let dtype = lead.0.dtype();
     if dtype == DType::BF16 {
         let out = super::chunked::try_forward_bf16(
@@ -232,6 +236,7 @@ pub fn forward(
             h0_override,
             plain,
             cache,
+            cfg,
         )?;
         if let Some(out) = out {
             return Ok(out);
@@ -240,15 +245,27 @@ pub fn forward(
     let QkIn::Packed(qk) = qk else {
         candle_core::bail!(
             "gdp cuda: `q` and `k` read in place need the chunked bf16 forward, which does not \
-             serve this shape (dtype {dtype:?}, K = {}, V = {}, GDP_CUDA_FWD)",
+             serve this shape (dtype {dtype:?}, K = {}, V = {}, KernelConfig::forward)",
             sh.dk,
             sh.dv
         );
     };
     // The one-kernel forward of `qk`'s dtype: the same arguments for every kernel.
+    let bv = cfg.tiles.fused_forward;
     macro_rules! fused {
         ($t:ty, $kernel:literal) => {
-            launch::<$t>($kernel, &dev, qk, v, aux, sh, scale, has_h0, h0_override)
+            launch::<$t>(
+                $kernel,
+                &dev,
+                qk,
+                v,
+                aux,
+                sh,
+                scale,
+                has_h0,
+                h0_override,
+                bv,
+            )
         };
     }
     let packed = match dtype {
@@ -279,6 +296,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     scale: f32,
     has_h0: bool,
     h0_override: Option<&CudaSlice<f32>>,
+    forced_bv: Option<usize>,
 ) -> Result<CudaStorage> {
     let qk_v = view::<T>(qk.0, qk.1, sh.qk_len(), "qk")?;
     let v_v = view::<T>(v.0, v.1, sh.v_len(), "v")?;
@@ -303,7 +321,7 @@ fn launch<T: CudaDType + DeviceRepr>(
         dev,
         CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
     )?;
-    let plan = LaunchPlan::new(sh, std::mem::size_of::<T>(), max_smem, sms)?;
+    let plan = LaunchPlan::new(sh, std::mem::size_of::<T>(), max_smem, sms, forced_bv)?;
 
     let func = load_kernel(dev, kernel)?;
     allow_smem(&func, plan.smem)?;

@@ -19,7 +19,7 @@ mod summary;
 
 pub use backward::{
     backward, backward_len, backward_summaries, bwd_smem_bytes, dht_to_host, forward_summaries,
-    initial_states_to_host, BwdPlan,
+    initial_states_to_host, BwdPlan, In,
 };
 pub use chunked::{reads_qk_in_place, CacheSlot, ForwardCache, QkIn};
 pub(crate) use chunked_bwd::{

@@ -35,6 +35,7 @@ use super::chunked::{
     ready_counters, run_scan, Beside, Bf16Inputs, ChunkTable, ScanDest, ScanPlan, Signal, WyFactors,
 };
 use super::side::SideStream;
+use crate::op::config::KernelConfig;
 use crate::op::shape::GdpShape;
 use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaSlice};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
@@ -56,12 +57,15 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 pub(super) struct Pipeline {
     order: CudaSlice<i32>,
     counters: usize,
+    /// The scan on a side stream ([`KernelConfig::side_streams`]), else on the device's.
+    side_streams: bool,
 }
 
 impl Pipeline {
     /// The pipeline of a WY kernel taking the chunks of `table` in `order` beside a scan planned
-    /// as `plan`, or `None` where it is not wanted (`GDP_CUDA_OVERLAP=0`) or not safe and
-    /// useful: the scan's blocks must fill fewer than half of the `sms` multiprocessors.
+    /// as `plan`, or `None` where `cfg` does not want it ([`KernelConfig::overlap`]) or it is
+    /// not safe and useful: the scan's blocks must fill fewer than half of the `sms`
+    /// multiprocessors.
     pub fn plan(
         dev: &CudaDevice,
         sh: &GdpShape,
@@ -69,19 +73,21 @@ impl Pipeline {
         plan: &ScanPlan,
         sms: usize,
         order: Vec<usize>,
+        cfg: &KernelConfig,
     ) -> Result<Option<Self>> {
-        if !overlap_useful(sh, table, plan, sms)? {
+        if !(cfg.overlap && overlap_useful(sh, table, plan, sms)) {
             return Ok(None);
         }
         Ok(Some(Self {
             order: chunk_order(dev, order, table)?,
             counters: ready_counters(table, sh),
+            side_streams: cfg.side_streams,
         }))
     }
 
-    /// Starts the overlap ([`OverlapRun::start`] with this pipeline's counters).
+    /// Starts the overlap ([`OverlapRun::start`] with this pipeline's counters and streams).
     pub fn start(&self, dev: &CudaDevice) -> Result<Option<OverlapRun>> {
-        OverlapRun::start(dev, self.counters)
+        OverlapRun::start(dev, self.counters, self.side_streams)
     }
 
     /// The chunk order on the device (table ids): the WY kernel's, and the gradient kernel's
@@ -124,8 +130,8 @@ pub(super) fn wy_then_scan(
     plan: &ScanPlan,
     dest: ScanDest,
 ) -> Result<()> {
-    // Side by side: the WY kernel is queued first, so that with GDP_CUDA_STREAMS=1 (one stream)
-    // the scan finds every chunk ready.
+    // Side by side: the WY kernel is queued first, so that on one stream (side streams off) the
+    // scan finds every chunk ready.
     let overlap = match pipeline {
         Some(p) => p.start(dev)?.map(|run| (p, run)),
         None => None,
@@ -160,22 +166,12 @@ pub(super) fn wy_then_scan(
     }
 }
 
-/// Whether `GDP_CUDA_OVERLAP` allows (unset, empty or `auto`; `0` does not) and the shape
-/// suits a scan `plan` beside a WY kernel: some chunks, and scan blocks for fewer than half of
-/// the `sms` multiprocessors (the waiting blocks must leave the WY kernel most of the GPU).
-fn overlap_useful(sh: &GdpShape, table: &ChunkTable, plan: &ScanPlan, sms: usize) -> Result<bool> {
-    let wanted = match std::env::var("GDP_CUDA_OVERLAP") {
-        Err(_) => true,
-        Ok(v) => match v.trim() {
-            "" | "auto" => true,
-            "0" => false,
-            other => {
-                candle_core::bail!("gdp cuda: GDP_CUDA_OVERLAP must be 0 or `auto`, got {other:?}")
-            }
-        },
-    };
+/// Whether the shape suits a scan `plan` beside a WY kernel: some chunks, and scan blocks for
+/// fewer than half of the `sms` multiprocessors (the waiting blocks must leave the WY kernel
+/// most of the GPU).
+fn overlap_useful(sh: &GdpShape, table: &ChunkTable, plan: &ScanPlan, sms: usize) -> bool {
     let blocks = sh.num_seqs() * sh.heads * sh.dv.div_ceil(plan.bv);
-    Ok(wanted && table.chunks > 0 && 2 * blocks < sms)
+    table.chunks > 0 && 2 * blocks < sms
 }
 
 /// A WY kernel's chunk order (ids of `table`, every chunk once) on the device.
@@ -209,7 +205,7 @@ impl OverlapRun {
     /// queued on another stream and may still be running: its waiting blocks and these could
     /// fill every multiprocessor. One queued on the same stream cannot overlap this one
     /// (stream order starts this one's side stream after the previous one's join).
-    fn start(dev: &CudaDevice, counters: usize) -> Result<Option<Self>> {
+    fn start(dev: &CudaDevice, counters: usize, side_streams: bool) -> Result<Option<Self>> {
         let main = dev.cuda_stream();
         let ordinal = main.context().ordinal();
         let running = in_flight()
@@ -224,7 +220,7 @@ impl OverlapRun {
             return Ok(None);
         }
         let ready = dev.alloc_zeros::<i32>(counters)?;
-        let side = SideStream::fork_urgent(dev)?;
+        let side = SideStream::fork_urgent(dev, side_streams)?;
         Ok(Some(Self {
             running,
             ordinal,

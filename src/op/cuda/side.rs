@@ -8,8 +8,9 @@
 //! after the work queued so far on the device's stream ([`SideStream::fork`]), and the device's
 //! stream waits for all of it before the side stream goes ([`SideStream::join`], also on drop,
 //! so that no buffer is freed on the device's stream while a side kernel may still use it).
-//! `GDP_CUDA_STREAMS=1` puts the side work on the device's stream instead (same results, one
-//! kernel at a time: for measurements and debugging).
+//! With [`KernelConfig::side_streams`](crate::op::KernelConfig::side_streams) off, the side work
+//! goes on the device's stream instead (same results, one kernel at a time: for measurements and
+//! debugging).
 
 use candle_core::cuda_backend::cudarc::driver::{result, sys, CudaStream};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
@@ -27,20 +28,21 @@ pub(super) struct SideStream {
 }
 
 impl SideStream {
-    /// A new stream that starts after the work queued so far on `dev`'s stream.
-    pub fn fork(dev: &CudaDevice) -> Result<Self> {
-        Self::fork_with(dev, false)
+    /// A new stream that starts after the work queued so far on `dev`'s stream; the device's
+    /// stream itself where `separate` is false.
+    pub fn fork(dev: &CudaDevice, separate: bool) -> Result<Self> {
+        Self::fork_with(dev, separate, false)
     }
 
     /// [`SideStream::fork`] with the context's greatest stream priority: where both streams
     /// have blocks waiting for multiprocessors, the side stream's go first.
-    pub fn fork_urgent(dev: &CudaDevice) -> Result<Self> {
-        Self::fork_with(dev, true)
+    pub fn fork_urgent(dev: &CudaDevice, separate: bool) -> Result<Self> {
+        Self::fork_with(dev, separate, true)
     }
 
-    fn fork_with(dev: &CudaDevice, urgent: bool) -> Result<Self> {
+    fn fork_with(dev: &CudaDevice, separate: bool, urgent: bool) -> Result<Self> {
         let main = dev.cuda_stream();
-        if one_stream()? {
+        if !separate {
             return Ok(Self {
                 side: main.clone(),
                 main,
@@ -80,18 +82,6 @@ impl SideStream {
         self.main.join(&self.side).w()?;
         self.joined = true;
         Ok(())
-    }
-}
-
-/// Whether `GDP_CUDA_STREAMS` asks for one stream (`1`; unset or `2`: a side stream).
-fn one_stream() -> Result<bool> {
-    match std::env::var("GDP_CUDA_STREAMS") {
-        Err(_) => Ok(false),
-        Ok(v) => match v.trim() {
-            "1" => Ok(true),
-            "" | "2" => Ok(false),
-            other => candle_core::bail!("gdp cuda: GDP_CUDA_STREAMS must be 1 or 2, got {other:?}"),
-        },
     }
 }
 

@@ -84,9 +84,6 @@ pub fn step(
             );
         }
     }
-    // A decode loop may never call the chunked op, which sets this too: without it every step's
-    // 64 MB output (B64 H16 K=V=128) is mapped afresh after each synchronisation.
-    super::memory::default_pool_policy(&dev)?;
     let st = view::<f32>(state.0, state.1, b * h * k * v, "state")?;
     // SAFETY: the kernel writes every element (o for every (row, column), the whole new state).
     let mut out = unsafe { dev.alloc::<f32>(b * h * v + b * h * k * v)? };

@@ -13,15 +13,17 @@
 //! and initial-state gradients only) serve a rank whose backward takes the packed f32 path;
 //! the per-value-tile kernel's summary modes (`backward.rs`), which redo the WY factors in
 //! every value tile, remain for the shapes and dtypes these kernels do not serve, and under
-//! `GDP_CUDA_SUMMARY=fused` (`chunked` makes a shape these kernels do not serve an error).
+//! `KernelConfig::summaries = Fused` (`Chunked` makes a shape these kernels do not serve an
+//! error).
 
 use super::backward::In;
 use super::chunked::{
-    choice, run_scan, smem_and_sms, widened_scan_plan, wy_smem_bytes, Bf16Inputs, Choice,
-    ChunkTable, QkIn, ScanDest, ScanKind, ScanOut, ScanPlan, WyFactors, FWD_SCAN, STATES_SCAN,
+    run_scan, smem_and_sms, widened_scan_plan, wy_smem_bytes, Bf16Inputs, ChunkTable, QkIn,
+    ScanDest, ScanKind, ScanOut, ScanPlan, WyFactors, FWD_SCAN, STATES_SCAN,
 };
 use super::chunked_bwd::{run_dh_scan, Cotangent, DhDest, DH_SCAN};
 use super::copy::copy_rows_slice;
+use crate::op::config::{KernelConfig, KernelPath, TileConfig};
 use crate::op::pack::RowCopy;
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::backend::BackendStorage;
@@ -30,20 +32,16 @@ use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Result};
 use half::bf16;
 
-/// `GDP_CUDA_SUMMARY` for bf16 inputs (`None`: the per-value-tile kernel's summaries).
-fn wanted(qk: In) -> Result<Option<Choice>> {
-    if qk.0.dtype() != DType::BF16 {
-        return Ok(None);
-    }
-    let choice = choice("GDP_CUDA_SUMMARY")?;
-    Ok((choice != Choice::Fused).then_some(choice))
+/// [`KernelConfig::summaries`] for bf16 inputs (`None`: the per-value-tile kernel's summaries).
+fn wanted(qk: In, cfg: &KernelConfig) -> Option<KernelPath> {
+    (qk.0.dtype() == DType::BF16 && cfg.summaries != KernelPath::Fused).then_some(cfg.summaries)
 }
 
-/// `Ok(None)` (the per-value-tile kernel), or under `GDP_CUDA_SUMMARY=chunked` an error.
-fn not_served(choice: Choice, sh: &GdpShape) -> Result<Option<Vec<f32>>> {
-    if choice == Choice::Chunked {
+/// `Ok(None)` (the per-value-tile kernel), or under `KernelPath::Chunked` an error.
+fn not_served(path: KernelPath, sh: &GdpShape) -> Result<Option<Vec<f32>>> {
+    if path == KernelPath::Chunked {
         candle_core::bail!(
-            "gdp cuda: GDP_CUDA_SUMMARY=chunked does not fit K = {}, V = {}, n = {} (needs K <= \
+            "gdp cuda: KernelConfig::summaries = Chunked does not fit K = {}, V = {}, n = {} (needs K <= \
              128 and the widened scans' shared memory)",
             sh.dk,
             sh.dv,
@@ -55,12 +53,16 @@ fn not_served(choice: Choice, sh: &GdpShape) -> Result<Option<Vec<f32>>> {
 
 /// Whether the backward summaries of bf16 inputs of shape `sh` run on the chunked kernels here
 /// (what a rank's direct bf16 backward needs, since it has no packed f32 `do`).
-pub(crate) fn backward_summaries_served(dev: &CudaDevice, sh: &GdpShape) -> Result<bool> {
-    if choice("GDP_CUDA_SUMMARY")? == Choice::Fused {
+pub(crate) fn backward_summaries_served(
+    dev: &CudaDevice,
+    sh: &GdpShape,
+    cfg: &KernelConfig,
+) -> Result<bool> {
+    if cfg.summaries == KernelPath::Fused {
         return Ok(false);
     }
     let every: Vec<usize> = (0..sh.num_seqs()).collect();
-    Ok(Widened::plan(dev, sh, &every, &DH_SCAN)?.is_some())
+    Ok(Widened::plan(dev, sh, &every, &DH_SCAN, &cfg.tiles)?.is_some())
 }
 
 /// A summary's sub-problem: `sh` with only the sequences `frags` (in that order), the same with
@@ -78,6 +80,7 @@ impl Widened {
         sh: &GdpShape,
         frags: &[usize],
         kind: &ScanKind,
+        forced: &TileConfig,
     ) -> Result<Option<Self>> {
         let sub = GdpShape {
             seqs: frags.iter().map(|&s| sh.seqs[s]).collect(),
@@ -91,7 +94,7 @@ impl Widened {
         if wy_smem_bytes(sh.dk, sh.dv) > max_smem {
             return Ok(None);
         }
-        let plan = widened_scan_plan(kind, &wide, max_smem, sms, sms)?;
+        let plan = widened_scan_plan(kind, &wide, max_smem, sms, sms, forced)?;
         Ok(plan.map(|plan| Self { sub, wide, plan }))
     }
 }
@@ -141,7 +144,7 @@ pub(crate) fn widen_rows(
 
 /// Forward summaries `[ΔS | M]` (`[K, V + K]` per head, in `(fragment, head)` order) of the
 /// sequences `frags` from the initial states `h0 [N, H, K, V]` (host), on the bf16 chunked
-/// kernels; `Ok(None)` where they do not serve (not bf16, `GDP_CUDA_SUMMARY=fused`, or the
+/// kernels; `Ok(None)` where they do not serve (not bf16, `KernelConfig::summaries` = `Fused`, or the
 /// shape).
 #[allow(clippy::too_many_arguments)]
 pub fn forward_summaries_bf16(
@@ -153,13 +156,16 @@ pub fn forward_summaries_bf16(
     has_h0: bool,
     frags: &[usize],
     h0: &[f32],
+    cfg: &KernelConfig,
 ) -> Result<Option<Vec<f32>>> {
     let dev = qk.0.device().clone();
-    let Some(choice) = wanted(qk)? else {
+    let Some(path) = wanted(qk, cfg) else {
         return Ok(None);
     };
-    let Some(Widened { sub, wide, plan }) = Widened::plan(&dev, sh, frags, &STATES_SCAN)? else {
-        return not_served(choice, sh);
+    let Some(Widened { sub, wide, plan }) =
+        Widened::plan(&dev, sh, frags, &STATES_SCAN, &cfg.tiles)?
+    else {
+        return not_served(path, sh);
     };
     let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
     let table = ChunkTable::new(&dev, &sub)?;
@@ -193,7 +199,7 @@ pub fn forward_summaries_bf16(
 /// sequences `frags` with the output gradients `do [B, T, H, V]` of `cot` (the first part of
 /// the packed f32 `[do | dht]`, or the bf16 `do` alone) and the end-state gradients
 /// `dht [N, H, K, V]` (host), on the bf16 chunked kernels; `Ok(None)` where they do not serve
-/// (not bf16, `GDP_CUDA_SUMMARY=fused`, or the shape).
+/// (not bf16, `KernelConfig::summaries` = `Fused`, or the shape).
 #[allow(clippy::too_many_arguments)]
 pub fn backward_summaries_bf16(
     qk: In,
@@ -205,13 +211,15 @@ pub fn backward_summaries_bf16(
     has_h0: bool,
     frags: &[usize],
     dht: &[f32],
+    cfg: &KernelConfig,
 ) -> Result<Option<Vec<f32>>> {
     let dev = qk.0.device().clone();
-    let Some(choice) = wanted(qk)? else {
+    let Some(path) = wanted(qk, cfg) else {
         return Ok(None);
     };
-    let Some(Widened { sub, wide, plan }) = Widened::plan(&dev, sh, frags, &DH_SCAN)? else {
-        return not_served(choice, sh);
+    let Some(Widened { sub, wide, plan }) = Widened::plan(&dev, sh, frags, &DH_SCAN, &cfg.tiles)?
+    else {
+        return not_served(path, sh);
     };
     let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
     let table = ChunkTable::new(&dev, &sub)?;
@@ -327,7 +335,7 @@ pub(crate) struct WidenedForward {
 /// from the initial states `h0` (f32 `[N, H, K, V]` on the device: zeros for the sequences that
 /// continue from an earlier rank); with `cache`, the WY factors stay for the backward (which
 /// reruns the state scan from the folded states). `Ok(None)` where these kernels do not serve
-/// (not bf16, `GDP_CUDA_SUMMARY=fused`, or the shape).
+/// (not bf16, `KernelConfig::summaries` = `Fused`, or the shape).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn widened_forward(
     qk: In,
@@ -338,19 +346,21 @@ pub(crate) fn widened_forward(
     has_h0: bool,
     h0: &CudaSlice<f32>,
     cache: Option<&super::chunked::CacheSlot>,
+    cfg: &KernelConfig,
 ) -> Result<Option<WidenedForward>> {
     let dev = qk.0.device().clone();
-    if wanted(qk)?.is_none() {
+    if wanted(qk, cfg).is_none() {
         return Ok(None);
     }
     let every: Vec<usize> = (0..sh.num_seqs()).collect();
-    let Some(Widened { wide, plan, .. }) = Widened::plan(&dev, sh, &every, &FWD_SCAN)? else {
+    let Some(Widened { wide, plan, .. }) = Widened::plan(&dev, sh, &every, &FWD_SCAN, &cfg.tiles)?
+    else {
         return Ok(None);
     };
     let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
     let table = ChunkTable::new(&dev, sh)?;
     let keep = match cache {
-        Some(slot) if super::chunked_bwd::split_backward_fits(&dev, sh)? => Some(slot),
+        Some(slot) if super::chunked_bwd::split_backward_fits(&dev, sh, cfg)? => Some(slot),
         _ => None,
     };
     let mut wy = WyFactors::compute(&dev, &inp, &table, sh, scale, keep.is_some())?;

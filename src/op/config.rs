@@ -1,0 +1,66 @@
+//! Typed tuning of the CUDA kernels: which implementation runs each direction, whether the
+//! WY kernel overlaps the state scan, and the value tiles. Everything is automatic by default;
+//! a field set here forces one choice (an error where it does not fit the shape or the device).
+//! The CPU kernels ignore it.
+
+/// Which CUDA implementation runs one direction of the op.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum KernelPath {
+    /// The chunked (WY) kernels where they fit the shape, dtype and device, else the fused ones.
+    #[default]
+    Auto,
+    /// The one-kernel fused path (any dtype, any shape that fits its shared memory).
+    Fused,
+    /// The chunked bf16 kernels; an error where they do not fit.
+    Chunked,
+}
+
+/// Value columns per thread block, forced per kernel family; `None` lets the planner pick from
+/// the shape and the device's multiprocessor count.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct TileConfig {
+    /// The fused forward kernel: 8, 16, 32 or 64.
+    pub fused_forward: Option<usize>,
+    /// The fused backward kernel: 8, 16, 32 or 64.
+    pub fused_backward: Option<usize>,
+    /// The chunked forward scan: 16, 32 or 64.
+    pub forward_scan: Option<usize>,
+    /// The backward's rerun of the forward states: 16, 32, 64, or 128 at `K <= 128`.
+    pub states_scan: Option<usize>,
+    /// The backward's state-gradient scan: 16, 32, 64, or 128 at `K <= 128`.
+    pub dh_scan: Option<usize>,
+}
+
+/// Kernel choices of the CUDA op ([`crate::GdpOptions::kernels`]); `Default` is automatic
+/// everywhere and is what the benchmarks measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KernelConfig {
+    /// The forward's implementation.
+    pub forward: KernelPath,
+    /// The backward's implementation.
+    pub backward: KernelPath,
+    /// Context parallelism's summaries: `Auto` / `Chunked` run a rank in one widened pass on
+    /// the chunked bf16 kernels where they fit; `Fused` takes the fused summary kernels.
+    pub summaries: KernelPath,
+    /// Run the WY kernel beside the state scan that waits for its chunks, where the scan leaves
+    /// most multiprocessors idle (bit-identical results either way).
+    pub overlap: bool,
+    /// Run the kernels that can run side by side on a second stream of the device; `false`
+    /// queues everything on the device's stream (bit-identical results either way).
+    pub side_streams: bool,
+    /// Forced value tiles.
+    pub tiles: TileConfig,
+}
+
+impl Default for KernelConfig {
+    fn default() -> Self {
+        Self {
+            forward: KernelPath::Auto,
+            backward: KernelPath::Auto,
+            summaries: KernelPath::Auto,
+            overlap: true,
+            side_streams: true,
+            tiles: TileConfig::default(),
+        }
+    }
+}
