@@ -366,7 +366,7 @@ GDP_FWD_ENTRY(gdp_fwd_f16, __half)
 // dot x·S is each thread's partial over its rows, the four partials summed through shared
 // memory (one barrier per dot, two buffers in turn). The state is read and written with the
 // streaming (evict-first) cache hint: each byte is touched once, and the hint took 3-6% off
-// the step (docs/perf.md v13). q and k (zero past row K), the block's v columns and beta are
+// the step on an H200. q and k (zero past row K), the block's v columns and beta are
 // staged in shared memory while the state loads are in flight: one round trip to global memory.
 // q, k and v come in their own dtype T (f32, bf16 or f16), the gates in f32, each contiguous;
 // the state and the output are f32:

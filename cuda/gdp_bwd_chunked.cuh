@@ -426,7 +426,8 @@ GDPD_SCAN_ENTRY(32, 64, 8)
 GDPD_SCAN_ENTRY(32, 128, 8)
 GDPD_SCAN_ENTRY(64, 64, 8)
 GDPD_SCAN_ENTRY(64, 128, 8)
-// BV 128 (219 registers at K = 128, no spills): beside the states rerun at BV 128 (v26).
+// BV 128 (219 registers at K = 128, no spills): beside the states rerun at BV 128, one block of
+// each per multiprocessor (see the states-only kernels in gdp_fwd_chunked.cuh).
 GDPD_SCAN_ENTRY(128, 64, 8)
 GDPD_SCAN_ENTRY(128, 128, 8)
 
@@ -552,7 +553,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   // TILES: the bf16 dv and dk leave through a dead tile as 16-byte row pieces where rows allow
   // (a quarter of the pair stores' instructions): dv through DM's space (written from phase 2
   // on) at row stride LT, dk through DVB (read up to phase 2) where its rows hold KP + 8 values.
-  // Measured at K = V = 128 (docs/perf.md v21): 3% off the kernel at n >= 2, 5% onto it at n = 1.
+  // Measured at K = V = 128 on an H200: 3% off the kernel at n >= 2, 5% onto it at n = 1.
   constexpr int LT = 2 * LF;
   static_assert(LT >= VP + 8, "dv's tile fits DM's rows");
   const bool bf16_out = TILES && out == nullptr;

@@ -144,7 +144,7 @@ __device__ __forceinline__ void gdpc_stage_rows(__nv_bfloat16* __restrict__ dst,
 // are zeroed (zrows <= MAXROWS). Every row start must be 16-byte aligned. ZFILL: a row past
 // `rows` by one zero-filling copy instead of a store on a second branch; where the compiler
 // knows r < zrows (the forward scans, gdp_assume_tid) such a copy has no branch at all. (In the
-// kernels without the assumption it gave no fewer branches and more instructions: v30.)
+// kernels without the assumption it gave no fewer branches and more instructions.)
 template <int LEN, int LD, int MAXROWS, int NTHR, bool ZFILL = false, typename Off>
 __device__ __forceinline__ void gdpc_stage_tile(__nv_bfloat16* __restrict__ dst,
                                                 const __nv_bfloat16* __restrict__ src, Off off,
@@ -289,7 +289,7 @@ __device__ __forceinline__ void gdpc_store_pair(__nv_bfloat16* row, int col, int
 // per group): acquire loads until the group is complete, with a back-off; after 10 s it traps
 // (an error instead of a hang: the launcher runs the two side by side only where the scan
 // leaves most multiprocessors to the WY kernel). One acquire per chunk cost the scan ~0.3 us per
-// step at B1 T32768 (docs/perf.md v15), one per group an eighth of it.
+// step at B1 T32768 on an H200, one per group an eighth of it.
 #define GDPC_READY_GROUP 8
 __host__ __device__ __forceinline__ int64_t gdpc_ready_index(int cbase, int s, int ci) {
   return (int64_t)(cbase / GDPC_READY_GROUP) + s + ci / GDPC_READY_GROUP;
@@ -667,8 +667,7 @@ __device__ __forceinline__ void gdpc_store_state(__nv_bfloat16* dst,
 // gdpc_store_state for NTHR threads with the 16-byte copy unrolled at compile time when K = KPT
 // and the columns allow it (the loop over K costs 86 instructions per warp and step at B1 T32768
 // BV 32). The states-only kernels and the state-gradient scan use it (6–8% faster); the forward
-// scans with an output keep the loop, which their code generation favours by 1.5–3%
-// (docs/perf.md v30).
+// scans with an output keep the loop, which their code generation favours by 1.5–3%.
 template <int BV, int KPT, int NTHR>
 __device__ __forceinline__ void gdpc_store_state_tile(__nv_bfloat16* dst,
                                                       const __nv_bfloat16* sb, int K, int V,
@@ -740,7 +739,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
   const int v0 = blockIdx.y * BV;
   // The forward scans with an output: the block's NW warps told to the compiler. (The same
   // assumption in the staging helpers of every scan took 2-4% off the BV 32 forward scan at B1
-  // and slowed the states-only kernels and the state-gradient scan: docs/perf.md v30.)
+  // and slowed the states-only kernels and the state-gradient scan.)
   if constexpr (OUT) gdp_assume_tid(tid, NW * 32);
   const int bv = min(BV, V - v0);
   const int seq_b = table[4 * sidx], seq_start = table[4 * sidx + 1], seq_len = table[4 * sidx + 2];
@@ -836,7 +835,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     // and store_sb below run under `tid < nthr`, true for every thread: written out, it changes
     // nvcc 13.0's register allocation for the whole kernel; the BV 32 forward scan no longer
     // spills, and the forward scans at BV 16 and 32 ran 7-19% faster on the H200, the
-    // states-only kernels 0-4% slower. docs/perf.md v24.)
+    // states-only kernels 0-4% slower.)
     for (int s = 0; s < NS && tid < nthr; ++s) {
       const Stage st = stage(s);
       gdpc_zero_cols(st.W, LK, C, K, KPT, tid, nthr);
@@ -900,7 +899,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     // have no output rows: they store the chunk's start state and Delta for the backward after
     // their part of the state update, off the output warps' path. (Sb[cur] is next written at
     // the end of the next step, Dn in its phase A: both after its first barrier.) At BV 64 only:
-    // at BV 32 it made the B1 scan 2% slower and its stores no faster (docs/perf.md v30).
+    // at BV 32 it made the B1 scan 2% slower and its stores no faster.
     const bool store_team = OUT && BV >= 64 && (out != nullptr || outb != nullptr) && nq <= 32;
     if (hs != nullptr && !store_team) {  // the chunk's start state (bf16) for the backward
       if constexpr (OUT)
@@ -1054,7 +1053,7 @@ GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 64, 64, 8, true)
 GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 64, 128, 8, true)
 // The states-only kernels (OUT = false, QR = 0): the backward's states rerun and the final-state
 // summaries. At B4 T4096 H16 n2 (BV 64, two stages) 0.379 ms against 0.414 for the forward scan
-// without its output (docs/perf.md v21).
+// without its output, on an H200.
 GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 64, 4, false)
 GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 128, 4, false)
 GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 256, 4, false)
@@ -1064,7 +1063,7 @@ GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 32, 256, 8, false)
 GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 64, 64, 8, false)
 GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 64, 128, 8, false)
 // BV 128 (64 state values per thread at K = 128, 200 registers, no spills): beside the
-// state-gradient scan at BV 128, 64 blocks of each at B4 T4096 H16 share the GPU (docs/perf.md
-// v26).
+// state-gradient scan at BV 128, 64 blocks of each at B4 T4096 H16 share the GPU, one block of
+// each per multiprocessor: 0.793 ms on an H200 against 0.883 for 128 blocks of each at BV 64.
 GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 128, 64, 8, false)
 GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 128, 128, 8, false)

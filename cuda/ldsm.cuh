@@ -19,8 +19,8 @@
 
 // Tells the compiler that the thread index tid lies in [0, nthr), the block's threads, so that
 // row bounds that hold for every thread fold away at compile time (without it nvcc 13.0 wraps
-// each 16-byte copy of a full tile in a branch and forms its 64-bit addresses again inside it:
-// docs/perf.md v30). The emulation checks it.
+// each 16-byte copy of a full tile in a branch and forms its 64-bit addresses again inside it).
+// The emulation checks it.
 __device__ __forceinline__ void gdp_assume_tid(int tid, int nthr) {
 #ifdef GDP_EMU
   assert(tid >= 0 && tid < nthr);

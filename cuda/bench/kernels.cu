@@ -1,8 +1,8 @@
 // Kernel-only timings (CUDA events, median of repeated launches) of the bf16 two-kernel forward
 // (gdp_fwd_wy_bf16, gdp_fwd_scan_bf16_<BV>_128), of the split bf16 backward (the same two with
 // the states kept, gdp_bwd_dh_bf16_<BV>_128, gdp_bwd_grads_bf16_128_128[_tiles]) at the
-// benchmark shapes of docs/perf.md (with the WY kernel beside the scan, and the gradient kernel
-// beside the state-gradient scan, where the op overlaps them), and of the fused decode step
+// benchmark shapes of docs/benchmarks.md (with the WY kernel beside the scan, and the gradient
+// kernel beside the state-gradient scan, where the op overlaps them), and of the fused decode step
 // (gdp_step_f32_k128) at B64 H16 K=V=128 n = 1..3, with achieved bandwidth. No Rust needed, so
 // it separates kernel time from the op's host-side work:
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icuda cuda/bench/kernels.cu -o kbench && ./kbench
@@ -234,7 +234,7 @@ static void forward(int B, int T, int H, int n) {
   printf("  bwd: wy+Ainv %.3f ms", t_wya);
   float best_states = 1e9, best_dh = 1e9;
   // The states rerun: the states-only kernel as the op runs it (no query rows, two stages),
-  // then the forward scan without an output (before v22) for comparison.
+  // then the forward scan without an output (the op's earlier rerun) for comparison.
   auto states = [&](auto kern, int bv, int qr, int max_ns, const char* what) {
     int NS;
     const float t = time_scan(kern, bv, nullptr, hs, dn, qr, max_ns, NS);
@@ -638,8 +638,8 @@ static void step() {
 // KB_NS2=1 gives the forward and state-gradient scans two stages where three fit; KB_CORES=1
 // adds, at B4, the WY kernel beside two-stage scans that leave it room (co-resident blocks),
 // and the backward's two scans side by side at BV 64 (128 blocks each) and 128 (64 each, the
-// op's choice there since docs/perf.md v26); KB_GRADS_PIPE=1 adds, at n >= 2, the persistent
-// gradient kernel after the scan (the op's launch there in v27; the grid again since v28).
+// op's choice there); KB_GRADS_PIPE=1 adds, at n >= 2, the persistent gradient kernel after the
+// scan, for comparison with the op's launch there (one block per chunk and head, 5% faster).
 int main() {
   setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a pipe even if a timeout stops the run
   if (getenv("KB_ONLY_STEP") != nullptr) {  // the decode step only

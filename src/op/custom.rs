@@ -5,7 +5,7 @@
 //! [`GdpBackward`], whose packed f32 output `[dqk | dv | dg | dbeta | dh0?]` is split back onto
 //! the three inputs; on CUDA with bf16 the split backward writes the three gradients directly
 //! (bf16 `dqk`, `dv`), skipping the f32 round trip that costs as much memory traffic as the
-//! kernels (`docs/perf.md`).
+//! kernels.
 
 use super::cpu;
 use super::link::{CpuInputs, RankLink};
@@ -412,7 +412,7 @@ impl CustomOp3 for GdpBackward {
 /// The forward over FLA's separate `q` and `k`, as graph inputs `(q, k, tie)` with
 /// `tie = GradTie(v, gates)`: a custom op takes at most three inputs, and a packed `qk` graph
 /// node would cost its own zero tensor plus add of `dqk` in Candle's gradient accumulation
-/// (about as much memory traffic as the pack itself, `docs/perf.md`). The CUDA bf16 chunked
+/// (about as much memory traffic as the pack itself). The CUDA bf16 chunked
 /// kernels read `q` and `k` in place; elsewhere the kernels run on a packed copy held outside
 /// the graph and the backward cuts `dq`, `dk` out of `dqk`. The backward hands `dv`, `dgates`
 /// to the tie through `stash`.

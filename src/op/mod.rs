@@ -47,11 +47,11 @@ pub struct GdpOptions<'a> {
 /// What the chunked bf16 CUDA forward keeps for its backward
 /// ([`GdpOptions::save_intermediates`]): memory held from the forward to the backward, for
 /// backward time. Bytes are per token and head at K = V = 128 with `n` Householder sub-steps
-/// (the inputs `q, k, v` take `256 + 512·n`); times on an H200 in `docs/perf.md` v33.
+/// (the inputs `q, k, v` take `256 + 512·n`); times on an H200 (`docs/perf-log.md`).
 ///
 /// The default keeps the WY factors, as PyTorch and Megatron-Core keep activations unless
 /// asked to recompute them: through Candle's autograd it made forward+backward 1.02–1.28x
-/// FLA's at the benchmark shapes, against 0.92–1.18x keeping nothing (v33's r67).
+/// FLA's at the benchmark shapes, against 0.92–1.18x keeping nothing.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum SaveIntermediates {
     /// Nothing: the backward computes the WY factors again and reruns the forward's state

@@ -5,7 +5,7 @@
 //! views of the `qk` gradient to two extra graph nodes, and Candle's gradient accumulation (a
 //! zero tensor plus an add per node) over strided views, like its generic strided copy
 //! (`contiguous()` of a narrowed view), was several times slower than the op's own backward
-//! kernels on CUDA (`docs/perf.md`). The op applies it outside the graph (to detached `q`, `k`)
+//! kernels on an H200. The op applies it outside the graph (to detached `q`, `k`)
 //! and calls its backward itself, so that no packed graph node costs a zero-plus-add of `dqk`
 //! (`custom::GdpForwardSplit`).
 

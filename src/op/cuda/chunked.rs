@@ -7,7 +7,8 @@
 //! (K up to 128 for every n, K = 256 for n >= 2 on an H200); `KernelConfig::forward` forces the
 //! one-kernel forward (`Fused`) or this one (`Chunked`, an error where it does not fit). The
 //! bf16 backward (`chunked_bwd.rs`) reruns the WY kernel and the scan without its output
-//! ([`STATES_SCAN`]) to get each chunk's start state and Delta. Timings in `docs/perf.md`.
+//! ([`STATES_SCAN`]) to get each chunk's start state and Delta. Design in `docs/cuda.md`,
+//! timings in `docs/perf-log.md`.
 
 use super::backward::In;
 use super::launch::{allow_smem, check_states, device_attr, shape_i32, to_i32, view};
@@ -109,7 +110,7 @@ pub(super) const FWD_SCAN: ScanKind = ScanKind {
 /// The forward scan without an output (`gdp_fwd_states_bf16_<BV>_<KPT>`): each chunk's start
 /// state and Delta (the backward's rerun) or the final states (context parallelism's
 /// summaries). It stages no query rows and no P (41.7 of the forward scan's 54.0 KB per chunk
-/// and block at BV 64, n = 2). Two stages: at B4 T4096 H16 n2 (H200, `docs/perf.md` v21) 0.379
+/// and block at BV 64, n = 2). Two stages: at B4 T4096 H16 n2 on an H200, 0.379
 /// ms against 0.383 with three and 0.414 for the forward scan without its output; at B1 T32768
 /// (BV 32) 2.397 against 2.465 and 2.586.
 pub(super) const STATES_SCAN: ScanKind = ScanKind {
@@ -126,11 +127,11 @@ pub(super) const STATES_SCAN: ScanKind = ScanKind {
 /// Picks a scan's value tile: the one `tiles` forces for `kind` (16, 32 or 64, or 128 for a
 /// [`ScanKind::wide`] kind at K <= 128) when set; else the widest of 64, 32 and 16 that still gives about one block per
 /// two multiprocessors, or 16. Fewer, wider blocks stage each chunk's W, K and Q fewer times,
-/// and a scan's chunk step is latency-bound: at B1 T32768 H16 (H200, `docs/perf.md` v9) 64
+/// and a scan's chunk step is latency-bound: at B1 T32768 H16 on an H200, 64
 /// blocks of BV = 32 (eight warps) took 2.85 / 2.86 / 3.30 ms for the forward scan, its rerun
 /// and the dS scan against 3.20 / 3.22 / 3.74 ms for 128 blocks of BV = 16 (four warps); a scan
 /// alone at BV 128 is slower than at 64 where both give enough blocks (B4 T4096 H16 n2: the dS
-/// scan 0.774 ms against 0.493, v26). Three stage buffers (copies two chunks ahead) where they
+/// scan 0.774 ms against 0.493). Three stage buffers (copies two chunks ahead) where they
 /// fit and `kind.max_stages` allows, else two. `None` where nothing fits (K too large, or shared
 /// memory).
 pub(super) fn scan_plan(
@@ -196,7 +197,7 @@ pub(super) fn widened_scan_plan(
 /// together fill from about 90% to all of the multiprocessors, one block of each per
 /// multiprocessor. Tiles that [`scan_plan`] picks for one scan can give each scan blocks for
 /// the whole GPU, so that the two, which cannot share a multiprocessor, run one after the other:
-/// at B4 T4096 H16 n2 (H200, `docs/perf.md` v26) 128 blocks each of BV 64 took 0.883 ms side by
+/// at B4 T4096 H16 n2 on an H200, 128 blocks each of BV 64 took 0.883 ms side by
 /// side, 64 each of BV 128 0.793 (n3: 1.309 against 1.176). `None` where no tile does that, or
 /// where either scan's tile is forced in `forced`: then each is planned alone.
 pub(super) fn scan_pair_plan(
@@ -698,7 +699,7 @@ pub(super) struct Signal<'a> {
     /// alone, padded 2.76 ms, the WY kernel then 1.14 ms alone instead of 0.88 and still ahead
     /// of the scan (`KB_WY_PAD` in `cuda/bench/kernels.cu`); the op's forward 3.17 -> 2.85 ms.
     /// The backward keeps four: its states rerun waits for the whole WY kernel, and padded
-    /// its forward+backward took 0.6 ms longer (`docs/perf.md` v19).
+    /// its forward+backward took 0.6 ms longer.
     pub two_per_sm: bool,
 }
 

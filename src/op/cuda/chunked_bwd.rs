@@ -330,7 +330,7 @@ pub fn try_backward_bf16(
     // runs at the tile it would have alone (B1 T32768 H16), not beside a side-by-side pair of
     // wider scans: at B4 T4096 H16 n2 the scan's 64 blocks of 128 columns then waited for a WY
     // kernel on the other half of the GPU and the rerun for its end (forward+backward 4.666 ms
-    // against 4.332 with the WY kernel first, `docs/perf.md` v26).
+    // against 4.332 with the WY kernel first, on an H200).
     let side_by_side = rerun && dh.bv != alone_bv;
     let wy_beside = wy_again && !side_by_side && widened.is_none();
     // The gradient kernel's counters where it runs beside the state-gradient scan (zeroed
@@ -338,7 +338,7 @@ pub fn try_backward_bf16(
     // would leave most multiprocessors idle, and after the rerun of a side-by-side pair, on the
     // multiprocessors the rerun leaves when it ends before the scan. A rerun at the scan's own
     // tile takes them instead (measured: the gradient kernel after it, beside the scan's end,
-    // gained nothing at B1 T32768, `docs/perf.md` v25). Only the kernel measured so (`_tiles`:
+    // gained nothing at B1 T32768 on an H200). Only the kernel measured so (`_tiles`:
     // K, V in (64, 128], n >= 2) has persistent blocks.
     let grads_pipe = match &pipeline {
         Some(p) if !wy_beside && grads_tiles(kp, vp, sh.n) => {
@@ -542,7 +542,7 @@ pub fn try_backward_bf16(
         _ => {
             side.finish()?;
             // A block per pair: since the gradient kernel lost its K h product, 5% faster than
-            // persistent blocks over the table's chunks (`docs/perf.md` v28).
+            // persistent blocks over the table's chunks (on an H200).
             if table.chunks > 0 {
                 grads.launch(dev, &mut out, None)?;
             }
@@ -553,7 +553,7 @@ pub fn try_backward_bf16(
 
 /// Whether the gradient kernel with `kp`, `vp` tiles stores dv and dk through shared memory
 /// (`_tiles`): K = V = 128 tiles at n >= 2, where it measured 3% faster (slower at n = 1,
-/// `docs/perf.md` v21). Only that kernel has persistent blocks (`_tiles_pipe`).
+/// on an H200). Only that kernel has persistent blocks (`_tiles_pipe`).
 fn grads_tiles(kp: usize, vp: usize, n: usize) -> bool {
     kp == 128 && vp == 128 && n >= 2
 }

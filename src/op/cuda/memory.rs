@@ -12,7 +12,7 @@ use candle_core::Result;
 /// op's per-call scratch is large (the bf16 backward's: about 140 KB per 64-row chunk and
 /// head; a decode step's output at B64 H16 K = V = 128: 64 MB), and on an H200 this setting
 /// made the op 0.2-1.4 ms faster forward and 2-8 ms faster forward+backward at the benchmark
-/// shapes (`docs/perf-log.md`, 2026-11-30). PyTorch's caching allocator keeps freed memory the
+/// shapes (`docs/perf-log.md`). PyTorch's caching allocator keeps freed memory the
 /// same way.
 ///
 /// The crate never calls it on its own: it changes process-wide state for that GPU (every

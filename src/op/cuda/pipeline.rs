@@ -6,8 +6,8 @@
 //! The WY kernel is parallel over every (chunk, head); the scan is sequential over the chunks
 //! with one block per (sequence, head, value tile). Where the scan has blocks for at most half
 //! the multiprocessors (B1 T32768 H16: 64 blocks on the H200's 132), running the two one after
-//! the other leaves the scan waiting for the whole WY kernel (0.89 of 3.4 ms there,
-//! `docs/perf.md` v15) and most of the GPU idle while the scan runs. Here the scan starts at
+//! the other leaves the scan waiting for the whole WY kernel (0.89 of 3.4 ms there)
+//! and most of the GPU idle while the scan runs. Here the scan starts at
 //! once on a high-priority side stream, the WY kernel takes the (chunk, head) pairs in
 //! time-major order on the device's stream and counts each chunk as ready once its factors are
 //! written (one counter per group of 8 chunks of a sequence and head), and each scan block waits
@@ -27,7 +27,7 @@
 //! Two processes doing this on one GPU still leave multiprocessors free; a block that waits
 //! 10 s traps (an error rather than a hang). The half also keeps the overlap useful: with the scan's
 //! 128 blocks on 132 multiprocessors (B4 T4096 H16) the WY kernel ran on the 4 left and the
-//! forward took 6.8 ms instead of 0.6. An earlier design (v15) cut the chunks into segments
+//! forward took 6.8 ms instead of 0.6. An earlier design cut the chunks into segments
 //! launched one after the other, each segment's WY factors computed beside the previous scan:
 //! the relaunches cost ~30 µs per segment.
 
