@@ -2,7 +2,7 @@
 flash-linear-attention's `chunk_gated_delta_product` on the same inputs, in the same run.
 
     python3 scripts/bench_vs_fla.py --gdp ./gdp [--reps 20] [--shapes all|small|long|I,J,...]
-                                    [--timing events|host] [--variant "NAME VAR=VALUE ..."]...
+                                    [--timing events|host] [--variant "NAME --flag ..."]...
 
 Needs a CUDA build of `gdp` (`cargo build --release --features cuda --bin gdp`) and the
 flash-linear-attention + fla-core wheels on PYTHONPATH. For each shape it writes q k v g beta do
@@ -13,12 +13,12 @@ calls back to back, L2 cleared before each; `--timing host`: host-clocked calls,
 one at a time), checks that both outputs agree, and prints the ratio FLA time / gdp time (> 1 means gdp
 is faster), with the largest relative RMS difference of the gradients (dq dk dv dg dbeta)
 from FLA's. Each `--variant` adds a row per shape: gdp run again on the same inputs with
-those environment variables set and `gdp run` flags added (e.g.
-`--variant "chunked GDP_CUDA_FWD=chunked"`, `--variant "host --timing host"`,
-`--variant "explicit --backward explicit"`: the op's own backward without Candle's gradient
-accumulation, `gated_delta_product_vjp`; `--variant "nothing GDP_CUDA_SAVE=0"` /
-`"all GDP_CUDA_SAVE=1"`: the forward keeping none / all of its intermediates for the
-backward instead of the default WY factors, `save_intermediates`).
+those `gdp run` flags added (e.g. `--variant "chunked --fwd-kernels chunked"`,
+`--variant "host --timing host"`, `--variant "explicit --backward explicit"`: the op's own
+backward without Candle's gradient accumulation, `gated_delta_product_vjp`;
+`--variant "nothing --save nothing"` / `"all --save all"`: the forward keeping none / all of its
+intermediates for the backward instead of the default WY factors, `save_intermediates`);
+`GDP_BIN=PATH` in a variant runs another `gdp` binary (e.g. an earlier build).
 
 FLA's Triton kernels are autotuned on their first call, keyed by H, K, V and the chunk size but
 not by B, T or n: in one process every later shape would run the configurations tuned for the

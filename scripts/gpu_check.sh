@@ -33,5 +33,5 @@ else
 fi && timeout 120 "$out/kbench" 2>&1 | tee "$out/kbench.log"
 echo "== against FLA"
 timeout 600 python3 -u scripts/bench_vs_fla.py --gdp "$bin/gdp" --reps 5 \
-  --variant "noretain GDP_RETAIN_POOL=0" --variant "tilebwd GDP_CUDA_BWD=fused" 2>&1 |
+  --variant "noretain --no-retain-pool" --variant "tilebwd --bwd-kernels fused" 2>&1 |
   tee "$out/bench.log"
