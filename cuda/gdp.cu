@@ -10,7 +10,7 @@
 //   seqs [N, 3] int: (batch row, first token, tokens) per sequence
 //   out [o (B*T*H*V) | final state (N*H*K*V)]                                 (f32)
 // Grid (N*H, ceil(V/BV)) (N*H on x, whose limit is 2^31-1), GDP_THREADS threads; dynamic shared memory as in `gdp_smem_bytes`
-// (the Rust launcher in src/op/cuda/launch.rs computes the same layout).
+// (the Rust launcher in src/op/cuda/fused_fwd.rs computes the same layout).
 //
 // Per interleaved chunk of c <= 64 rows (gate g_t on row t*n, query on row t*n+n-1):
 //   G = cumsum(gate), decay[i][j] = prod_{m=j+1..i} e^{gate_m} (j <= i, 0 above: pitfall P4),

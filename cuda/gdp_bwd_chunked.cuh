@@ -2,7 +2,7 @@
 // state gradient, everything else parallel over (chunk, head). Included by gdp.cu after
 // gdp_fwd_chunked.cuh (uses its row tables, staging helpers and the WY / forward-scan kernels).
 //
-// Launches (src/op/cuda/chunked_bwd.rs), per interleaved chunk of c <= 64 rows with start state
+// Launches (src/op/cuda/backward.rs, dh_scan.rs, grads.rs), per interleaved chunk of c <= 64 rows with start state
 // h, state gradient dS at its end, W, U, P, coef as in gdp_fwd_chunked.cuh:
 //  1. gdp_fwd_wy_bf16 (with `ag`): W, U, P, coef and bf16(Ainv) of every chunk.
 //  2. gdp_fwd_scan_bf16_<BV>_<KPT> (with `hs`, `dn`, no output): h and Delta = U - W h (bf16).

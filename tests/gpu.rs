@@ -310,7 +310,7 @@ fn saved_intermediates_give_the_same_results() -> Result<()> {
     // is within the bf16 tolerance of the reference. At K = V = 128, n = 2 (two heads: few
     // state-gradient scan blocks) the saved backward runs its gradient kernel beside that scan
     // (persistent blocks waiting for each group of chunks' dS, then the rest after the scan:
-    // `src/op/cuda/chunked_bwd.rs`).
+    // `src/op/cuda/backward.rs`).
     let dev = cuda()?;
     let dtype = DType::BF16;
     for c in cases() {

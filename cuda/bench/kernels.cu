@@ -259,7 +259,7 @@ static void forward(int B, int T, int H, int n) {
     printf(" | scan+hs BV32/%d %.3f | scan+dn BV32/%d %.3f", NS, h32, NS, d32);
   }
   // The state-gradient scan's stages (three where they fit, unless KB_NS2) and shared memory
-  // at value tile bv (dh_smem_bytes in src/op/cuda/chunked_bwd.rs).
+  // at value tile bv (dh_smem_bytes in src/op/cuda/plan.rs).
   auto dh_stages = [&](int bv, int& smem) {
     const int LB = bv + 8;
     auto smem_of = [&](int ns) {
@@ -285,7 +285,7 @@ static void forward(int B, int T, int H, int n) {
   dh(gdp_bwd_dh_bf16_32_128, 32);
   dh(gdp_bwd_dh_bf16_64_128, 64);
   // Where the op runs the states rerun and the state-gradient scan side by side at BV 32 (both
-  // fit on the GPU at once, scan_pair_plan in src/op/cuda/chunked.rs: B1 T32768 H16): the two
+  // fit on the GPU at once, scan_pair_plan in src/op/cuda/plan.rs: B1 T32768 H16): the two
   // on two streams, joined.
   if (2 * B * H * (V / 32) <= sms && 20 * B * H * (V / 32) >= 9 * sms) {
     const int ssmem = gdpc_scan_smem_bytes(KP, 0, 32, 2);
@@ -523,7 +523,7 @@ static void forward(int B, int T, int H, int n) {
     for (void* x : {(void*)dfo, (void*)dbo, (void*)ready}) CK(cudaFree(x));
   }
 
-  // The gradient kernel beside the state-gradient scan (BV 32, src/op/cuda/chunked_bwd.rs)
+  // The gradient kernel beside the state-gradient scan (BV 32, src/op/cuda/backward.rs)
   // where the scan's blocks fill fewer than half the multiprocessors: the scan on a
   // high-priority stream counting its groups done, persistent gradient blocks on the
   // multiprocessors it leaves, then (after the scan) on all of them; against the scan and the

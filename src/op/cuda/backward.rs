@@ -1,314 +1,49 @@
-//! Safe launchers of the CUDA backward kernel `gdp_bwd_*` (`cuda/gdp_bwd.cuh`) in its three
-//! modes: the backward itself, and the forward / backward summaries of context parallelism
-//! (the final state of the forward run on value columns widened to `[v | 0_K]` from
-//! `[h0 | I_K]`, and the initial-state gradient of the backward run with `do = [do | 0_K]`,
-//! `dht = [dht | I_K]`). Every CUDA failure is returned as a [`candle_core::Error`].
+//! The backward composed from its stages ([`backward`] dispatches): the bf16 split backward of
+//! FLA's design (`cuda/gdp_bwd_chunked.cuh`, [`try_backward_bf16`]): the WY factors
+//! and the forward scan rerun without its output (`gdp_fwd_states_bf16_<BV>_<KPT>`, staging no
+//! query rows) to get every chunk's start state h and Delta, one reverse scan of the state
+//! gradient (`gdp_bwd_dh_bf16_<BV>_<KPT>`: dS in registers, cp.async staging, like the forward
+//! scan), then every gradient of every (chunk, head) in parallel
+//! (`gdp_bwd_grads_bf16_<KP>_<VP>`; `_tiles` at K = V = 128 and n >= 2: dv and dk stored
+//! through shared memory, measured faster there and slower at n = 1). The per-value-tile kernel
+//! of `fused_bwd.rs` redoes the WY factors and all the chunk's gradient products on its
+//! sequential path; this takes them off it. Where the forward kept its intermediates and the
+//! state-gradient scan's blocks fill fewer than half the multiprocessors (B1 T32768 H16: 64 of
+//! 132), the gradient kernel (its `_tiles` form: K = V = 128 tiles, n >= 2) runs beside it:
+//! persistent blocks on the multiprocessors the scan leaves take the (chunk, head) pairs in the
+//! order the scan finishes them and wait for each group of chunks (`gdpg_pipe` in the kernel
+//! file), and once the scan is done a second launch takes the pairs left on every
+//! multiprocessor. The bf16 default where it fits (K, V <= 128);
+//! `KernelConfig::backward` forces the other (`Fused`) or this one (`Chunked`, an error where it
+//! does not fit).
 
-use super::launch::{allow_smem, check_states, device_attr, shape_i32, to_i32, view, THREADS};
-use super::module::load_kernel;
+use super::cache::{ChunkStates, ForwardCache};
+use super::copy::to_bf16;
+use super::device::{check_inputs, check_states, smem_and_sms, to_i32, untracked, view, In};
+use super::dh_scan::{run_dh_scan, DhDest};
+use super::fused_bwd::{backward_len, Launch, MODE_FULL};
+use super::fwd_scan::{run_scan, ScanDest, ScanOut};
+use super::grads::{GradLayout, Grads, GradsLaunch, PipeArgs, QkGrads, GRADS_PIPE_COUNTERS};
+use super::inputs::{Bf16Inputs, ChunkTable, Cotangent, QkIn};
+use super::pipeline::{OverlapRun, Pipeline};
+use super::plan::{grads_tiles, query_rows, split_plan, SplitPlan};
+use super::side::SideStream;
+use super::summary::{WidenedDh, WidenedFold, WidenedRun};
+use super::wy::WyFactors;
 use crate::op::config::KernelConfig;
 use crate::op::shape::{GdpShape, CHUNK};
-use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
-};
-use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
-use candle_core::{CudaStorage, DType, Layout, Result};
-
-/// A storage and its layout.
-pub type In<'a> = (&'a CudaStorage, &'a Layout);
-
-const MODE_FULL: i32 = 0;
-const MODE_FWD_SUM: i32 = 1;
-const MODE_BWD_SUM: i32 = 2;
-
-/// Candidate value-column tile widths, widest first.
-const BV_CANDIDATES: [usize; 4] = [64, 32, 16, 8];
-
-/// Dynamic shared memory of one backward block, in bytes, for key dimension `dk`, `bv` value
-/// columns and input elements of `elem` bytes. Must match the carve-up at the top of `gdp_bwd`
-/// in `cuda/gdp_bwd.cuh`.
-pub fn bwd_smem_bytes(dk: usize, bv: usize, elem: usize) -> usize {
-    let c = CHUNK;
-    let kstr = dk + if elem == 4 { 1 } else { 2 };
-    let sb = bv + 1; // padded row stride of the [*][BV] buffers
-    4 * (2 * dk * sb + 6 * c * sb + 4 * c * c + 11 * c + 4) + 2 * c * kstr * elem
-}
-
-/// Block shape of one backward-kernel launch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BwdPlan {
-    /// Value columns per block.
-    pub bv: usize,
-    /// Dynamic shared memory per block, bytes.
-    pub smem: usize,
-    /// Grid `(entries·H, ceil(width / bv))`.
-    pub grid: (u32, u32),
-}
-
-impl BwdPlan {
-    /// Picks the value tile for `rows` (entry, head) pairs over `width` state columns:
-    /// `forced` when set, else the widest fitting tile that still gives at least
-    /// `sms / 2` blocks (else the narrowest fitting tile of at least 16 columns).
-    pub fn new(
-        dk: usize,
-        width: usize,
-        rows: usize,
-        elem: usize,
-        max_smem: usize,
-        sms: usize,
-        forced: Option<usize>,
-    ) -> Result<Self> {
-        let cap = width.next_power_of_two().clamp(8, 64);
-        let fits = |bv: usize| bwd_smem_bytes(dk, bv, elem) <= max_smem;
-        let blocks = |bv: usize| rows * width.div_ceil(bv);
-        let bv = match forced {
-            Some(bv) => {
-                if !BV_CANDIDATES.contains(&bv) || !fits(bv) {
-                    candle_core::bail!(
-                        "gdp cuda: KernelConfig::tiles.fused_backward = {bv} must be one of {BV_CANDIDATES:?} and fit \
-                         in {max_smem} bytes of shared memory (needs {})",
-                        bwd_smem_bytes(dk, bv, elem)
-                    );
-                }
-                bv
-            }
-            None => {
-                let fitting: Vec<usize> = BV_CANDIDATES
-                    .iter()
-                    .copied()
-                    .filter(|&bv| bv <= cap && fits(bv))
-                    .collect();
-                let Some(&narrowest) = fitting.last() else {
-                    candle_core::bail!(
-                        "gdp cuda backward: K = {dk} needs {} bytes of shared memory even with 8 \
-                         value columns per block, the device allows {max_smem}",
-                        bwd_smem_bytes(dk, 8, elem)
-                    );
-                };
-                match fitting.iter().copied().find(|&bv| 2 * blocks(bv) >= sms) {
-                    Some(bv) => bv,
-                    None => fitting
-                        .iter()
-                        .rev()
-                        .copied()
-                        .find(|&bv| bv >= 16)
-                        .unwrap_or(narrowest),
-                }
-            }
-        };
-        let (gx, gy) = (rows, width.div_ceil(bv));
-        if gx > i32::MAX as usize || gy > 65_535 {
-            candle_core::bail!("gdp cuda: grid ({gx}, {gy}) is too large");
-        }
-        Ok(Self {
-            bv,
-            smem: bwd_smem_bytes(dk, bv, elem),
-            grid: (gx as u32, gy as u32),
-        })
-    }
-}
-
-/// Checks that the inputs share `qk`'s device and dtype (gates: f32); returns the device.
-fn check_inputs(qk: In, v: In, aux: In, grad: Option<In>) -> Result<CudaDevice> {
-    let dev = qk.0.device().clone();
-    for (s, name) in [(v.0, "v"), (aux.0, "gates")]
-        .into_iter()
-        .chain(grad.map(|g| (g.0, "gradient")))
-    {
-        if !s.device().same_device(&dev) {
-            candle_core::bail!("gdp cuda: `{name}` is on another device than `qk`");
-        }
-    }
-    if v.0.dtype() != qk.0.dtype() {
-        candle_core::bail!(
-            "gdp cuda: `v` is {:?} but `qk` is {:?}",
-            v.0.dtype(),
-            qk.0.dtype()
-        );
-    }
-    if aux.0.dtype() != DType::F32 {
-        candle_core::bail!(
-            "gdp cuda: the gate buffer must be f32, got {:?}",
-            aux.0.dtype()
-        );
-    }
-    if let Some(g) = grad {
-        if g.0.dtype() != DType::F32 {
-            candle_core::bail!("gdp cuda: the gradient must be f32, got {:?}", g.0.dtype());
-        }
-    }
-    Ok(dev)
-}
-
-/// One launch of `gdp_bwd_*`.
-struct Launch<'a> {
-    sh: &'a GdpShape,
-    scale: f32,
-    /// Whether the gate buffer carries initial states.
-    has_h0: bool,
-    /// Sequences of the table (their state rows); summaries are written in this order.
-    seqs: &'a [usize],
-    mode: i32,
-    /// Initial states `[N, H, K, V]` replacing the gate buffer's (modes FULL and FWD_SUM).
-    h0: Option<&'a CudaSlice<f32>>,
-    /// `[do | dht]` (modes FULL and BWD_SUM).
-    grad: Option<In<'a>>,
-    /// Replaces the `dht` part of `grad`.
-    dht: Option<&'a CudaSlice<f32>>,
-    /// The value tile forced by [`KernelConfig`]'s `tiles.fused_backward`.
-    forced_bv: Option<usize>,
-}
-
-impl Launch<'_> {
-    fn run(&self, qk: In, v: In, aux: In, out: &mut CudaSlice<f32>) -> Result<()> {
-        let dev = check_inputs(qk, v, aux, self.grad)?;
-        match qk.0.dtype() {
-            DType::F32 => self.run_t::<f32>("gdp_bwd_f32", &dev, qk, v, aux, out),
-            DType::BF16 => self.run_t::<half::bf16>("gdp_bwd_bf16", &dev, qk, v, aux, out),
-            DType::F16 => self.run_t::<half::f16>("gdp_bwd_f16", &dev, qk, v, aux, out),
-            DType::F64 => candle_core::bail!(
-                "gdp cuda: f64 inputs are not supported on CUDA; use f32, bf16 or f16 (or the CPU op)"
-            ),
-            dt => candle_core::bail!("gdp cuda: unsupported dtype {dt:?} for q/k/v"),
-        }
-    }
-
-    fn run_t<T: CudaDType + DeviceRepr>(
-        &self,
-        kernel: &str,
-        dev: &CudaDevice,
-        qk: In,
-        v: In,
-        aux: In,
-        out: &mut CudaSlice<f32>,
-    ) -> Result<()> {
-        let sh = self.sh;
-        let qk_v = view::<T>(qk.0, qk.1, sh.qk_len(), "qk")?;
-        let v_v = view::<T>(v.0, v.1, sh.v_len(), "v")?;
-        let aux_v = view::<f32>(aux.0, aux.1, sh.aux_len(self.has_h0), "gates")?;
-        let (o_len, s_len) = (sh.o_len(), sh.state_len());
-        let grad_v = match self.grad {
-            Some(g) => Some(view::<f32>(g.0, g.1, o_len + s_len, "grad")?),
-            None => None,
-        };
-        check_states(self.h0, sh, "initial-state override")?;
-        check_states(self.dht, sh, "dht override")?;
-        let [b, t, h, k, vd, n] = shape_i32(sh)?;
-        let ext = if self.mode == MODE_FULL { 0 } else { sh.dk };
-        to_i32(sh.dv + ext, "V + K")?;
-        let mut table = Vec::with_capacity(5 * self.seqs.len());
-        let mut chunks = 0usize;
-        for &s in self.seqs {
-            let sp = &sh.seqs[s];
-            table.extend([
-                to_i32(sp.batch, "batch")?,
-                to_i32(sp.start, "start")?,
-                to_i32(sp.len, "len")?,
-                to_i32(s, "state row")?,
-                to_i32(chunks, "chunk offset")?,
-            ]);
-            chunks += (sp.len * sh.n).div_ceil(CHUNK);
-        }
-        let rows = self.seqs.len() * sh.heads;
-        if rows == 0 {
-            return Ok(());
-        }
-        let max_smem = device_attr(
-            dev,
-            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-        )?;
-        let sms = device_attr(
-            dev,
-            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-        )?;
-        let plan = BwdPlan::new(
-            sh.dk,
-            sh.dv + ext,
-            rows,
-            std::mem::size_of::<T>(),
-            max_smem,
-            sms,
-            self.forced_bv,
-        )?;
-        let table = dev.clone_htod(&table)?;
-        // Chunk start states [chunks, H, K, V] (FULL only); every element the kernel reads it
-        // wrote first, zeros keep the buffer defined anyway.
-        let hs_len = if self.mode == MODE_FULL {
-            (chunks * sh.heads * sh.dk * sh.dv).max(1)
-        } else {
-            1
-        };
-        let mut hs = dev.alloc_zeros::<f32>(hs_len)?;
-
-        let func = load_kernel(dev, kernel)?;
-        allow_smem(&func, plan.smem)?;
-
-        let h0_off = sh.token_heads() * (1 + sh.n);
-        let aux_h0 = aux_v.slice(h0_off.min(aux_v.len())..);
-        let has_h0src = i32::from(self.h0.is_some() || self.has_h0);
-        let (do_v, dht_v) = match &grad_v {
-            Some(g) => (Some(g.slice(0..o_len)), Some(g.slice(o_len..o_len + s_len))),
-            None => (None, None),
-        };
-        let write_dh0 = i32::from(self.mode == MODE_FULL && self.has_h0);
-        let (ext_i, mode, bv) = (ext as i32, self.mode, plan.bv as i32);
-        let scale = self.scale;
-        let mut args = func.builder();
-        args.arg(&qk_v);
-        args.arg(&v_v);
-        args.arg(&aux_v);
-        args.arg(&table);
-        match self.h0 {
-            Some(h0) => args.arg(h0),
-            None => args.arg(&aux_h0),
-        };
-        args.arg(&has_h0src);
-        // Placeholders (never read) where the mode has no gradient.
-        match &do_v {
-            Some(d) => args.arg(d),
-            None => args.arg(&aux_v),
-        };
-        match (self.dht, &dht_v) {
-            (Some(d), _) => args.arg(d),
-            (None, Some(d)) => args.arg(d),
-            (None, None) => args.arg(&aux_v),
-        };
-        args.arg(&mut hs);
-        args.arg(out);
-        for x in [&b, &t, &h, &k, &vd, &n, &ext_i, &mode, &write_dh0] {
-            args.arg(x);
-        }
-        args.arg(&scale);
-        args.arg(&bv);
-        let cfg = LaunchConfig {
-            grid_dim: (plan.grid.0, plan.grid.1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: plan.smem as u32,
-        };
-        // SAFETY: the argument list matches `gdp_bwd_*` in cuda/gdp_bwd.cuh: buffers whose
-        // lengths were checked above against the shape the kernel indexes with (the output
-        // was sized by the caller for this mode, the scratch for the table's chunks), then the
-        // i32 sizes and flags, the f32 scale and the tile width; the dynamic shared memory
-        // equals `bwd_smem_bytes`.
-        unsafe { args.launch(cfg) }.w()?;
-        drop(args);
-        Ok(())
-    }
-}
-
-/// Elements of the backward's packed output `[dqk | dv | dg | dbeta | dh0?]`.
-pub fn backward_len(sh: &GdpShape, has_h0: bool) -> usize {
-    sh.qk_len()
-        + sh.v_len()
-        + sh.token_heads() * (1 + sh.n)
-        + if has_h0 { sh.state_len() } else { 0 }
-}
+use crate::op::QueryKeys;
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream};
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+use half::bf16;
+use std::sync::Arc;
 
 /// Backward on CUDA: `grad` is the f32 `[do (B·T·H·V) | dht (N·H·K·V)]`; returns the packed f32
 /// `[dqk | dv | dg | dbeta | dh0?]` of [`crate::op::cpu::backward`]. bf16 inputs take the
-/// split backward of `chunked_bwd.rs` where it fits (`KernelConfig::backward`), everything else the
+/// split backward ([`try_backward_bf16`]) where it fits (`KernelConfig::backward`), everything else the
 /// per-value-tile kernel `gdp_bwd_*`. `h0_override` replaces the
 /// initial states and `dht_override` the `dht` part of `grad` (context parallelism); the
 /// initial-state gradients of the sequences in `zero_dh0` are set to zero. `cache`, what the
@@ -326,14 +61,13 @@ pub fn backward(
     h0_override: Option<&CudaSlice<f32>>,
     dht_override: Option<&CudaSlice<f32>>,
     zero_dh0: &[usize],
-    cache: Option<super::chunked::ForwardCache>,
+    cache: Option<super::cache::ForwardCache>,
     cfg: &KernelConfig,
 ) -> Result<CudaStorage> {
     let dev = check_inputs(qk, v, aux, Some(grad))?;
     let total = backward_len(sh, has_h0);
     let split = if qk.0.dtype() == DType::BF16 {
-        use super::chunked::QkIn;
-        use super::chunked_bwd::{try_backward_bf16, Cotangent, GradLayout, Grads};
+        use super::inputs::QkIn;
         let cot = Cotangent::Packed(grad);
         let layout = GradLayout::Packed;
         match try_backward_bf16(
@@ -391,151 +125,494 @@ pub fn backward(
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
 
-/// Forward summaries `[ΔS | M]` (`[K, V + K]` per head, in `(fragment, head)` order) of the
-/// sequences `frags`, from the initial states `h0 [N, H, K, V]` (see `cp::protocol`): on the
-/// bf16 chunked kernels where they serve (`summary.rs`), else on the per-value-tile kernel.
+/// The side stream of the backward's state-gradient scan: forked after the WY kernel, or an
+/// overlapped launch of a [`Pipeline`] (the scan beside the gradient kernel, and, with `waits`,
+/// beside a WY kernel taking the chunks from the sequences' ends).
+pub(super) enum Side {
+    Plain(SideStream),
+    Beside {
+        run: OverlapRun,
+        waits: bool,
+    },
+    /// Already joined (a widened context-parallel scan): the device's stream.
+    Joined(Arc<CudaStream>),
+}
+
+impl Side {
+    fn stream(&self) -> &Arc<CudaStream> {
+        match self {
+            Side::Plain(s) => s.stream(),
+            Side::Beside { run, .. } => run.side.stream(),
+            Side::Joined(s) => s,
+        }
+    }
+
+    /// The WY kernel's readiness counters, where the scan runs beside it.
+    fn ready(&self) -> Option<&CudaSlice<i32>> {
+        match self {
+            Side::Beside { run, waits: true } => Some(&run.ready),
+            _ => None,
+        }
+    }
+
+    /// Joins the side stream into the device's stream (beside: after recording it in the
+    /// registry of overlapped launches).
+    fn finish(self) -> Result<()> {
+        match self {
+            Side::Plain(s) => s.join(),
+            Side::Beside { run, .. } => run.finish(),
+            Side::Joined(_) => Ok(()),
+        }
+    }
+}
+
+/// Runs the split bf16 backward if `cfg.backward` allows it and it fits this shape (the
+/// contract of [`backward`] without `zero_dh0`, and with a plain `do` allowed);
+/// `Ok(None)` means: use the per-value-tile backward. With the forward's `cache` (of these
+/// inputs, without an initial-state override) the WY factors and chunk states are not
+/// recomputed. With `widened` (a context-parallel rank) the state-gradient scan runs widened
+/// ([`WidenedFold`]), beside the rerun, and the gradient kernel after both.
 #[allow(clippy::too_many_arguments)]
-pub fn forward_summaries(
-    qk: In,
-    v: In,
-    aux: In,
+pub fn try_backward_bf16(
+    dev: &CudaDevice,
+    qk: QkIn,
+    v: (&CudaStorage, &Layout),
+    aux: (&CudaStorage, &Layout),
+    cot: Cotangent,
     sh: &GdpShape,
     scale: f32,
     has_h0: bool,
-    frags: &[usize],
-    h0: &[f32],
+    h0_override: Option<&CudaSlice<f32>>,
+    dht_override: Option<&CudaSlice<f32>>,
+    layout: GradLayout,
+    cache: Option<ForwardCache>,
+    widened: Option<WidenedFold<'_>>,
     cfg: &KernelConfig,
-) -> Result<Vec<f32>> {
-    if frags.is_empty() {
-        return Ok(vec![]);
+) -> Result<Option<Grads>> {
+    let Some(SplitPlan {
+        kp,
+        vp,
+        rerun: rerun_alone,
+        dh: dh_alone,
+        side_by_side,
+    }) = split_plan(dev, sh, cfg)?
+    else {
+        return Ok(None);
+    };
+    let (kept_wy, kept_states) = match cache {
+        Some(cache) => {
+            let (wy, states) = cache.into_parts();
+            (Some(wy), states)
+        }
+        None => (None, None),
+    };
+    // Rerun the forward scan for the chunk states unless the forward kept them; compute the WY
+    // factors unless it kept those (it keeps the states only with them).
+    let rerun = kept_states.is_none();
+    let wy_again = kept_wy.is_none();
+    let qr = query_rows(sh.n);
+    let inp = Bf16Inputs::new(qk, v, aux, sh, has_h0)?;
+    check_states(h0_override, sh, "initial-state override")?;
+    check_states(dht_override, sh, "dht override")?;
+    let (o_len, s_len) = (sh.o_len(), sh.state_len());
+    let table = ChunkTable::new(dev, sh)?;
+    let slots = table.slots(sh);
+    let kv = sh.dk * sh.dv;
+    let aux_len = sh.aux_len(has_h0);
+    // SAFETY: the kernels below write every element of the gradients: `cu_seqlens` covers
+    // every token (`validate_cu_seqlens`), and the gradient kernel writes dq, dk, dv, dβ and dg
+    // of every row of every chunk (each once), the state-gradient scan dh0 of every (sequence,
+    // head) when the layout has it. With no (sequence, head) pair every length is zero.
+    let mut out = unsafe {
+        match (layout, inp.split) {
+            (GradLayout::Packed, 0) => {
+                Grads::Packed(dev.alloc::<f32>(sh.qk_len() + sh.v_len() + aux_len)?)
+            }
+            (GradLayout::Packed, _) => candle_core::bail!(
+                "gdp cuda: the packed f32 gradients need the packed `qk`, not `q` and `k`"
+            ),
+            (GradLayout::Parts, split) => Grads::Parts {
+                dqk: if split == 0 {
+                    QkGrads::Packed(dev.alloc::<bf16>(sh.qk_len())?)
+                } else {
+                    QkGrads::Split {
+                        dq: dev.alloc::<bf16>(inp.q.len())?,
+                        dk: dev.alloc::<bf16>(inp.k.len())?,
+                    }
+                },
+                dv: dev.alloc::<bf16>(sh.v_len())?,
+                daux: dev.alloc::<f32>(aux_len)?,
+            },
+        }
+    };
+    if sh.num_seqs() * sh.heads == 0 {
+        return Ok(Some(out));
     }
-    check_inputs(qk, v, aux, None)?;
-    if h0.len() != sh.state_len() {
-        candle_core::bail!(
-            "gdp cuda: {} initial-state values for the summaries, expected {}",
-            h0.len(),
-            sh.state_len()
-        );
+
+    // 1. WY factors with Ainv (kept by the forward, or computed again below: before both scans,
+    // or beside the state-gradient scan), and the buffers of every chunk's start state and Delta
+    // (kept by the forward, or computed again in 3).
+    let alone_bv = dh_alone.bv;
+    let [rerun_plan, dh] = match side_by_side {
+        Some(pair) if rerun && widened.is_none() => pair,
+        _ => [rerun_alone, dh_alone],
+    };
+    let sms = smem_and_sms(dev)?.1;
+    let pipeline = match widened {
+        None => Pipeline::plan(dev, sh, &table, &dh, sms, sh.chunks_from_the_end(), cfg)?,
+        Some(_) => None,
+    };
+    // With a pipeline, the WY kernel runs beside the state-gradient scan only where the scan
+    // runs at the tile it would have alone (B1 T32768 H16), not beside a side-by-side pair of
+    // wider scans: at B4 T4096 H16 n2 the scan's 64 blocks of 128 columns then waited for a WY
+    // kernel on the other half of the GPU and the rerun for its end (forward+backward 4.666 ms
+    // against 4.332 with the WY kernel first, on an H200).
+    let side_by_side = rerun && dh.bv != alone_bv;
+    let wy_beside = wy_again && !side_by_side && widened.is_none();
+    // The gradient kernel's counters where it runs beside the state-gradient scan (zeroed
+    // before the side stream forks): with the forward's intermediates, where the scan alone
+    // would leave most multiprocessors idle, and after the rerun of a side-by-side pair, on the
+    // multiprocessors the rerun leaves when it ends before the scan. A rerun at the scan's own
+    // tile takes them instead (measured: the gradient kernel after it, beside the scan's end,
+    // gained nothing at B1 T32768 on an H200). Only the kernel measured so (`_tiles`:
+    // K, V in (64, 128], n >= 2) has persistent blocks.
+    let grads_pipe = match &pipeline {
+        Some(p) if !wy_beside && grads_tiles(kp, vp, sh.n) => {
+            Some(dev.alloc_zeros::<i32>(GRADS_PIPE_COUNTERS + p.counters())?)
+        }
+        _ => None,
+    };
+    let mut wy = match kept_wy {
+        Some(wy) => wy,
+        None => WyFactors::alloc(dev, &table, sh, true)?,
+    };
+    let mut states = match kept_states {
+        Some(states) => states,
+        None => ChunkStates::alloc(dev, &table, sh)?,
+    };
+
+    // dO in bf16 (the tensor cores' operand type), and dht (f32) when given.
+    let converted;
+    let (dob, dht, do_src, dht_src) = match cot {
+        Cotangent::Plain(d) => (
+            view::<bf16>(d.0, d.1, o_len, "do")?,
+            None,
+            (d.0.as_cuda_slice::<bf16>()?, d.1.start_offset()),
+            None,
+        ),
+        Cotangent::Packed(g) => {
+            let grad = view::<f32>(g.0, g.1, o_len + s_len, "grad")?;
+            converted = to_bf16(dev, &grad.slice(0..o_len))?;
+            let at = g.1.start_offset() + o_len;
+            (
+                converted.slice(..),
+                Some(grad.slice(o_len..o_len + s_len)),
+                (&converted, 0),
+                Some((g.0.as_cuda_slice::<f32>()?, at)),
+            )
+        }
+    };
+
+    // 3. The state-gradient scan on a side stream, beside the forward's rerun (when the forward
+    // kept no states) on the device's stream: the two are independent, each sequential over the
+    // chunks with a block per (sequence, head, value tile), and at small B·H (B1 H16: 64 blocks
+    // each on 132 multiprocessors) one alone leaves half the GPU idle. There (`pipeline`) the
+    // scan starts on a high-priority stream, beside the WY kernel when it reruns, else counting
+    // its chunks done for the gradient kernel of 4.
+    // SAFETY (dhs, ddn): the scan writes every element of every slot of the table's chunks
+    // before the gradient kernel reads them; slots of no chunk are never read.
+    let mut dhs = unsafe { dev.alloc::<bf16>(slots * kv)? };
+    let mut ddn = unsafe { dev.alloc::<bf16>(slots * CHUNK * sh.dv)? };
+    let dh0_at = aux_len - if has_h0 { s_len } else { 0 };
+    // A context-parallel rank's widened scan (`WidenedDh`) or the plain op's, launched on a side
+    // stream; then the rerun on the device's stream, beside it.
+    let launched = if let Some(fold) = widened {
+        if wy_again {
+            wy.launch(dev, &inp, &table, sh, scale, None)?;
+        }
+        let ctx = WidenedDh {
+            inp: &inp,
+            table: &table,
+            wy: &wy,
+            sh,
+            do_src,
+            dht_src,
+            beside_blocks: if rerun {
+                sh.num_seqs() * sh.heads * sh.dv.div_ceil(rerun_plan.bv)
+            } else {
+                0
+            },
+            cfg,
+        };
+        Launched::Widened(Box::new(ctx.launch(dev)?), fold)
+    } else {
+        let mut dh0 = match &mut out {
+            Grads::Packed(p) => p.slice_mut(sh.qk_len() + sh.v_len() + dh0_at..),
+            Grads::Parts { daux, .. } => daux.slice_mut(dh0_at..),
+        };
+        let dht = match dht_override {
+            Some(d) => Some(d.slice(..)),
+            None => dht,
+        };
+        let dest = DhDest {
+            chunks: Some((&mut dhs, &mut ddn)),
+            dh0: has_h0.then_some(&mut dh0),
+        };
+        let dht = dht.as_ref();
+        // With a pipeline: the side stream forked before the WY kernel where the scan runs
+        // beside it (waiting for its counters); else forked after it.
+        if side_by_side && wy_again {
+            wy.launch(dev, &inp, &table, sh, scale, None)?;
+        }
+        let overlap = match &pipeline {
+            Some(p) => p.start(dev)?.map(|run| (p, run)),
+            None => None,
+        };
+        let side = match overlap {
+            Some((p, run)) => {
+                if wy_beside {
+                    wy.launch(dev, &inp, &table, sh, scale, Some(p.signal(&run, false)))?;
+                }
+                Side::Beside {
+                    run,
+                    waits: wy_beside,
+                }
+            }
+            None => {
+                if wy_beside {
+                    wy.launch(dev, &inp, &table, sh, scale, None)?;
+                }
+                Side::Plain(SideStream::fork(dev, cfg.side_streams)?)
+            }
+        };
+        let signal = match &side {
+            Side::Beside { .. } => grads_pipe.as_ref(),
+            Side::Plain(_) | Side::Joined(_) => None,
+        };
+        run_dh_scan(
+            dev,
+            side.stream(),
+            &inp,
+            &table,
+            &wy,
+            &dob,
+            dht,
+            sh,
+            &dh,
+            dest,
+            side.ready(),
+            signal,
+        )?;
+        Launched::Plain(side)
+    };
+    if rerun {
+        let dest = ScanDest {
+            out: ScanOut::None,
+            states: Some(&mut states),
+        };
+        run_scan(
+            dev,
+            &inp,
+            &table,
+            &wy,
+            sh,
+            has_h0,
+            h0_override,
+            &rerun_plan,
+            dest,
+            None,
+        )?;
     }
-    if let Some(s) =
-        super::summary::forward_summaries_bf16(qk, v, aux, sh, scale, has_h0, frags, h0, cfg)?
-    {
-        return Ok(s);
-    }
-    let h0 = qk.0.device().clone_htod(h0)?;
-    summaries(
-        qk,
-        v,
-        aux,
+    let side = match launched {
+        Launched::Plain(side) => side,
+        Launched::Widened(run, fold) => {
+            let dh0 = run.finish(dev, &mut dhs, &mut ddn, fold)?;
+            if has_h0 {
+                match &mut out {
+                    Grads::Packed(p) => {
+                        let at = sh.qk_len() + sh.v_len() + dh0_at;
+                        super::device::copy_tensor_into(&dh0, p, at)?
+                    }
+                    Grads::Parts { daux, .. } => {
+                        super::device::copy_tensor_into(&dh0, daux, dh0_at)?
+                    }
+                }
+            }
+            Side::Joined(dev.cuda_stream())
+        }
+    };
+
+    // 4. Every gradient, per (chunk, head): beside the state-gradient scan where it counts its
+    // chunks (persistent blocks on the multiprocessors it leaves, then the pairs left on all of
+    // them once it is done), else after it.
+    let ainv = wy
+        .ainv
+        .as_ref()
+        .ok_or_else(|| candle_core::Error::Msg("gdp cuda: Ainv was not kept".into()))?;
+    let grads = GradsLaunch {
+        inp: &inp,
+        table: &table,
         sh,
+        kp,
+        vp,
+        qr,
+        ainv,
+        states: &states,
+        dhs: untracked(dev, &dhs),
+        ddn: untracked(dev, &ddn),
+        dob: &dob,
         scale,
-        has_h0,
-        frags,
-        MODE_FWD_SUM,
-        Some(&h0),
-        None,
-        cfg.tiles.fused_backward,
-    )
+    };
+    match (&side, &pipeline, &grads_pipe) {
+        (Side::Beside { .. }, Some(p), Some(pipe)) if table.chunks > 0 => {
+            let scan_blocks = sh.num_seqs() * sh.heads * sh.dv.div_ceil(dh.bv);
+            let pipe = PipeArgs {
+                pipe: untracked(dev, pipe),
+                order: untracked(dev, p.order()),
+                ready_count: to_i32(sh.dv.div_ceil(dh.bv), "value tiles")?,
+                scan_blocks: to_i32(scan_blocks, "scan blocks")?,
+            };
+            // The scan's blocks take at most half the multiprocessors (`Pipeline::plan`).
+            grads.launch(dev, &mut out, Some((&pipe, true, sms - scan_blocks)))?;
+            side.finish()?;
+            grads.launch(dev, &mut out, Some((&pipe, false, 2 * sms)))?;
+        }
+        _ => {
+            side.finish()?;
+            // A block per pair: since the gradient kernel lost its K h product, 5% faster than
+            // persistent blocks over the table's chunks (on an H200).
+            if table.chunks > 0 {
+                grads.launch(dev, &mut out, None)?;
+            }
+        }
+    }
+    Ok(Some(out))
 }
 
-/// Backward summaries `[γ | Mᵀ]` (`[K, V + K]` per head, in `(fragment, head)` order) of the
-/// sequences `frags`, with the output gradients and end-state gradients of `grad [do | dht]`
-/// (`dht`, the same end-state gradients on the host): on the bf16 chunked kernels where they
-/// serve (`summary.rs`), else on the per-value-tile kernel.
+/// Context parallelism's replacements in a rank's backward: the folded initial states (f32
+/// `[N, H, K, V]`, on the device), the final-state gradients from the following ranks, and the
+/// sequences whose initial-state gradient went to earlier ranks as γ (their `dh0` rows are
+/// zeroed).
+pub(crate) struct CpOverrides<'a> {
+    pub h0: CudaSlice<f32>,
+    pub dht: CpFinalGrads<'a>,
+    pub zero_dh0: Vec<usize>,
+}
+
+/// What the following ranks send into a rank's final-state gradients: folded already (added
+/// to `dht`, f32 `[N, H, K, V]`), or exchanged from inside the backward's widened scan.
+pub(crate) enum CpFinalGrads<'a> {
+    Folded(CudaSlice<f32>),
+    Widened(WidenedFold<'a>),
+}
+
+/// The split bf16 backward on tensors, for the op's `bwd`: the queries and keys (the packed
+/// `qk`, or FLA's `q`, `k`), `v` (bf16), the gate buffer and the output's gradient `grad` (the
+/// packed f32 `[do | dht]`, or with `plain` the bf16 `do [B, T, H, V]`) on one CUDA device;
+/// returns the gradients of the query/key inputs (one or two, in their shapes) and of `v`
+/// (bf16) and of the gate buffer (f32), without the packed f32 detour of
+/// [`backward`]. `Ok(None)` where this path does not apply (not CUDA, not bf16, or the
+/// split backward does not fit). `cp`: a context-parallel rank's overrides.
 #[allow(clippy::too_many_arguments)]
-pub fn backward_summaries(
-    qk: In,
-    v: In,
-    aux: In,
-    grad: In,
+pub(crate) fn try_backward_tensors(
+    qk: QueryKeys,
+    v: &Tensor,
+    aux: &Tensor,
+    grad: &Tensor,
     sh: &GdpShape,
     scale: f32,
     has_h0: bool,
-    frags: &[usize],
-    dht: &[f32],
+    plain: bool,
+    cache: Option<ForwardCache>,
+    cp: Option<CpOverrides>,
     cfg: &KernelConfig,
-) -> Result<Vec<f32>> {
-    if frags.is_empty() {
-        return Ok(vec![]);
+) -> Result<Option<(Vec<Tensor>, Tensor, Tensor)>> {
+    let inputs: Vec<&Tensor> = match qk {
+        QueryKeys::Packed(qk) => vec![qk],
+        QueryKeys::Split(q, k) => vec![q, k],
+    };
+    let lead = inputs[0];
+    if lead.dtype() != DType::BF16 || v.dtype() != DType::BF16 || !lead.device().is_cuda() {
+        return Ok(None);
     }
-    check_inputs(qk, v, aux, Some(grad))?;
-    if dht.len() != sh.state_len() {
-        candle_core::bail!(
-            "gdp cuda: {} end-state gradient values for the summaries, expected {}",
-            dht.len(),
-            sh.state_len()
-        );
+    let guards: Vec<_> = inputs.iter().map(|t| t.storage_and_layout()).collect();
+    let mut cuda = vec![];
+    for (s, l) in &guards {
+        match &**s {
+            Storage::Cuda(s) => cuda.push((s, *l)),
+            _ => return Ok(None),
+        }
     }
-    let cot = super::chunked_bwd::Cotangent::Packed(grad);
-    if let Some(s) = super::summary::backward_summaries_bf16(
-        qk, v, aux, cot, sh, scale, has_h0, frags, dht, cfg,
-    )? {
-        return Ok(s);
-    }
-    summaries(
-        qk,
-        v,
-        aux,
+    let qk_in = match cuda[..] {
+        [qk] => QkIn::Packed(qk),
+        [q, k] => QkIn::Split(q, k),
+        _ => candle_core::bail!("gdp cuda: one or two query/key inputs expected"),
+    };
+    let (vs, vl) = v.storage_and_layout();
+    let (xs, xl) = aux.storage_and_layout();
+    let (gs, gl) = grad.storage_and_layout();
+    let (Storage::Cuda(vs), Storage::Cuda(xs), Storage::Cuda(gs)) = (&*vs, &*xs, &*gs) else {
+        return Ok(None);
+    };
+    let dev = vs.device().clone();
+    let cot = if plain {
+        Cotangent::Plain((gs, gl))
+    } else {
+        Cotangent::Packed((gs, gl))
+    };
+    let (h0, dht, widened, zero_dh0) = match cp {
+        None => (None, None, None, vec![]),
+        Some(CpOverrides { h0, dht, zero_dh0 }) => match dht {
+            CpFinalGrads::Folded(d) => (Some(h0), Some(d), None, zero_dh0),
+            CpFinalGrads::Widened(f) => (Some(h0), None, Some(f), zero_dh0),
+        },
+    };
+    let grads = try_backward_bf16(
+        &dev,
+        qk_in,
+        (vs, vl),
+        (xs, xl),
+        cot,
         sh,
         scale,
         has_h0,
-        frags,
-        MODE_BWD_SUM,
-        None,
-        Some(grad),
-        cfg.tiles.fused_backward,
-    )
-}
-
-#[allow(clippy::too_many_arguments)]
-fn summaries(
-    qk: In,
-    v: In,
-    aux: In,
-    sh: &GdpShape,
-    scale: f32,
-    has_h0: bool,
-    frags: &[usize],
-    mode: i32,
-    h0: Option<&CudaSlice<f32>>,
-    grad: Option<In>,
-    forced_bv: Option<usize>,
-) -> Result<Vec<f32>> {
-    let len = frags.len() * sh.heads * sh.dk * (sh.dv + sh.dk);
-    if len == 0 {
-        return Ok(vec![]);
+        h0.as_ref(),
+        dht.as_ref(),
+        GradLayout::Parts,
+        cache,
+        widened,
+        cfg,
+    )?;
+    let Some(Grads::Parts { dqk, dv, mut daux }) = grads else {
+        return Ok(None);
+    };
+    if has_h0 {
+        let kv = sh.dk * sh.dv;
+        let dh0 = sh.aux_len(true) - sh.state_len();
+        for &s in &zero_dh0 {
+            let at = dh0 + s * sh.heads * kv;
+            let mut part = daux.slice_mut(at..at + sh.heads * kv);
+            dev.cuda_stream().memset_zeros(&mut part).w()?;
+        }
     }
-    let dev = check_inputs(qk, v, aux, grad)?;
-    let mut out = dev.alloc_zeros::<f32>(len)?;
-    Launch {
-        sh,
-        scale,
-        has_h0,
-        seqs: frags,
-        mode,
-        h0,
-        grad,
-        dht: None,
-        forced_bv,
-    }
-    .run(qk, v, aux, &mut out)?;
-    dev.clone_dtoh(&out)
+    let tensor = |s: CudaStorage, shape: &Shape| {
+        Tensor::from_storage(Storage::Cuda(s), shape.clone(), BackpropOp::none(), false)
+    };
+    let bf16_tensor = |s: CudaSlice<bf16>, t: &Tensor| {
+        tensor(CudaStorage::wrap_cuda_slice(s, dev.clone()), t.shape())
+    };
+    let dqk = match dqk {
+        QkGrads::Packed(dqk) => vec![bf16_tensor(dqk, inputs[0])],
+        QkGrads::Split { dq, dk } => vec![bf16_tensor(dq, inputs[0]), bf16_tensor(dk, inputs[1])],
+    };
+    let dv = bf16_tensor(dv, v);
+    let daux = tensor(CudaStorage::wrap_cuda_slice(daux, dev.clone()), aux.shape());
+    Ok(Some((dqk, dv, daux)))
 }
 
-/// The gate buffer's initial states `[N, H, K, V]`, copied to the host.
-pub fn initial_states_to_host(aux: In, sh: &GdpShape) -> Result<Vec<f32>> {
-    let aux_v = view::<f32>(aux.0, aux.1, sh.aux_len(true), "gates")?;
-    let off = sh.token_heads() * (1 + sh.n);
-    aux.0
-        .device()
-        .clone_dtoh(&aux_v.slice(off..off + sh.state_len()))
-}
-
-/// The `dht` part of a gradient `[do | dht]`, copied to the host.
-pub fn dht_to_host(grad: In, sh: &GdpShape) -> Result<Vec<f32>> {
-    let o_len = sh.o_len();
-    let g = view::<f32>(grad.0, grad.1, o_len + sh.state_len(), "grad")?;
-    grad.0
-        .device()
-        .clone_dtoh(&g.slice(o_len..o_len + sh.state_len()))
+/// The state-gradient scan as launched in the split backward: the plain op's, or a
+/// context-parallel rank's widened one with the exchange still to run.
+pub(super) enum Launched<'a, 'f> {
+    Plain(Side),
+    Widened(Box<WidenedRun<'a>>, WidenedFold<'f>),
 }

@@ -92,3 +92,31 @@ pub(crate) fn copy_rows_slice<T: DeviceRepr>(
     unsafe { args.launch(cfg) }.w()?;
     Ok(())
 }
+
+/// `src` rounded to bf16, in a new buffer.
+pub(super) fn to_bf16(
+    dev: &CudaDevice,
+    src: &candle_core::cuda_backend::cudarc::driver::CudaView<f32>,
+) -> Result<CudaSlice<half::bf16>> {
+    let len = src.len();
+    // SAFETY: the conversion below writes every element.
+    let mut dst = unsafe { dev.alloc::<half::bf16>(len.max(1))? };
+    if len == 0 {
+        return Ok(dst);
+    }
+    let cvt = load_kernel(dev, "gdp_f32_to_bf16")?;
+    let len_i = len as i64;
+    let mut args = cvt.builder();
+    args.arg(src);
+    args.arg(&mut dst);
+    args.arg(&len_i);
+    let cfg = LaunchConfig {
+        grid_dim: (len.div_ceil(256).min(65_535) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `gdp_f32_to_bf16(src, dst, len)` with both buffers holding `len` elements.
+    unsafe { args.launch(cfg) }.w()?;
+    drop(args);
+    Ok(dst)
+}

@@ -3,7 +3,7 @@
 //! belongs on top of `S0` is known the true rows are `y = y0 + ỹ S`. This turns the summary's
 //! widened scan into the rank's own output, with no second pass over the chunks.
 
-use super::launch::{allow_smem, to_i32};
+use super::device::{allow_smem, to_i32};
 use super::module::load_kernel;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -118,7 +118,7 @@ fn fix_rows<T: FixOut>(
     // Four blocks per multiprocessor in all (S takes 35 KB of shared memory at K = 128), each
     // walking several row tiles of its (sequence, head), so that S is loaded and converted once
     // per block.
-    let sms = super::chunked::smem_and_sms(dev)?.1;
+    let sms = super::device::smem_and_sms(dev)?.1;
     let others = rows.seqs * heads * dv.div_ceil(COLS);
     let groups = per_seq
         .div_ceil(ROWS * WARPS)

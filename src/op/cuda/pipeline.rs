@@ -1,7 +1,7 @@
 //! The bf16 forward's WY kernel and state scan running at the same time; the same for the
 //! backward's WY kernel and its state-gradient scan (the same [`Pipeline`], with the chunks
 //! taken from the sequences' ends), and for that scan and the backward's gradient kernel
-//! (`chunked_bwd.rs`: the scan counts its chunks done in the same groups).
+//! (`backward.rs`, `grads.rs`: the scan counts its chunks done in the same groups).
 //!
 //! The WY kernel is parallel over every (chunk, head); the scan is sequential over the chunks
 //! with one block per (sequence, head, value tile). Where the scan has blocks for at most half
@@ -31,10 +31,11 @@
 //! launched one after the other, each segment's WY factors computed beside the previous scan:
 //! the relaunches cost ~30 µs per segment.
 
-use super::chunked::{
-    ready_counters, run_scan, Beside, Bf16Inputs, ChunkTable, ScanDest, ScanPlan, Signal, WyFactors,
-};
+use super::fwd_scan::{run_scan, Beside, ScanDest};
+use super::inputs::{Bf16Inputs, ChunkTable};
+use super::plan::ScanPlan;
 use super::side::SideStream;
+use super::wy::{ready_counters, Signal, WyFactors};
 use crate::op::config::KernelConfig;
 use crate::op::shape::GdpShape;
 use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaSlice};
@@ -91,7 +92,7 @@ impl Pipeline {
     }
 
     /// The chunk order on the device (table ids): the WY kernel's, and the gradient kernel's
-    /// beside the state-gradient scan (`chunked_bwd.rs`).
+    /// beside the state-gradient scan (`grads.rs`).
     pub fn order(&self) -> &CudaSlice<i32> {
         &self.order
     }

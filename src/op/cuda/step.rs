@@ -1,7 +1,7 @@
 //! Launcher of the fused decode step `gdp_step_{f32,bf16,f16}_k{32,64,128,256}`
 //! (`cuda/gdp.cu`).
 
-use super::launch::{to_i32, view};
+use super::device::{to_i32, view};
 use super::module::{load_kernel, GdpFunc};
 use crate::op::recurrent::{step_input_lens, STEP_INPUTS};
 use candle_core::backend::{BackendDevice, BackendStorage};

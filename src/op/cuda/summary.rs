@@ -3,42 +3,46 @@
 //! A rank's forward in one widened pass ([`widened_forward`], [`finish_widened_forward`]): the
 //! forward scan (`gdp_fwd_scan_bf16_*`) on the value columns widened to `[u | 0_K]` from the
 //! initial states `[h0 | I_K]` writes `[o⁰ | Q̃]` and the summary `[ΔS | M]`; after the exchange
-//! `o = o⁰ + Q̃ S_in` ([`super::cp_fix`]). The backward's widened state-gradient scan lives in
-//! `chunked_bwd` (`WidenedDh`). Both recurrences are separable over value columns, so the `K`
+//! `o = o⁰ + Q̃ S_in` ([`super::cp_fix`]). The backward's widened state-gradient scan is
+//! [`WidenedDh`]. Both recurrences are separable over value columns, so the `K`
 //! extra columns carry the fragment's transition; the WY factors (which do not depend on the
 //! values' width) are computed once for the real `V`. At small `B·H` the scans are short of
 //! blocks, so the extra columns cost little time.
 //!
 //! The summaries alone ([`forward_summaries_bf16`], [`backward_summaries_bf16`]: final states
 //! and initial-state gradients only) serve a rank whose backward takes the packed f32 path;
-//! the per-value-tile kernel's summary modes (`backward.rs`), which redo the WY factors in
+//! the per-value-tile kernel's summary modes (`fused_bwd.rs`), which redo the WY factors in
 //! every value tile, remain for the shapes and dtypes these kernels do not serve, and under
 //! `KernelConfig::summaries = Fused` (`Chunked` makes a shape these kernels do not serve an
 //! error).
 
-use super::backward::In;
-use super::chunked::{
-    run_scan, smem_and_sms, widened_scan_plan, wy_smem_bytes, Bf16Inputs, ChunkTable, QkIn,
-    ScanDest, ScanKind, ScanOut, ScanPlan, WyFactors, FWD_SCAN, STATES_SCAN,
-};
-use super::chunked_bwd::{run_dh_scan, Cotangent, DhDest, DH_SCAN};
 use super::copy::copy_rows_slice;
+use super::device::{check_inputs, smem_and_sms, view, In};
+use super::dh_scan::{run_dh_scan, DhDest};
+use super::fused_bwd::{summaries, MODE_BWD_SUM, MODE_FWD_SUM};
+use super::fwd_scan::{run_scan, ScanDest, ScanOut};
+use super::inputs::{Bf16Inputs, ChunkTable, Cotangent, QkIn};
+use super::plan::{
+    widened_scan_plan, wy_smem_bytes, ScanKind, ScanPlan, DH_SCAN, FWD_SCAN, STATES_SCAN,
+};
+use super::side::SideStream;
+use super::wy::WyFactors;
 use crate::op::config::{KernelConfig, KernelPath, TileConfig};
 use crate::op::pack::RowCopy;
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::CudaSlice;
 use candle_core::cuda_backend::CudaDevice;
-use candle_core::{DType, Result};
+use candle_core::{DType, Result, Tensor};
 use half::bf16;
 
 /// [`KernelConfig::summaries`] for bf16 inputs (`None`: the per-value-tile kernel's summaries).
-fn wanted(qk: In, cfg: &KernelConfig) -> Option<KernelPath> {
+pub(super) fn wanted(qk: In, cfg: &KernelConfig) -> Option<KernelPath> {
     (qk.0.dtype() == DType::BF16 && cfg.summaries != KernelPath::Fused).then_some(cfg.summaries)
 }
 
 /// `Ok(None)` (the per-value-tile kernel), or under `KernelPath::Chunked` an error.
-fn not_served(path: KernelPath, sh: &GdpShape) -> Result<Option<Vec<f32>>> {
+pub(super) fn not_served(path: KernelPath, sh: &GdpShape) -> Result<Option<Vec<f32>>> {
     if path == KernelPath::Chunked {
         candle_core::bail!(
             "gdp cuda: KernelConfig::summaries = Chunked does not fit K = {}, V = {}, n = {} (needs K <= \
@@ -67,10 +71,10 @@ pub(crate) fn backward_summaries_served(
 
 /// A summary's sub-problem: `sh` with only the sequences `frags` (in that order), the same with
 /// `K` more value columns, and the plan of the scan of `kind` over those.
-struct Widened {
-    sub: GdpShape,
-    wide: GdpShape,
-    plan: ScanPlan,
+pub(super) struct Widened {
+    pub(super) sub: GdpShape,
+    pub(super) wide: GdpShape,
+    pub(super) plan: ScanPlan,
 }
 
 impl Widened {
@@ -101,7 +105,7 @@ impl Widened {
 
 /// `[x | I_K]` per (fragment, head): the `[K, V]` blocks of `x` (one per sequence and head,
 /// `[N, H, K, V]`) for the sequences `frags`, each widened by an identity.
-fn widened_states(x: &[f32], sh: &GdpShape, frags: &[usize]) -> Vec<f32> {
+pub(super) fn widened_states(x: &[f32], sh: &GdpShape, frags: &[usize]) -> Vec<f32> {
     let (h, k, v) = (sh.heads, sh.dk, sh.dv);
     let w = v + k;
     let mut out = vec![0.0f32; frags.len() * h * k * w];
@@ -229,12 +233,12 @@ pub fn backward_summaries_bf16(
     let converted;
     let (dob, at) = match cot {
         Cotangent::Packed(g) => {
-            let g = super::launch::view::<f32>(g.0, g.1, o_len + sh.state_len(), "grad")?;
-            converted = super::chunked_bwd::to_bf16(&dev, &g.slice(..o_len))?;
+            let g = super::device::view::<f32>(g.0, g.1, o_len + sh.state_len(), "grad")?;
+            converted = super::copy::to_bf16(&dev, &g.slice(..o_len))?;
             (&converted, 0)
         }
         Cotangent::Plain(d) => {
-            super::launch::view::<bf16>(d.0, d.1, o_len, "do")?;
+            super::device::view::<bf16>(d.0, d.1, o_len, "do")?;
             (d.0.as_cuda_slice::<bf16>()?, d.1.start_offset())
         }
     };
@@ -277,7 +281,7 @@ pub(crate) fn widened_states_dev(
     src: Option<(&CudaSlice<f32>, usize)>,
     sh: &GdpShape,
 ) -> Result<CudaSlice<f32>> {
-    use super::launch::to_i32;
+    use super::device::to_i32;
     use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::WrapErr;
     let blocks = sh.num_seqs() * sh.heads;
@@ -345,7 +349,7 @@ pub(crate) fn widened_forward(
     scale: f32,
     has_h0: bool,
     h0: &CudaSlice<f32>,
-    cache: Option<&super::chunked::CacheSlot>,
+    cache: Option<&super::cache::CacheSlot>,
     cfg: &KernelConfig,
 ) -> Result<Option<WidenedForward>> {
     let dev = qk.0.device().clone();
@@ -360,7 +364,7 @@ pub(crate) fn widened_forward(
     let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
     let table = ChunkTable::new(&dev, sh)?;
     let keep = match cache {
-        Some(slot) if super::chunked_bwd::split_backward_fits(&dev, sh, cfg)? => Some(slot),
+        Some(slot) if super::plan::split_backward_fits(&dev, sh, cfg)? => Some(slot),
         _ => None,
     };
     let mut wy = WyFactors::compute(&dev, &inp, &table, sh, scale, keep.is_some())?;
@@ -389,13 +393,13 @@ pub(crate) fn widened_forward(
     )?;
     wy.u = u;
     if let Some(slot) = keep {
-        slot.put(super::chunked::ForwardCache::wy_only(wy));
+        slot.put(super::cache::ForwardCache::wy_only(wy));
     }
     Ok(Some(WidenedForward { o, fin }))
 }
 
 /// The spans `(first token row, tokens)` of `sh`'s sequences over its `B·T` token rows.
-fn token_spans(sh: &GdpShape) -> Vec<(usize, usize)> {
+pub(super) fn token_spans(sh: &GdpShape) -> Vec<(usize, usize)> {
     sh.seqs
         .iter()
         .map(|s| (s.batch * sh.tokens + s.start, s.len))
@@ -465,11 +469,285 @@ pub(crate) fn finish_widened_forward(
     };
     copy_rows_slice(dev, &wf.fin, &mut out, r)?;
     if let (Some(s_in), false) = (s_in, fixed.is_empty()) {
-        let fin = super::tensor_of(dev, &wf.fin, &[sh.num_seqs(), h, k, wide])?;
-        let s = super::tensor_of(dev, s_in, &[fixed.len(), h, k, v])?;
+        let fin = super::device::tensor_of(dev, &wf.fin, &[sh.num_seqs(), h, k, wide])?;
+        let s = super::device::tensor_of(dev, s_in, &[fixed.len(), h, k, v])?;
         let part = fin.narrow(0, fixed.start, fixed.len())?;
         let ht = (part.narrow(3, 0, v)? + part.narrow(3, v, k)?.contiguous()?.matmul(&s)?)?;
-        super::copy_tensor_into(&ht, &mut out, o_len + fixed.start * h * k * v)?;
+        super::device::copy_tensor_into(&ht, &mut out, o_len + fixed.start * h * k * v)?;
     }
     Ok(candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+/// Forward summaries `[ΔS | M]` (`[K, V + K]` per head, in `(fragment, head)` order) of the
+/// sequences `frags`, from the initial states `h0 [N, H, K, V]` (see `cp::protocol`): on the
+/// bf16 chunked kernels where they serve (`summary.rs`), else on the per-value-tile kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_summaries(
+    qk: In,
+    v: In,
+    aux: In,
+    sh: &GdpShape,
+    scale: f32,
+    has_h0: bool,
+    frags: &[usize],
+    h0: &[f32],
+    cfg: &KernelConfig,
+) -> Result<Vec<f32>> {
+    if frags.is_empty() {
+        return Ok(vec![]);
+    }
+    check_inputs(qk, v, aux, None)?;
+    if h0.len() != sh.state_len() {
+        candle_core::bail!(
+            "gdp cuda: {} initial-state values for the summaries, expected {}",
+            h0.len(),
+            sh.state_len()
+        );
+    }
+    if let Some(s) = forward_summaries_bf16(qk, v, aux, sh, scale, has_h0, frags, h0, cfg)? {
+        return Ok(s);
+    }
+    let h0 = qk.0.device().clone_htod(h0)?;
+    summaries(
+        qk,
+        v,
+        aux,
+        sh,
+        scale,
+        has_h0,
+        frags,
+        MODE_FWD_SUM,
+        Some(&h0),
+        None,
+        cfg.tiles.fused_backward,
+    )
+}
+
+/// Backward summaries `[γ | Mᵀ]` (`[K, V + K]` per head, in `(fragment, head)` order) of the
+/// sequences `frags`, with the output gradients and end-state gradients of `grad [do | dht]`
+/// (`dht`, the same end-state gradients on the host): on the bf16 chunked kernels where they
+/// serve (`summary.rs`), else on the per-value-tile kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_summaries(
+    qk: In,
+    v: In,
+    aux: In,
+    grad: In,
+    sh: &GdpShape,
+    scale: f32,
+    has_h0: bool,
+    frags: &[usize],
+    dht: &[f32],
+    cfg: &KernelConfig,
+) -> Result<Vec<f32>> {
+    if frags.is_empty() {
+        return Ok(vec![]);
+    }
+    check_inputs(qk, v, aux, Some(grad))?;
+    if dht.len() != sh.state_len() {
+        candle_core::bail!(
+            "gdp cuda: {} end-state gradient values for the summaries, expected {}",
+            dht.len(),
+            sh.state_len()
+        );
+    }
+    let cot = super::inputs::Cotangent::Packed(grad);
+    if let Some(s) = backward_summaries_bf16(qk, v, aux, cot, sh, scale, has_h0, frags, dht, cfg)? {
+        return Ok(s);
+    }
+    summaries(
+        qk,
+        v,
+        aux,
+        sh,
+        scale,
+        has_h0,
+        frags,
+        MODE_BWD_SUM,
+        None,
+        Some(grad),
+        cfg.tiles.fused_backward,
+    )
+}
+
+/// The gate buffer's initial states `[N, H, K, V]`, copied to the host.
+pub fn initial_states_to_host(aux: In, sh: &GdpShape) -> Result<Vec<f32>> {
+    let aux_v = view::<f32>(aux.0, aux.1, sh.aux_len(true), "gates")?;
+    let off = sh.token_heads() * (1 + sh.n);
+    aux.0
+        .device()
+        .clone_dtoh(&aux_v.slice(off..off + sh.state_len()))
+}
+
+/// The `dht` part of a gradient `[do | dht]`, copied to the host.
+pub fn dht_to_host(grad: In, sh: &GdpShape) -> Result<Vec<f32>> {
+    let o_len = sh.o_len();
+    let g = view::<f32>(grad.0, grad.1, o_len + sh.state_len(), "grad")?;
+    grad.0
+        .device()
+        .clone_dtoh(&g.slice(o_len..o_len + sh.state_len()))
+}
+
+/// A context-parallel rank's backward in one widened pass: the state-gradient scan runs from
+/// `[dht | I_K]` on `[do | 0_K]`, so its initial-state gradients are the rank's `[γ | Mᵀ]` (f32
+/// `[N, H, K, V + K]`) and every chunk row it writes is `[x⁰ | x̃]`. The function exchanges
+/// those and returns what the following ranks send into the final states of the sequences
+/// `range` (f32 `[range.len(), H, K, V]`), or `None`; the chunk rows are then corrected with
+/// it (`x = x⁰ + x̃ dS`, [`super::cp_fix`]) and no second state-gradient scan runs.
+pub(crate) type WidenedFold<'a> = Box<
+    dyn FnOnce(&CudaSlice<f32>) -> Result<Option<(CudaSlice<f32>, std::ops::Range<usize>)>> + 'a,
+>;
+
+/// The widened state-gradient scan of a context-parallel rank ([`WidenedFold`]).
+pub(super) struct WidenedDh<'a> {
+    pub(super) inp: &'a Bf16Inputs<'a>,
+    pub(super) table: &'a ChunkTable,
+    pub(super) wy: &'a WyFactors,
+    pub(super) sh: &'a GdpShape,
+    /// `do` (bf16 `[B, T, H, V]`): its buffer and first element.
+    pub(super) do_src: (&'a CudaSlice<bf16>, usize),
+    /// `dht` (f32 `[N, H, K, V]`): its buffer and first element, when given.
+    pub(super) dht_src: Option<(&'a CudaSlice<f32>, usize)>,
+    /// Blocks of the states rerun beside the scan (0: none): the scan's tile leaves them room.
+    pub(super) beside_blocks: usize,
+    pub(super) cfg: &'a KernelConfig,
+}
+
+impl<'a> WidenedDh<'a> {
+    /// Launches the widened scan on a side stream forked from the device's (what runs on the
+    /// device's stream until [`WidenedRun::finish`] runs beside it).
+    pub(super) fn launch(self, dev: &CudaDevice) -> Result<WidenedRun<'a>> {
+        let sh = self.sh;
+        let (h, k, v) = (sh.heads, sh.dk, sh.dv);
+        let wide = GdpShape {
+            dv: v + k,
+            ..sh.clone()
+        };
+        let (max_smem, sms) = smem_and_sms(dev)?;
+        let budget = sms.saturating_sub(self.beside_blocks);
+        let forced = &self.cfg.tiles;
+        let Some(plan) =
+            super::plan::widened_scan_plan(&DH_SCAN, &wide, max_smem, sms, budget, forced)?
+        else {
+            candle_core::bail!(
+                "gdp cuda: the widened state-gradient scan does not fit K = {k}, V = {v}, n = {}",
+                sh.n
+            );
+        };
+        let dow = widen_rows(
+            dev,
+            self.do_src.0,
+            self.do_src.1,
+            sh.batch * sh.tokens * h,
+            v,
+            k,
+        )?;
+        let dhtw = widened_states_dev(dev, self.dht_src, sh)?;
+        let slots = self.table.slots(sh);
+        // SAFETY: the scan writes every element of every slot of the table's chunks; slots of
+        // no chunk are never read.
+        let (mut dhs_w, mut ddn_w) = unsafe {
+            (
+                dev.alloc::<bf16>(slots * k * (v + k))?,
+                dev.alloc::<bf16>(slots * CHUNK * (v + k))?,
+            )
+        };
+        let mut dh0w = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
+        let side = SideStream::fork(dev, self.cfg.side_streams)?;
+        {
+            let mut d0 = dh0w.slice_mut(..);
+            let dest = DhDest {
+                chunks: Some((&mut dhs_w, &mut ddn_w)),
+                dh0: Some(&mut d0),
+            };
+            let (dow, dhtw) = (dow.slice(..), dhtw.slice(..));
+            run_dh_scan(
+                dev,
+                side.stream(),
+                self.inp,
+                self.table,
+                self.wy,
+                &dow,
+                Some(&dhtw),
+                &wide,
+                &plan,
+                dest,
+                None,
+                None,
+            )?;
+        }
+        Ok(WidenedRun {
+            sh,
+            chunks: self.table.chunks,
+            side,
+            dhs_w,
+            ddn_w,
+            dh0w,
+            _inputs: (dow, dhtw),
+        })
+    }
+}
+
+/// A launched [`WidenedDh`]: its side stream and widened outputs.
+pub(super) struct WidenedRun<'a> {
+    pub(super) sh: &'a GdpShape,
+    pub(super) chunks: usize,
+    pub(super) side: SideStream,
+    pub(super) dhs_w: CudaSlice<bf16>,
+    pub(super) ddn_w: CudaSlice<bf16>,
+    pub(super) dh0w: CudaSlice<f32>,
+    /// `[do | 0]` and `[dht | I]`, alive until the scan that reads them is joined.
+    pub(super) _inputs: (CudaSlice<bf16>, CudaSlice<f32>),
+}
+
+impl WidenedRun<'_> {
+    /// Joins the scan, calls `fold` with its `[γ | Mᵀ]` and writes the corrected chunk rows into
+    /// `dhs [slots, K, V]` and `ddn [slots, 64, V]`; returns the initial-state gradients f32
+    /// `[N, H, K, V]`.
+    pub(super) fn finish(
+        self,
+        dev: &CudaDevice,
+        dhs: &mut CudaSlice<bf16>,
+        ddn: &mut CudaSlice<bf16>,
+        fold: WidenedFold,
+    ) -> Result<Tensor> {
+        use super::cp_fix::{fix_planned, plan_rows, FixDims};
+        let sh = self.sh;
+        let (ns, h, k, v) = (sh.num_seqs(), sh.heads, sh.dk, sh.dv);
+        self.side.join()?;
+        let folded = fold(&self.dh0w)?;
+        let (s, fixed) = match &folded {
+            Some((s, r)) => (Some(s.slice(..)), r.clone()),
+            None => (None, 0..0),
+        };
+        let spans = chunk_spans(sh);
+        let dims = FixDims {
+            heads: h,
+            dk: k,
+            dv: v,
+        };
+        for (dst, src, inner) in [(dhs, &self.dhs_w, k), (ddn, &self.ddn_w, CHUNK)] {
+            let rows = plan_rows(&spans, self.chunks, fixed.clone(), inner)?;
+            let src = src.slice(..);
+            fix_planned(dev, (&src, &mut dst.slice_mut(..)), s.as_ref(), dims, &rows)?;
+        }
+        // The initial-state gradients: γ⁰ + Mᵀ dS for the corrected sequences.
+        let t = super::device::tensor_of(dev, &self.dh0w, &[ns, h, k, v + k])?;
+        let dh0 = t.narrow(3, 0, v)?;
+        let Some((s, r)) = &folded else {
+            return dh0.contiguous();
+        };
+        let ds = super::device::tensor_of(dev, s, &[r.len(), h, k, v])?;
+        let part = t.narrow(0, r.start, r.len())?;
+        let fixed = (part.narrow(3, 0, v)? + part.narrow(3, v, k)?.contiguous()?.matmul(&ds)?)?;
+        let mut parts = vec![];
+        if r.start > 0 {
+            parts.push(dh0.narrow(0, 0, r.start)?);
+        }
+        parts.push(fixed);
+        if r.end < ns {
+            parts.push(dh0.narrow(0, r.end, ns - r.end)?);
+        }
+        Tensor::cat(&parts, 0)
+    }
 }

@@ -1,26 +1,22 @@
-//! Safe launcher of the CUDA forward kernel: checks the storages, plans the block shape and
-//! shared memory, uploads the sequence table and launches on the device's stream. Every CUDA
-//! failure is returned as a [`candle_core::Error`].
+//! The one-kernel forward `gdp_fwd_*` (`cuda/gdp.cu`, any dtype): the WY factors recomputed in
+//! every value tile on the sequential path; the fallback where the chunked bf16 kernels do not
+//! serve.
 
-use super::chunked::{CacheSlot, QkIn};
+use super::device::{allow_smem, check_states, device_attr, shape_i32, to_i32, view};
 use super::module::load_kernel;
-use crate::op::config::KernelConfig;
 use crate::op::shape::{GdpShape, CHUNK};
-use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::cuda_backend::cudarc::driver::sys::{
-    CUdevice_attribute, CUfunction_attribute_enum,
-};
+use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
-use candle_core::{CudaStorage, DType, Layout, Result};
+use candle_core::{CudaStorage, Layout, Result};
 
 /// Threads per block of the forward kernel (`GDP_THREADS` in `cuda/gdp.cu`).
 pub const THREADS: u32 = 256;
 
 /// Candidate value-column tile widths, widest first.
-const BV_CANDIDATES: [usize; 4] = [64, 32, 16, 8];
+pub(super) const BV_CANDIDATES: [usize; 4] = [64, 32, 16, 8];
 
 /// Dynamic shared memory of one block, in bytes, for key dimension `dk`, `bv` value columns and
 /// input elements of `elem` bytes. Must match the carve-up at the top of `gdp_fwd` in
@@ -112,181 +108,8 @@ impl LaunchPlan {
     }
 }
 
-/// The contiguous view of a storage slice, checked against the expected element count.
-pub(super) fn view<'a, T: CudaDType>(
-    s: &'a CudaStorage,
-    l: &Layout,
-    len: usize,
-    name: &str,
-) -> Result<CudaView<'a, T>> {
-    let (a, b) = l
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg(format!("gdp cuda: `{name}` must be contiguous")))?;
-    if b - a != len {
-        candle_core::bail!(
-            "gdp cuda: `{name}` holds {} elements, expected {len}",
-            b - a
-        );
-    }
-    Ok(s.as_cuda_slice::<T>()?.slice(a..b))
-}
-
-/// The kernels' i32 size arguments `[B, T, H, K, V, n]` (every index the kernels form from
-/// them is 64-bit); fails where a size, or `T·n`, exceeds i32.
-pub(super) fn shape_i32(sh: &GdpShape) -> Result<[i32; 6]> {
-    to_i32(sh.tokens * sh.n, "T·n")?;
-    Ok([
-        to_i32(sh.batch, "B")?,
-        to_i32(sh.tokens, "T")?,
-        to_i32(sh.heads, "H")?,
-        to_i32(sh.dk, "K")?,
-        to_i32(sh.dv, "V")?,
-        to_i32(sh.n, "n")?,
-    ])
-}
-
-/// Checks that a state buffer passed to a kernel (`name`) holds one `[K, V]` state per
-/// (sequence, head).
-pub(super) fn check_states(x: Option<&CudaSlice<f32>>, sh: &GdpShape, name: &str) -> Result<()> {
-    match x {
-        Some(x) if x.len() < sh.state_len() => candle_core::bail!(
-            "gdp cuda: the {name} holds {} elements, expected {}",
-            x.len(),
-            sh.state_len()
-        ),
-        _ => Ok(()),
-    }
-}
-
-/// Lets `func` use `smem` bytes of dynamic shared memory (over the default 48 KiB).
-pub(super) fn allow_smem(func: &CudaFunction, smem: usize) -> Result<()> {
-    func.set_attribute(
-        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        smem as i32,
-    )
-    .w()?;
-    Ok(())
-}
-
-pub(super) fn to_i32(x: usize, what: &str) -> Result<i32> {
-    i32::try_from(x)
-        .map_err(|_| candle_core::Error::Msg(format!("gdp cuda: {what} = {x} exceeds i32")))
-}
-
-pub(super) fn device_attr(dev: &CudaDevice, attr: CUdevice_attribute) -> Result<usize> {
-    let v = dev.cuda_stream().context().attribute(attr).w()?;
-    Ok(v.max(0) as usize)
-}
-
-/// Forward on CUDA: `qk [B, T, n+1, H, K]` (or, for the bf16 chunked kernels, FLA's `q`, `k`:
-/// [`QkIn`]), `v [B, T·n, H, V]` (f32, bf16 or f16, one dtype) and the f32 gate buffer
-/// `[g | beta | h0?]`; returns the packed f32 `[o (B·T·H·V) | final state
-/// (N·H·K·V)]`, or with `plain` only `o` in the dtype of `qk`. `h0_override [N, H, K, V]`
-/// (f32, on the same device), when given, replaces the initial states of the gate buffer
-/// (context parallelism). With a `cache` slot, the bf16 chunked forward leaves its
-/// intermediates there for the split backward (see
-/// [`ForwardCache`](super::chunked::ForwardCache)).
 #[allow(clippy::too_many_arguments)]
-pub fn forward(
-    qk: QkIn,
-    v: (&CudaStorage, &Layout),
-    aux: (&CudaStorage, &Layout),
-    sh: &GdpShape,
-    scale: f32,
-    has_h0: bool,
-    h0_override: Option<&CudaSlice<f32>>,
-    plain: bool,
-    cache: Option<&CacheSlot>,
-    cfg: &KernelConfig,
-) -> Result<CudaStorage> {
-    let lead = qk.lead();
-    let dev = lead.0.device().clone();
-    let mut others = vec![(v.0, "v"), (aux.0, "gates")];
-    if let QkIn::Split(_, k) = qk {
-        others.push((k.0, "k"));
-    }
-    for (s, name) in others {
-        if !s.device().same_device(&dev) {
-            candle_core::bail!("gdp cuda: `{name}` is on another device than `qk`");
-        }
-    }
-    if v.0.dtype() != lead.0.dtype() {
-        candle_core::bail!(
-            "gdp cuda: `v` is {:?} but `qk` is {:?}",
-            v.0.dtype(),
-            lead.0.dtype()
-        );
-    }
-    if aux.0.dtype() != DType::F32 {
-        candle_core::bail!(
-            "gdp cuda: the gate buffer must be f32, got {:?}",
-            aux.0.dtype()
-        );
-    }
-    let dtype = lead.0.dtype();
-    if dtype == DType::BF16 {
-        let out = super::chunked::try_forward_bf16(
-            &dev,
-            qk,
-            v,
-            aux,
-            sh,
-            scale,
-            has_h0,
-            h0_override,
-            plain,
-            cache,
-            cfg,
-        )?;
-        if let Some(out) = out {
-            return Ok(out);
-        }
-    }
-    let QkIn::Packed(qk) = qk else {
-        candle_core::bail!(
-            "gdp cuda: `q` and `k` read in place need the chunked bf16 forward, which does not \
-             serve this shape (dtype {dtype:?}, K = {}, V = {}, KernelConfig::forward)",
-            sh.dk,
-            sh.dv
-        );
-    };
-    // The one-kernel forward of `qk`'s dtype: the same arguments for every kernel.
-    let bv = cfg.tiles.fused_forward;
-    macro_rules! fused {
-        ($t:ty, $kernel:literal) => {
-            launch::<$t>(
-                $kernel,
-                &dev,
-                qk,
-                v,
-                aux,
-                sh,
-                scale,
-                has_h0,
-                h0_override,
-                bv,
-            )
-        };
-    }
-    let packed = match dtype {
-        DType::F32 => fused!(f32, "gdp_fwd_f32"),
-        DType::BF16 => fused!(half::bf16, "gdp_fwd_bf16"),
-        DType::F16 => fused!(half::f16, "gdp_fwd_f16"),
-        DType::F64 => candle_core::bail!(
-            "gdp cuda: f64 inputs are not supported on CUDA; use f32, bf16 or f16 (or the CPU op)"
-        ),
-        dt => candle_core::bail!("gdp cuda: unsupported dtype {dt:?} for q/k/v"),
-    }?;
-    if plain {
-        // `o` alone in the inputs' dtype, copied out of the packed f32 `[o | final state]`.
-        packed.to_dtype(&Layout::contiguous(sh.o_len()), dtype)
-    } else {
-        Ok(packed)
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn launch<T: CudaDType + DeviceRepr>(
+pub(super) fn launch<T: CudaDType + DeviceRepr>(
     kernel: &str,
     dev: &CudaDevice,
     qk: (&CudaStorage, &Layout),

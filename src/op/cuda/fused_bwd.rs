@@ -1,0 +1,311 @@
+//! The per-value-tile backward kernel `gdp_bwd_*` (`cuda/gdp_bwd.cuh`, any dtype) in its three
+//! modes: the backward itself, and the forward / backward summaries of context parallelism (the
+//! final state of the forward run on value columns widened to `[v | 0_K]` from `[h0 | I_K]`,
+//! and the initial-state gradient of the backward run with `do = [do | 0_K]`,
+//! `dht = [dht | I_K]`).
+
+use super::device::{
+    allow_smem, check_inputs, check_states, device_attr, shape_i32, to_i32, view, In,
+};
+use super::fused_fwd::THREADS;
+use super::module::load_kernel;
+use crate::op::shape::{GdpShape, CHUNK};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
+use candle_core::{DType, Result};
+
+pub(super) const MODE_FULL: i32 = 0;
+
+pub(super) const MODE_FWD_SUM: i32 = 1;
+
+pub(super) const MODE_BWD_SUM: i32 = 2;
+
+/// Candidate value-column tile widths, widest first.
+pub(super) const BV_CANDIDATES: [usize; 4] = [64, 32, 16, 8];
+
+/// Dynamic shared memory of one backward block, in bytes, for key dimension `dk`, `bv` value
+/// columns and input elements of `elem` bytes. Must match the carve-up at the top of `gdp_bwd`
+/// in `cuda/gdp_bwd.cuh`.
+pub fn bwd_smem_bytes(dk: usize, bv: usize, elem: usize) -> usize {
+    let c = CHUNK;
+    let kstr = dk + if elem == 4 { 1 } else { 2 };
+    let sb = bv + 1; // padded row stride of the [*][BV] buffers
+    4 * (2 * dk * sb + 6 * c * sb + 4 * c * c + 11 * c + 4) + 2 * c * kstr * elem
+}
+
+/// Block shape of one backward-kernel launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BwdPlan {
+    /// Value columns per block.
+    pub bv: usize,
+    /// Dynamic shared memory per block, bytes.
+    pub smem: usize,
+    /// Grid `(entries·H, ceil(width / bv))`.
+    pub grid: (u32, u32),
+}
+
+impl BwdPlan {
+    /// Picks the value tile for `rows` (entry, head) pairs over `width` state columns:
+    /// `forced` when set, else the widest fitting tile that still gives at least
+    /// `sms / 2` blocks (else the narrowest fitting tile of at least 16 columns).
+    pub fn new(
+        dk: usize,
+        width: usize,
+        rows: usize,
+        elem: usize,
+        max_smem: usize,
+        sms: usize,
+        forced: Option<usize>,
+    ) -> Result<Self> {
+        let cap = width.next_power_of_two().clamp(8, 64);
+        let fits = |bv: usize| bwd_smem_bytes(dk, bv, elem) <= max_smem;
+        let blocks = |bv: usize| rows * width.div_ceil(bv);
+        let bv = match forced {
+            Some(bv) => {
+                if !BV_CANDIDATES.contains(&bv) || !fits(bv) {
+                    candle_core::bail!(
+                        "gdp cuda: KernelConfig::tiles.fused_backward = {bv} must be one of {BV_CANDIDATES:?} and fit \
+                         in {max_smem} bytes of shared memory (needs {})",
+                        bwd_smem_bytes(dk, bv, elem)
+                    );
+                }
+                bv
+            }
+            None => {
+                let fitting: Vec<usize> = BV_CANDIDATES
+                    .iter()
+                    .copied()
+                    .filter(|&bv| bv <= cap && fits(bv))
+                    .collect();
+                let Some(&narrowest) = fitting.last() else {
+                    candle_core::bail!(
+                        "gdp cuda backward: K = {dk} needs {} bytes of shared memory even with 8 \
+                         value columns per block, the device allows {max_smem}",
+                        bwd_smem_bytes(dk, 8, elem)
+                    );
+                };
+                match fitting.iter().copied().find(|&bv| 2 * blocks(bv) >= sms) {
+                    Some(bv) => bv,
+                    None => fitting
+                        .iter()
+                        .rev()
+                        .copied()
+                        .find(|&bv| bv >= 16)
+                        .unwrap_or(narrowest),
+                }
+            }
+        };
+        let (gx, gy) = (rows, width.div_ceil(bv));
+        if gx > i32::MAX as usize || gy > 65_535 {
+            candle_core::bail!("gdp cuda: grid ({gx}, {gy}) is too large");
+        }
+        Ok(Self {
+            bv,
+            smem: bwd_smem_bytes(dk, bv, elem),
+            grid: (gx as u32, gy as u32),
+        })
+    }
+}
+
+/// One launch of `gdp_bwd_*`.
+pub(super) struct Launch<'a> {
+    pub(super) sh: &'a GdpShape,
+    pub(super) scale: f32,
+    /// Whether the gate buffer carries initial states.
+    pub(super) has_h0: bool,
+    /// Sequences of the table (their state rows); summaries are written in this order.
+    pub(super) seqs: &'a [usize],
+    pub(super) mode: i32,
+    /// Initial states `[N, H, K, V]` replacing the gate buffer's (modes FULL and FWD_SUM).
+    pub(super) h0: Option<&'a CudaSlice<f32>>,
+    /// `[do | dht]` (modes FULL and BWD_SUM).
+    pub(super) grad: Option<In<'a>>,
+    /// Replaces the `dht` part of `grad`.
+    pub(super) dht: Option<&'a CudaSlice<f32>>,
+    /// The value tile forced by [`KernelConfig`]'s `tiles.fused_backward`.
+    pub(super) forced_bv: Option<usize>,
+}
+
+impl Launch<'_> {
+    pub(super) fn run(&self, qk: In, v: In, aux: In, out: &mut CudaSlice<f32>) -> Result<()> {
+        let dev = check_inputs(qk, v, aux, self.grad)?;
+        match qk.0.dtype() {
+            DType::F32 => self.run_t::<f32>("gdp_bwd_f32", &dev, qk, v, aux, out),
+            DType::BF16 => self.run_t::<half::bf16>("gdp_bwd_bf16", &dev, qk, v, aux, out),
+            DType::F16 => self.run_t::<half::f16>("gdp_bwd_f16", &dev, qk, v, aux, out),
+            DType::F64 => candle_core::bail!(
+                "gdp cuda: f64 inputs are not supported on CUDA; use f32, bf16 or f16 (or the CPU op)"
+            ),
+            dt => candle_core::bail!("gdp cuda: unsupported dtype {dt:?} for q/k/v"),
+        }
+    }
+
+    fn run_t<T: CudaDType + DeviceRepr>(
+        &self,
+        kernel: &str,
+        dev: &CudaDevice,
+        qk: In,
+        v: In,
+        aux: In,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let sh = self.sh;
+        let qk_v = view::<T>(qk.0, qk.1, sh.qk_len(), "qk")?;
+        let v_v = view::<T>(v.0, v.1, sh.v_len(), "v")?;
+        let aux_v = view::<f32>(aux.0, aux.1, sh.aux_len(self.has_h0), "gates")?;
+        let (o_len, s_len) = (sh.o_len(), sh.state_len());
+        let grad_v = match self.grad {
+            Some(g) => Some(view::<f32>(g.0, g.1, o_len + s_len, "grad")?),
+            None => None,
+        };
+        check_states(self.h0, sh, "initial-state override")?;
+        check_states(self.dht, sh, "dht override")?;
+        let [b, t, h, k, vd, n] = shape_i32(sh)?;
+        let ext = if self.mode == MODE_FULL { 0 } else { sh.dk };
+        to_i32(sh.dv + ext, "V + K")?;
+        let mut table = Vec::with_capacity(5 * self.seqs.len());
+        let mut chunks = 0usize;
+        for &s in self.seqs {
+            let sp = &sh.seqs[s];
+            table.extend([
+                to_i32(sp.batch, "batch")?,
+                to_i32(sp.start, "start")?,
+                to_i32(sp.len, "len")?,
+                to_i32(s, "state row")?,
+                to_i32(chunks, "chunk offset")?,
+            ]);
+            chunks += (sp.len * sh.n).div_ceil(CHUNK);
+        }
+        let rows = self.seqs.len() * sh.heads;
+        if rows == 0 {
+            return Ok(());
+        }
+        let max_smem = device_attr(
+            dev,
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        )?;
+        let sms = device_attr(
+            dev,
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )?;
+        let plan = BwdPlan::new(
+            sh.dk,
+            sh.dv + ext,
+            rows,
+            std::mem::size_of::<T>(),
+            max_smem,
+            sms,
+            self.forced_bv,
+        )?;
+        let table = dev.clone_htod(&table)?;
+        // Chunk start states [chunks, H, K, V] (FULL only); every element the kernel reads it
+        // wrote first, zeros keep the buffer defined anyway.
+        let hs_len = if self.mode == MODE_FULL {
+            (chunks * sh.heads * sh.dk * sh.dv).max(1)
+        } else {
+            1
+        };
+        let mut hs = dev.alloc_zeros::<f32>(hs_len)?;
+
+        let func = load_kernel(dev, kernel)?;
+        allow_smem(&func, plan.smem)?;
+
+        let h0_off = sh.token_heads() * (1 + sh.n);
+        let aux_h0 = aux_v.slice(h0_off.min(aux_v.len())..);
+        let has_h0src = i32::from(self.h0.is_some() || self.has_h0);
+        let (do_v, dht_v) = match &grad_v {
+            Some(g) => (Some(g.slice(0..o_len)), Some(g.slice(o_len..o_len + s_len))),
+            None => (None, None),
+        };
+        let write_dh0 = i32::from(self.mode == MODE_FULL && self.has_h0);
+        let (ext_i, mode, bv) = (ext as i32, self.mode, plan.bv as i32);
+        let scale = self.scale;
+        let mut args = func.builder();
+        args.arg(&qk_v);
+        args.arg(&v_v);
+        args.arg(&aux_v);
+        args.arg(&table);
+        match self.h0 {
+            Some(h0) => args.arg(h0),
+            None => args.arg(&aux_h0),
+        };
+        args.arg(&has_h0src);
+        // Placeholders (never read) where the mode has no gradient.
+        match &do_v {
+            Some(d) => args.arg(d),
+            None => args.arg(&aux_v),
+        };
+        match (self.dht, &dht_v) {
+            (Some(d), _) => args.arg(d),
+            (None, Some(d)) => args.arg(d),
+            (None, None) => args.arg(&aux_v),
+        };
+        args.arg(&mut hs);
+        args.arg(out);
+        for x in [&b, &t, &h, &k, &vd, &n, &ext_i, &mode, &write_dh0] {
+            args.arg(x);
+        }
+        args.arg(&scale);
+        args.arg(&bv);
+        let cfg = LaunchConfig {
+            grid_dim: (plan.grid.0, plan.grid.1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: plan.smem as u32,
+        };
+        // SAFETY: the argument list matches `gdp_bwd_*` in cuda/gdp_bwd.cuh: buffers whose
+        // lengths were checked above against the shape the kernel indexes with (the output
+        // was sized by the caller for this mode, the scratch for the table's chunks), then the
+        // i32 sizes and flags, the f32 scale and the tile width; the dynamic shared memory
+        // equals `bwd_smem_bytes`.
+        unsafe { args.launch(cfg) }.w()?;
+        drop(args);
+        Ok(())
+    }
+}
+
+/// Elements of the backward's packed output `[dqk | dv | dg | dbeta | dh0?]`.
+pub fn backward_len(sh: &GdpShape, has_h0: bool) -> usize {
+    sh.qk_len()
+        + sh.v_len()
+        + sh.token_heads() * (1 + sh.n)
+        + if has_h0 { sh.state_len() } else { 0 }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn summaries(
+    qk: In,
+    v: In,
+    aux: In,
+    sh: &GdpShape,
+    scale: f32,
+    has_h0: bool,
+    frags: &[usize],
+    mode: i32,
+    h0: Option<&CudaSlice<f32>>,
+    grad: Option<In>,
+    forced_bv: Option<usize>,
+) -> Result<Vec<f32>> {
+    let len = frags.len() * sh.heads * sh.dk * (sh.dv + sh.dk);
+    if len == 0 {
+        return Ok(vec![]);
+    }
+    let dev = check_inputs(qk, v, aux, grad)?;
+    let mut out = dev.alloc_zeros::<f32>(len)?;
+    Launch {
+        sh,
+        scale,
+        has_h0,
+        seqs: frags,
+        mode,
+        h0,
+        grad,
+        dht: None,
+        forced_bv,
+    }
+    .run(qk, v, aux, &mut out)?;
+    dev.clone_dtoh(&out)
+}

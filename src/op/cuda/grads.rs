@@ -1,0 +1,177 @@
+//! The gradient kernel (`gdp_bwd_grads_bf16_<KP>_<VP>`): every gradient of every (chunk, head)
+//! in parallel, from the chunk states and the state-gradient scan's rows; with persistent blocks
+//! (`_pipe`) beside that scan.
+
+use super::cache::ChunkStates;
+use super::device::{allow_smem, shape_i32, to_i32};
+use super::inputs::{Bf16Inputs, ChunkTable};
+use super::module::load_kernel;
+use super::plan::{grads_smem_bytes, grads_tiles};
+use crate::op::shape::GdpShape;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::Result;
+use half::bf16;
+
+/// Threads per block of the gradient kernel (`GDPG_THREADS`) and its column groups
+/// (`GDPG_GROUPS`).
+pub(super) const GRAD_THREADS: u32 = 512;
+
+/// Where the gradients go: the packed f32 `[dqk | dv | dg | dbeta | dh0?]` (packed `qk` only),
+/// or bf16 query/key gradients in the layout of the inputs and `dv` with the f32
+/// `[dg | dbeta | dh0?]` (the layout of the gate buffer).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum GradLayout {
+    Packed,
+    Parts,
+}
+
+/// The bf16 query/key gradients: `dqk [B, T, n+1, H, K]`, or FLA's `dq`, `dk`.
+pub enum QkGrads {
+    Packed(CudaSlice<bf16>),
+    Split {
+        dq: CudaSlice<bf16>,
+        dk: CudaSlice<bf16>,
+    },
+}
+
+/// The gradients, in the requested [`GradLayout`].
+pub enum Grads {
+    Packed(CudaSlice<f32>),
+    Parts {
+        dqk: QkGrads,
+        dv: CudaSlice<bf16>,
+        daux: CudaSlice<f32>,
+    },
+}
+
+/// Counters ahead of the per-group ones in the gradient kernel's pipe (`GDPG_PIPE_COUNTERS`:
+/// the next pair to take, the state-gradient scan's blocks done).
+pub(super) const GRADS_PIPE_COUNTERS: usize = 2;
+
+/// A gradient kernel's persistent blocks (`gdpg_pipe`): the pipe's counters and the chunk order
+/// (device addresses outside cudarc's tracking: the state-gradient scan writes the counters, dS
+/// and dDelta on its stream while the blocks beside it read them), the value tiles of the scan
+/// that count each group done, and the scan's blocks.
+pub(super) struct PipeArgs {
+    pub(super) pipe: u64,
+    pub(super) order: u64,
+    pub(super) ready_count: i32,
+    pub(super) scan_blocks: i32,
+}
+
+/// The gradient kernel's inputs (`gdp_bwd_grads_bf16_impl`).
+pub(super) struct GradsLaunch<'a> {
+    pub(super) inp: &'a Bf16Inputs<'a>,
+    pub(super) table: &'a ChunkTable,
+    pub(super) sh: &'a GdpShape,
+    pub(super) kp: usize,
+    pub(super) vp: usize,
+    pub(super) qr: usize,
+    pub(super) ainv: &'a CudaSlice<bf16>,
+    pub(super) states: &'a ChunkStates,
+    pub(super) dhs: u64,
+    pub(super) ddn: u64,
+    pub(super) dob: &'a CudaView<'a, bf16>,
+    pub(super) scale: f32,
+}
+
+impl GradsLaunch<'_> {
+    /// Launches the gradient kernel on the device's stream into `out`: a block per (chunk,
+    /// head), or with `pipe` at most `blocks` persistent blocks, beside the state-gradient scan
+    /// (waiting for its groups, leaving when it is done) or after it.
+    pub(super) fn launch(
+        &self,
+        dev: &CudaDevice,
+        out: &mut Grads,
+        pipe: Option<(&PipeArgs, bool, usize)>,
+    ) -> Result<()> {
+        let (sh, inp) = (self.sh, self.inp);
+        let [b, t, h, k, vd, n] = shape_i32(sh)?;
+        let tiles = if grads_tiles(self.kp, self.vp, sh.n) {
+            "_tiles"
+        } else {
+            ""
+        };
+        let suffix = if pipe.is_some() { "_pipe" } else { "" };
+        let name = format!("gdp_bwd_grads_bf16_{}_{}{tiles}{suffix}", self.kp, self.vp);
+        let smem = grads_smem_bytes(self.kp, self.vp, self.qr);
+        let func = load_kernel(dev, &name)?;
+        allow_smem(&func, smem)?;
+        let nseq = to_i32(sh.num_seqs(), "N")?;
+        let qr_i = self.qr as i32;
+        let null = 0u64;
+        let mut args = func.builder();
+        args.arg(&inp.q);
+        args.arg(&inp.k);
+        args.arg(&inp.split);
+        args.arg(&inp.v);
+        args.arg(&inp.aux);
+        args.arg(&self.table.table);
+        args.arg(self.ainv);
+        args.arg(&self.states.hs);
+        args.arg(&self.dhs);
+        args.arg(&self.states.dn);
+        args.arg(&self.ddn);
+        args.arg(self.dob);
+        // The kernel's `out, dqb, dkb, dvb_out, dgates` (a null `dkb` with a packed `dqk`).
+        match out {
+            Grads::Packed(p) => {
+                args.arg(p);
+                for _ in 0..4 {
+                    args.arg(&null);
+                }
+            }
+            Grads::Parts { dqk, dv, daux } => {
+                args.arg(&null);
+                match dqk {
+                    QkGrads::Packed(dqk) => {
+                        args.arg(dqk);
+                        args.arg(&null);
+                    }
+                    QkGrads::Split { dq, dk } => {
+                        args.arg(dq);
+                        args.arg(dk);
+                    }
+                }
+                args.arg(dv);
+                args.arg(daux);
+            }
+        }
+        for x in [&b, &t, &h, &k, &vd, &n, &nseq] {
+            args.arg(x);
+        }
+        args.arg(&self.scale);
+        args.arg(&qr_i);
+        let pairs = self.table.chunks * sh.heads;
+        let items = to_i32(pairs, "chunk-head pairs")?;
+        let beside_i;
+        let grid_dim = match pipe {
+            None => (self.table.chunks as u32, sh.heads as u32, 1),
+            Some((p, beside, blocks)) => {
+                beside_i = i32::from(beside);
+                args.arg(&p.pipe);
+                args.arg(&p.order);
+                args.arg(&items);
+                args.arg(&p.ready_count);
+                args.arg(&beside_i);
+                args.arg(&p.scan_blocks);
+                (blocks.clamp(1, pairs) as u32, 1, 1)
+            }
+        };
+        let cfg = LaunchConfig {
+            grid_dim,
+            block_dim: (GRAD_THREADS, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // SAFETY: the arguments match `gdp_bwd_grads_bf16_impl` (and `gdpg_pipe` for the
+        // `_pipe` entries): every per-slot buffer was sized from the same table and filled
+        // above on this stream, or (dS and dDelta, beside the scan) is read only after the
+        // scan's counter of its group says it is written; the gradients are either the packed
+        // f32 layout (null part pointers) or the parts (a null packed pointer), sized above;
+        // the pipe holds `GRADS_PIPE_COUNTERS` plus the pipeline's counters, the order every
+        // chunk of the table; the dynamic shared memory is `grads_smem_bytes`.
+        unsafe { args.launch(cfg) }.w()?;
+        Ok(())
+    }
+}

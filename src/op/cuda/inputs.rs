@@ -1,0 +1,123 @@
+//! The bf16 chunked kernels' inputs: the queries and keys (packed, or FLA's `q`, `k` in place),
+//! the device views of every input, the output's gradient, and the table of 64-row chunks.
+
+use super::device::{to_i32, view, In};
+use crate::op::shape::GdpShape;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView};
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{CudaStorage, Layout, Result};
+use half::bf16;
+
+/// Where the bf16 chunked kernels read the queries and keys (their `qb, kb, split` arguments,
+/// `GdpcRows` in `cuda/gdp_fwd_chunked.cuh`).
+#[derive(Clone, Copy)]
+pub enum QkIn<'a> {
+    /// `qk [B, T, n+1, H, K]` (every kernel takes it).
+    Packed(In<'a>),
+    /// FLA's `q [B, T, H, K]` and `k [B, T·n, H, K]`, read in place (the bf16 chunked kernels
+    /// only: see [`reads_qk_in_place`]).
+    Split(In<'a>, In<'a>),
+}
+
+impl<'a> QkIn<'a> {
+    /// `qk`, or `q`: the storage whose device and dtype the op runs on.
+    pub fn lead(&self) -> In<'a> {
+        match *self {
+            QkIn::Packed(qk) | QkIn::Split(qk, _) => qk,
+        }
+    }
+}
+
+/// The bf16 inputs as device views: the queries and keys as the kernels' `qb, kb, split` (see
+/// [`QkIn`]; for the packed `qk`, `k` starts at its first key slot), `v [B, T·n, H, V]`, the
+/// f32 gate buffer `[g | beta | h0?]`.
+pub(super) struct Bf16Inputs<'a> {
+    pub q: CudaView<'a, bf16>,
+    pub k: CudaView<'a, bf16>,
+    /// 1 for FLA's separate `q`, `k`; 0 for the packed `qk`.
+    pub split: i32,
+    pub v: CudaView<'a, bf16>,
+    pub aux: CudaView<'a, f32>,
+}
+
+impl<'a> Bf16Inputs<'a> {
+    pub fn new(
+        qk: QkIn<'a>,
+        v: (&'a CudaStorage, &Layout),
+        aux: (&'a CudaStorage, &Layout),
+        sh: &GdpShape,
+        has_h0: bool,
+    ) -> Result<Self> {
+        let (q, k, split) = match qk {
+            QkIn::Packed(qk) => {
+                let all = view::<bf16>(qk.0, qk.1, sh.qk_len(), "qk")?;
+                let slot = (sh.heads * sh.dk).min(all.len());
+                (all.slice(..), all.slice(slot..), 0)
+            }
+            QkIn::Split(q, k) => {
+                let q_len = sh.batch * sh.tokens * sh.heads * sh.dk;
+                (
+                    view::<bf16>(q.0, q.1, q_len, "q")?,
+                    view::<bf16>(k.0, k.1, q_len * sh.n, "k")?,
+                    1,
+                )
+            }
+        };
+        Ok(Self {
+            q,
+            k,
+            split,
+            v: view::<bf16>(v.0, v.1, sh.v_len(), "v")?,
+            aux: view::<f32>(aux.0, aux.1, sh.aux_len(has_h0), "gates")?,
+        })
+    }
+}
+
+/// The chunk table of the split kernels, on the device: per sequence (batch, start, len, first
+/// chunk), then per chunk (sequence, index within it).
+pub(super) struct ChunkTable {
+    pub table: CudaSlice<i32>,
+    /// Chunks of all sequences.
+    pub chunks: usize,
+}
+
+impl ChunkTable {
+    pub fn new(dev: &CudaDevice, sh: &GdpShape) -> Result<Self> {
+        let mut table = Vec::with_capacity(4 * sh.num_seqs());
+        let mut chunks = vec![];
+        for (si, (s, nch)) in sh.seqs.iter().zip(sh.chunks_per_seq()).enumerate() {
+            table.extend([
+                to_i32(s.batch, "batch")?,
+                to_i32(s.start, "start")?,
+                to_i32(s.len, "len")?,
+                to_i32(chunks.len() / 2, "chunks")?,
+            ]);
+            for ci in 0..nch {
+                chunks.extend([si as i32, ci as i32]);
+            }
+        }
+        let total = chunks.len() / 2;
+        if total > i32::MAX as usize || sh.heads > 65_535 {
+            candle_core::bail!("gdp cuda: {total} chunks x {} heads is too large", sh.heads);
+        }
+        table.extend(chunks);
+        Ok(Self {
+            table: dev.clone_htod(&table)?,
+            chunks: total,
+        })
+    }
+
+    /// Scratch slots `(chunk, head)`, at least one head's worth (valid pointers when there is
+    /// no chunk).
+    pub fn slots(&self, sh: &GdpShape) -> usize {
+        self.chunks.max(1) * sh.heads
+    }
+}
+
+/// The gradient of the forward's output: the packed f32 `[do | dht]`, or `do [B, T, H, V]` alone
+/// in bf16 (the op's plain output; `dht` is then zero unless overridden).
+#[derive(Clone, Copy)]
+pub enum Cotangent<'a> {
+    Packed((&'a CudaStorage, &'a Layout)),
+    Plain((&'a CudaStorage, &'a Layout)),
+}
