@@ -13,6 +13,19 @@
 //!         S ← S + β_p · k_p (v_p − Sᵀ k_p)ᵀ         # generalised Householder update
 //!     o_t = scale · Sᵀ q_t                          # read once, after the last sub-step
 //! ```
+//!
+//! # Features
+//!
+//! None is on by default: the default build is the CPU library, and needs neither nvcc nor clap.
+//!
+//! - `cli`: the `gdp` command-line tool (`cargo build --release --features cli --bin gdp`, or
+//!   `cargo install candle-gdp --features cli`). Adds `clap` and the binary; no library item.
+//! - `cuda`: the CUDA kernels, used for tensors on a `Device::Cuda` (turns on `candle-core/cuda`
+//!   and `candle-nn/cuda`). Needs `nvcc` at build time: `build.rs` compiles `cuda/*.cu` into a
+//!   fat binary, for sm_80, sm_89 and sm_90 by default (`CUDA_COMPUTE_CAP` chooses others; see
+//!   the README).
+//! - `nccl`: implies `cuda`; adds `cp::NcclComm`, the NCCL communicator for context parallelism
+//!   with one process per GPU (links `libnccl.so.2`).
 
 pub mod autograd;
 pub mod cp;
