@@ -68,7 +68,7 @@ struct Inner {
 unsafe impl Send for Inner {}
 
 /// A context-parallel communicator over NCCL: one process per GPU. See the
-/// [module docs](self).
+/// module docs of `cp::comm::nccl`.
 ///
 /// Thread safety: NCCL communicators are not thread-safe. `NcclComm` keeps the raw
 /// communicator in a `Mutex`, so the handle can be shared (`Send + Sync`, e.g. in an
@@ -353,7 +353,7 @@ impl NcclComm {
     }
 
     /// Enqueues one collective with `enqueue(comm, stream)` and waits for it; see the
-    /// [module docs](self).
+    /// module docs of `cp::comm::nccl`.
     fn run(
         &self,
         inner: &mut Inner,

@@ -15,7 +15,7 @@ pub enum QkIn<'a> {
     /// `qk [B, T, n+1, H, K]` (every kernel takes it).
     Packed(In<'a>),
     /// FLA's `q [B, T, H, K]` and `k [B, T·n, H, K]`, read in place (the bf16 chunked kernels
-    /// only: see [`reads_qk_in_place`]).
+    /// only: see `forward::reads_qk_in_place`).
     Split(In<'a>, In<'a>),
 }
 
