@@ -28,7 +28,7 @@ use super::inputs::{Bf16Inputs, ChunkTable, Cotangent, QkIn};
 use super::pipeline::{OverlapRun, Pipeline};
 use super::plan::{grads_tiles, query_rows, split_plan, SplitPlan};
 use super::side::SideStream;
-use super::summary::{WidenedDh, WidenedFold, WidenedRun};
+use super::widened::{WidenedDh, WidenedFold, WidenedRun};
 use super::wy::WyFactors;
 use crate::op::config::KernelConfig;
 use crate::op::shape::{GdpShape, CHUNK};

@@ -6,8 +6,8 @@
 //! and tiles); one module per kernel family (`wy`, `fwd_scan`, `dh_scan`, `grads`, the fused
 //! one-kernel paths `fused_fwd` / `fused_bwd`, `cp_fix`, the decode `step`, and `pipeline`,
 //! which runs the WY kernel beside a scan); and the stages composed, as FLA's `chunk.py`
-//! composes its kernels: `forward`, `summary` (context parallelism's widened passes and
-//! summaries) and `backward`.
+//! composes its kernels: `forward`, `widened` (a context-parallel rank's widened passes),
+//! `summary` (its summaries alone) and `backward`.
 
 // Launch plumbing and planning (no kernel of their own, or a helper kernel).
 mod copy;
@@ -32,6 +32,7 @@ mod wy;
 mod backward;
 mod forward;
 mod summary;
+mod widened;
 
 pub use backward::backward;
 pub(crate) use backward::{try_backward_tensors, CpFinalGrads, CpOverrides};
@@ -47,4 +48,4 @@ pub use memory::retain_freed_memory;
 pub(crate) use plan::split_backward_fits;
 pub use step::{step, step_fits};
 pub use summary::{backward_summaries, dht_to_host, forward_summaries, initial_states_to_host};
-pub(crate) use summary::{backward_summaries_served, finish_widened_forward, widened_forward};
+pub(crate) use widened::{backward_summaries_served, finish_widened_forward, widened_forward};

@@ -1,0 +1,473 @@
+//! A context-parallel rank in one widened pass per direction, on the bf16 chunked kernels.
+//!
+//! Forward ([`widened_forward`], [`finish_widened_forward`]): the forward scan
+//! (`gdp_fwd_scan_bf16_*`) on the value columns widened to `[u | 0_K]` from the initial states
+//! `[h0 | I_K]` writes `[o⁰ | Q̃]` and the summary `[ΔS | M]`; after the exchange
+//! `o = o⁰ + Q̃ S_in` (`cp_fix`). Backward ([`WidenedDh`], [`WidenedRun`]): the
+//! state-gradient scan on `[do | 0_K]` from `[dht | I_K]` writes `[x⁰ | x̃]` and `[γ | Mᵀ]`;
+//! after the exchange `x = x⁰ + x̃ dS`. Both recurrences are separable over value columns, so
+//! the `K` extra columns carry the fragment's transition; the WY factors (which do not depend
+//! on the values' width) are computed once for the real `V`. At small `B·H` the scans are short
+//! of blocks, so the extra columns cost little time.
+
+use super::copy::copy_rows_slice;
+use super::device::{smem_and_sms, In};
+use super::dh_scan::{run_dh_scan, DhDest};
+use super::fwd_scan::{run_scan, ScanDest, ScanOut};
+use super::inputs::{Bf16Inputs, ChunkTable, QkIn};
+use super::plan::{widened_scan_plan, wy_smem_bytes, ScanKind, ScanPlan, DH_SCAN, FWD_SCAN};
+use super::side::SideStream;
+use super::wy::WyFactors;
+use crate::op::config::{KernelConfig, KernelPath, TileConfig};
+use crate::op::pack::RowCopy;
+use crate::op::shape::{GdpShape, CHUNK};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::CudaSlice;
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{DType, Result, Tensor};
+use half::bf16;
+
+/// [`KernelConfig::summaries`] for bf16 inputs (`None`: the per-value-tile kernel's summaries).
+pub(super) fn wanted(qk: In, cfg: &KernelConfig) -> Option<KernelPath> {
+    (qk.0.dtype() == DType::BF16 && cfg.summaries != KernelPath::Fused).then_some(cfg.summaries)
+}
+
+/// Whether the backward summaries of bf16 inputs of shape `sh` run on the chunked kernels here
+/// (what a rank's direct bf16 backward needs, since it has no packed f32 `do`).
+pub(crate) fn backward_summaries_served(
+    dev: &CudaDevice,
+    sh: &GdpShape,
+    cfg: &KernelConfig,
+) -> Result<bool> {
+    if cfg.summaries == KernelPath::Fused {
+        return Ok(false);
+    }
+    let every: Vec<usize> = (0..sh.num_seqs()).collect();
+    Ok(Widened::plan(dev, sh, &every, &DH_SCAN, &cfg.tiles)?.is_some())
+}
+
+/// A summary's sub-problem: `sh` with only the sequences `frags` (in that order), the same with
+/// `K` more value columns, and the plan of the scan of `kind` over those.
+pub(super) struct Widened {
+    pub(super) sub: GdpShape,
+    pub(super) wide: GdpShape,
+    pub(super) plan: ScanPlan,
+}
+
+impl Widened {
+    /// `None` where the widened scan or the WY kernel does not fit.
+    pub(super) fn plan(
+        dev: &CudaDevice,
+        sh: &GdpShape,
+        frags: &[usize],
+        kind: &ScanKind,
+        forced: &TileConfig,
+    ) -> Result<Option<Self>> {
+        let sub = GdpShape {
+            seqs: frags.iter().map(|&s| sh.seqs[s]).collect(),
+            ..sh.clone()
+        };
+        let wide = GdpShape {
+            dv: sh.dv + sh.dk,
+            ..sub.clone()
+        };
+        let (max_smem, sms) = smem_and_sms(dev)?;
+        if wy_smem_bytes(sh.dk, sh.dv) > max_smem {
+            return Ok(None);
+        }
+        let plan = widened_scan_plan(kind, &wide, max_smem, sms, sms, forced)?;
+        Ok(plan.map(|plan| Self { sub, wide, plan }))
+    }
+}
+
+/// `rows` rows of `width` elements of `src` from element `at` on, copied into a zeroed buffer
+/// with rows of `width + extra`.
+pub(crate) fn widen_rows(
+    dev: &CudaDevice,
+    src: &CudaSlice<bf16>,
+    at: usize,
+    rows: usize,
+    width: usize,
+    extra: usize,
+) -> Result<CudaSlice<bf16>> {
+    let mut dst = dev.alloc_zeros::<bf16>((rows * (width + extra)).max(1))?;
+    let r = RowCopy {
+        rows,
+        width,
+        src_stride: width,
+        dst_stride: width + extra,
+        src_off: at,
+        dst_off: 0,
+    };
+    copy_rows_slice(dev, src, &mut dst, r)?;
+    Ok(dst)
+}
+
+/// `[x | I_K]` per (sequence, head) on the device, `[N, H, K, V + K]` f32: the rows of `x`
+/// (f32 `[N, H, K, V]`, elements from `at` on in `src`) or zeros, each widened by an identity
+/// (`gdp_cp_widen_states`, no host copy).
+pub(crate) fn widened_states_dev(
+    dev: &CudaDevice,
+    src: Option<(&CudaSlice<f32>, usize)>,
+    sh: &GdpShape,
+) -> Result<CudaSlice<f32>> {
+    use super::device::to_i32;
+    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::WrapErr;
+    let blocks = sh.num_seqs() * sh.heads;
+    let total = blocks * sh.dk * (sh.dv + sh.dk);
+    // SAFETY: the kernel below writes every element.
+    let mut out = unsafe { dev.alloc::<f32>(total.max(1))? };
+    if total == 0 {
+        return Ok(out);
+    }
+    if let Some((x, at)) = src {
+        if x.len() < at + sh.state_len() {
+            candle_core::bail!(
+                "gdp cuda: {} states from {at} in {} elements",
+                sh.state_len(),
+                x.len()
+            );
+        }
+    }
+    let func = super::module::load_kernel(dev, "gdp_cp_widen_states")?;
+    let null = 0u64;
+    let x = src.map(|(x, at)| x.slice(at..));
+    let (nb, k, v) = (blocks as i64, to_i32(sh.dk, "K")?, to_i32(sh.dv, "V")?);
+    let mut args = func.builder();
+    match &x {
+        Some(x) => args.arg(x),
+        None => args.arg(&null),
+    };
+    args.arg(&mut out);
+    args.arg(&nb);
+    args.arg(&k);
+    args.arg(&v);
+    let cfg = LaunchConfig {
+        grid_dim: (total.div_ceil(256).min(65_535) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `gdp_cp_widen_states(x, out, blocks, K, V)`: `out` holds `blocks·K·(V+K)`
+    // elements, `x` (when not null) `blocks·K·V` from its start, checked above.
+    unsafe { args.launch(cfg) }.w()?;
+    drop(args);
+    Ok(out)
+}
+
+/// A context-parallel rank's forward in one widened pass ([`widened_forward`]): the scan from
+/// `[S0 | I_K]` on `[U | 0_K]`, whose rows are `[o⁰ | Q̃]` and whose final states are
+/// `[ΔS | M]`; the rank's output is `o⁰ + Q̃ S` once the incoming state `S` is known.
+pub(crate) struct WidenedForward {
+    /// `[o⁰ | Q̃]`, bf16 `[B, T, H, V + K]`.
+    pub o: CudaSlice<bf16>,
+    /// `[ΔS | M]`, f32 `[N, H, K, V + K]`.
+    pub fin: CudaSlice<f32>,
+}
+
+/// Runs the forward of a context-parallel rank in one widened pass on the bf16 chunked kernels,
+/// from the initial states `h0` (f32 `[N, H, K, V]` on the device: zeros for the sequences that
+/// continue from an earlier rank); with `cache`, the WY factors stay for the backward (which
+/// reruns the state scan from the folded states). `Ok(None)` where these kernels do not serve
+/// (not bf16, `KernelConfig::summaries` = `Fused`, or the shape).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn widened_forward(
+    qk: In,
+    v: In,
+    aux: In,
+    sh: &GdpShape,
+    scale: f32,
+    has_h0: bool,
+    h0: &CudaSlice<f32>,
+    cache: Option<&super::cache::CacheSlot>,
+    cfg: &KernelConfig,
+) -> Result<Option<WidenedForward>> {
+    let dev = qk.0.device().clone();
+    if wanted(qk, cfg).is_none() {
+        return Ok(None);
+    }
+    let every: Vec<usize> = (0..sh.num_seqs()).collect();
+    let Some(Widened { wide, plan, .. }) = Widened::plan(&dev, sh, &every, &FWD_SCAN, &cfg.tiles)?
+    else {
+        return Ok(None);
+    };
+    let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
+    let table = ChunkTable::new(&dev, sh)?;
+    let keep = match cache {
+        Some(slot) if super::plan::split_backward_fits(&dev, sh, cfg)? => Some(slot),
+        _ => None,
+    };
+    let mut wy = WyFactors::compute(&dev, &inp, &table, sh, scale, keep.is_some())?;
+    let rows = table.slots(sh) * CHUNK;
+    let u_wide = widen_rows(&dev, &wy.u, 0, rows, sh.dv, sh.dk)?;
+    let u = std::mem::replace(&mut wy.u, u_wide);
+    let h0w = widened_states_dev(&dev, Some((h0, 0)), sh)?;
+    // SAFETY: the scan writes o for every query row (`cu_seqlens` covers every token).
+    let mut o = unsafe { dev.alloc::<bf16>(wide.o_len().max(1))? };
+    let mut fin = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
+    let dest = ScanDest {
+        out: ScanOut::PlainFinal(&mut o, &mut fin),
+        states: None,
+    };
+    run_scan(
+        &dev,
+        &inp,
+        &table,
+        &wy,
+        &wide,
+        has_h0,
+        Some(&h0w),
+        &plan,
+        dest,
+        None,
+    )?;
+    wy.u = u;
+    if let Some(slot) = keep {
+        slot.put(super::cache::ForwardCache::wy_only(wy));
+    }
+    Ok(Some(WidenedForward { o, fin }))
+}
+
+/// The spans `(first token row, tokens)` of `sh`'s sequences over its `B·T` token rows.
+pub(super) fn token_spans(sh: &GdpShape) -> Vec<(usize, usize)> {
+    sh.seqs
+        .iter()
+        .map(|s| (s.batch * sh.tokens + s.start, s.len))
+        .collect()
+}
+
+/// The spans `(first chunk, chunks)` of `sh`'s sequences over the chunk table's chunks.
+pub(crate) fn chunk_spans(sh: &GdpShape) -> Vec<(usize, usize)> {
+    let mut at = 0;
+    sh.chunks_per_seq()
+        .into_iter()
+        .map(|c| {
+            at += c;
+            (at - c, c)
+        })
+        .collect()
+}
+
+/// A rank's output from its [`WidenedForward`]: `o = o⁰ + Q̃ S` for the sequences `fixed`
+/// (`s_in` f32 `[fixed.len(), H, K, V]`, the state their scan lacked), `o⁰` for the others;
+/// with `plain` `o` alone in bf16, else the packed f32 `[o | final states]` with the final
+/// states `ΔS + M S` (fixed) or `ΔS`.
+pub(crate) fn finish_widened_forward(
+    dev: &CudaDevice,
+    wf: &WidenedForward,
+    sh: &GdpShape,
+    fixed: std::ops::Range<usize>,
+    s_in: Option<&CudaSlice<f32>>,
+    plain: bool,
+) -> Result<candle_core::CudaStorage> {
+    use super::cp_fix::{fix_planned, plan_rows, FixDims};
+    let (h, k, v) = (sh.heads, sh.dk, sh.dv);
+    let dims = FixDims {
+        heads: h,
+        dk: k,
+        dv: v,
+    };
+    let fixed = if s_in.is_some() { fixed } else { 0..0 };
+    let plan = plan_rows(&token_spans(sh), sh.batch * sh.tokens, fixed.clone(), 1)?;
+    let x = wf.o.slice(..);
+    let s = s_in.map(|s| s.slice(..));
+    if plain {
+        // SAFETY: the planned launches write every token row of o.
+        let mut o = unsafe { dev.alloc::<bf16>(sh.o_len().max(1))? };
+        fix_planned(dev, (&x, &mut o.slice_mut(..)), s.as_ref(), dims, &plan)?;
+        return Ok(candle_core::CudaStorage::wrap_cuda_slice(o, dev.clone()));
+    }
+    let (o_len, s_len) = (sh.o_len(), sh.state_len());
+    // SAFETY: the planned launches write o, the copies below every final state.
+    let mut out = unsafe { dev.alloc::<f32>((o_len + s_len).max(1))? };
+    fix_planned(
+        dev,
+        (&x, &mut out.slice_mut(..o_len)),
+        s.as_ref(),
+        dims,
+        &plan,
+    )?;
+    // Final states: [ΔS | M] rows read as f32; ΔS + M S for the fixed sequences.
+    let wide = v + k;
+    let r = RowCopy {
+        rows: sh.num_seqs() * h * k,
+        width: v,
+        src_stride: wide,
+        dst_stride: v,
+        src_off: 0,
+        dst_off: o_len,
+    };
+    copy_rows_slice(dev, &wf.fin, &mut out, r)?;
+    if let (Some(s_in), false) = (s_in, fixed.is_empty()) {
+        let fin = super::device::tensor_of(dev, &wf.fin, &[sh.num_seqs(), h, k, wide])?;
+        let s = super::device::tensor_of(dev, s_in, &[fixed.len(), h, k, v])?;
+        let part = fin.narrow(0, fixed.start, fixed.len())?;
+        let ht = (part.narrow(3, 0, v)? + part.narrow(3, v, k)?.contiguous()?.matmul(&s)?)?;
+        super::device::copy_tensor_into(&ht, &mut out, o_len + fixed.start * h * k * v)?;
+    }
+    Ok(candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
+
+/// A context-parallel rank's backward in one widened pass: the state-gradient scan runs from
+/// `[dht | I_K]` on `[do | 0_K]`, so its initial-state gradients are the rank's `[γ | Mᵀ]` (f32
+/// `[N, H, K, V + K]`) and every chunk row it writes is `[x⁰ | x̃]`. The function exchanges
+/// those and returns what the following ranks send into the final states of the sequences
+/// `range` (f32 `[range.len(), H, K, V]`), or `None`; the chunk rows are then corrected with
+/// it (`x = x⁰ + x̃ dS`, [`super::cp_fix`]) and no second state-gradient scan runs.
+pub(crate) type WidenedFold<'a> = Box<
+    dyn FnOnce(&CudaSlice<f32>) -> Result<Option<(CudaSlice<f32>, std::ops::Range<usize>)>> + 'a,
+>;
+
+/// The widened state-gradient scan of a context-parallel rank ([`WidenedFold`]).
+pub(super) struct WidenedDh<'a> {
+    pub(super) inp: &'a Bf16Inputs<'a>,
+    pub(super) table: &'a ChunkTable,
+    pub(super) wy: &'a WyFactors,
+    pub(super) sh: &'a GdpShape,
+    /// `do` (bf16 `[B, T, H, V]`): its buffer and first element.
+    pub(super) do_src: (&'a CudaSlice<bf16>, usize),
+    /// `dht` (f32 `[N, H, K, V]`): its buffer and first element, when given.
+    pub(super) dht_src: Option<(&'a CudaSlice<f32>, usize)>,
+    /// Blocks of the states rerun beside the scan (0: none): the scan's tile leaves them room.
+    pub(super) beside_blocks: usize,
+    pub(super) cfg: &'a KernelConfig,
+}
+
+impl<'a> WidenedDh<'a> {
+    /// Launches the widened scan on a side stream forked from the device's (what runs on the
+    /// device's stream until [`WidenedRun::finish`] runs beside it).
+    pub(super) fn launch(self, dev: &CudaDevice) -> Result<WidenedRun<'a>> {
+        let sh = self.sh;
+        let (h, k, v) = (sh.heads, sh.dk, sh.dv);
+        let wide = GdpShape {
+            dv: v + k,
+            ..sh.clone()
+        };
+        let (max_smem, sms) = smem_and_sms(dev)?;
+        let budget = sms.saturating_sub(self.beside_blocks);
+        let forced = &self.cfg.tiles;
+        let Some(plan) =
+            super::plan::widened_scan_plan(&DH_SCAN, &wide, max_smem, sms, budget, forced)?
+        else {
+            candle_core::bail!(
+                "gdp cuda: the widened state-gradient scan does not fit K = {k}, V = {v}, n = {}",
+                sh.n
+            );
+        };
+        let dow = widen_rows(
+            dev,
+            self.do_src.0,
+            self.do_src.1,
+            sh.batch * sh.tokens * h,
+            v,
+            k,
+        )?;
+        let dhtw = widened_states_dev(dev, self.dht_src, sh)?;
+        let slots = self.table.slots(sh);
+        // SAFETY: the scan writes every element of every slot of the table's chunks; slots of
+        // no chunk are never read.
+        let (mut dhs_w, mut ddn_w) = unsafe {
+            (
+                dev.alloc::<bf16>(slots * k * (v + k))?,
+                dev.alloc::<bf16>(slots * CHUNK * (v + k))?,
+            )
+        };
+        let mut dh0w = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
+        let side = SideStream::fork(dev, self.cfg.side_streams)?;
+        {
+            let mut d0 = dh0w.slice_mut(..);
+            let dest = DhDest {
+                chunks: Some((&mut dhs_w, &mut ddn_w)),
+                dh0: Some(&mut d0),
+            };
+            let (dow, dhtw) = (dow.slice(..), dhtw.slice(..));
+            run_dh_scan(
+                dev,
+                side.stream(),
+                self.inp,
+                self.table,
+                self.wy,
+                &dow,
+                Some(&dhtw),
+                &wide,
+                &plan,
+                dest,
+                None,
+                None,
+            )?;
+        }
+        Ok(WidenedRun {
+            sh,
+            chunks: self.table.chunks,
+            side,
+            dhs_w,
+            ddn_w,
+            dh0w,
+            _inputs: (dow, dhtw),
+        })
+    }
+}
+
+/// A launched [`WidenedDh`]: its side stream and widened outputs.
+pub(super) struct WidenedRun<'a> {
+    pub(super) sh: &'a GdpShape,
+    pub(super) chunks: usize,
+    pub(super) side: SideStream,
+    pub(super) dhs_w: CudaSlice<bf16>,
+    pub(super) ddn_w: CudaSlice<bf16>,
+    pub(super) dh0w: CudaSlice<f32>,
+    /// `[do | 0]` and `[dht | I]`, alive until the scan that reads them is joined.
+    pub(super) _inputs: (CudaSlice<bf16>, CudaSlice<f32>),
+}
+
+impl WidenedRun<'_> {
+    /// Joins the scan, calls `fold` with its `[γ | Mᵀ]` and writes the corrected chunk rows into
+    /// `dhs [slots, K, V]` and `ddn [slots, 64, V]`; returns the initial-state gradients f32
+    /// `[N, H, K, V]`.
+    pub(super) fn finish(
+        self,
+        dev: &CudaDevice,
+        dhs: &mut CudaSlice<bf16>,
+        ddn: &mut CudaSlice<bf16>,
+        fold: WidenedFold,
+    ) -> Result<Tensor> {
+        use super::cp_fix::{fix_planned, plan_rows, FixDims};
+        let sh = self.sh;
+        let (ns, h, k, v) = (sh.num_seqs(), sh.heads, sh.dk, sh.dv);
+        self.side.join()?;
+        let folded = fold(&self.dh0w)?;
+        let (s, fixed) = match &folded {
+            Some((s, r)) => (Some(s.slice(..)), r.clone()),
+            None => (None, 0..0),
+        };
+        let spans = chunk_spans(sh);
+        let dims = FixDims {
+            heads: h,
+            dk: k,
+            dv: v,
+        };
+        for (dst, src, inner) in [(dhs, &self.dhs_w, k), (ddn, &self.ddn_w, CHUNK)] {
+            let rows = plan_rows(&spans, self.chunks, fixed.clone(), inner)?;
+            let src = src.slice(..);
+            fix_planned(dev, (&src, &mut dst.slice_mut(..)), s.as_ref(), dims, &rows)?;
+        }
+        // The initial-state gradients: γ⁰ + Mᵀ dS for the corrected sequences.
+        let t = super::device::tensor_of(dev, &self.dh0w, &[ns, h, k, v + k])?;
+        let dh0 = t.narrow(3, 0, v)?;
+        let Some((s, r)) = &folded else {
+            return dh0.contiguous();
+        };
+        let ds = super::device::tensor_of(dev, s, &[r.len(), h, k, v])?;
+        let part = t.narrow(0, r.start, r.len())?;
+        let fixed = (part.narrow(3, 0, v)? + part.narrow(3, v, k)?.contiguous()?.matmul(&ds)?)?;
+        let mut parts = vec![];
+        if r.start > 0 {
+            parts.push(dh0.narrow(0, 0, r.start)?);
+        }
+        parts.push(fixed);
+        if r.end < ns {
+            parts.push(dh0.narrow(0, r.end, ns - r.end)?);
+        }
+        Tensor::cat(&parts, 0)
+    }
+}
