@@ -1,10 +1,16 @@
-//! Loading the kernels: the fat binary of `cuda/gdp.cu` (machine code for the build's
-//! `CUDA_COMPUTE_CAP` and its PTX, see `build.rs`), loaded once per Candle device.
+//! Loading the kernels: the fat binary of `cuda/gdp.cu`, loaded once per Candle device.
+//!
+//! `build.rs` compiles the kernels ahead of time into `$OUT_DIR/gdp.fatbin`: machine code for
+//! sm_80, sm_89 and sm_90 plus compute_90 PTX by default, or the architectures that
+//! `GDP_CUDA_COMPUTE_CAP` / `CUDA_COMPUTE_CAP` name (the PTX is that of the highest; the rules
+//! are in `build.rs`). The driver runs the machine code of the GPU's architecture (sm_80 code
+//! also runs on sm_86/sm_87) and JIT-compiles the PTX only on a GPU that has none, such as a
+//! newer architecture.
 //!
 //! Candle's `get_or_load_custom_func` takes PTX text, which the driver JIT-compiles when a
-//! process first loads it (ptxas needs about 50 s for these kernels on a 2-core machine; the
-//! driver's JIT cache helps only where it persists). Loading the fat binary instead runs the
-//! ahead-of-time machine code; on other GPUs the driver JIT-compiles its PTX.
+//! process first loads it (ptxas needs about 50 s per architecture for these kernels on a 2-core
+//! machine; the driver's JIT cache helps only where it persists), so the fat binary is loaded
+//! through cudarc (`Ptx::from_binary`) instead.
 
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchArgs};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
@@ -15,6 +21,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 /// Fat binary of `cuda/gdp.cu` (`nvcc --fatbin`, see `build.rs`).
 const GDP_FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/gdp.fatbin"));
+
+/// What [`GDP_FATBIN`] holds, such as `sm_80 sm_89 sm_90 + compute_90 PTX` (set by `build.rs`).
+const GDP_FATBIN_ARCHS: &str = env!("GDP_CUDA_ARCHS");
 
 /// A kernel of the module and the device's stream it launches on.
 pub(super) struct GdpFunc {
@@ -29,7 +38,7 @@ impl GdpFunc {
     }
 
     /// Argument builder of one launch on `stream`, a stream of the device's context (see
-    /// [`super::side::SideStream`]).
+    /// `side::SideStream`).
     pub fn builder_on<'a>(&'a self, stream: &'a Arc<CudaStream>) -> LaunchArgs<'a> {
         stream.launch_builder(&self.func)
     }
@@ -62,7 +71,13 @@ pub(super) fn load_kernel(dev: &CudaDevice, name: &str) -> Result<GdpFunc> {
                 let m = stream
                     .context()
                     .load_module(Ptx::from_binary(GDP_FATBIN.to_vec()))
-                    .w()?;
+                    .w()
+                    .map_err(|e| {
+                        e.context(format!(
+                            "gdp cuda: cannot load the kernels, built for {GDP_FATBIN_ARCHS} \
+                             (to add this GPU's architecture, see GDP_CUDA_COMPUTE_CAP in build.rs)"
+                        ))
+                    })?;
                 map.insert(dev.id(), m.clone());
                 m
             }
