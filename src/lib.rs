@@ -22,8 +22,8 @@
 //!   `cargo install candle-gdp --features cli`). Adds `clap` and the binary; no library item.
 //! - `cuda`: the CUDA kernels, used for tensors on a `Device::Cuda` (turns on `candle-core/cuda`
 //!   and `candle-nn/cuda`). Needs `nvcc` at build time: `build.rs` compiles `cuda/*.cu` into a
-//!   fat binary, for sm_80, sm_89 and sm_90 by default (`CUDA_COMPUTE_CAP` chooses others; see
-//!   the README).
+//!   fat binary, for sm_80, sm_89 and sm_90 by default (`GDP_CUDA_COMPUTE_CAP` or
+//!   `CUDA_COMPUTE_CAP` chooses others; see `build.rs`).
 //! - `nccl`: implies `cuda`; adds `cp::NcclComm`, the NCCL communicator for context parallelism
 //!   with one process per GPU (links `libnccl.so.2`).
 
