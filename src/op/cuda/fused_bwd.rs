@@ -9,6 +9,7 @@ use super::device::{
 };
 use super::fused_fwd::THREADS;
 use super::module::load_kernel;
+use super::plan::fused_tile;
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
@@ -23,9 +24,6 @@ pub(super) const MODE_FULL: i32 = 0;
 pub(super) const MODE_FWD_SUM: i32 = 1;
 
 pub(super) const MODE_BWD_SUM: i32 = 2;
-
-/// Candidate value-column tile widths, widest first.
-pub(super) const BV_CANDIDATES: [usize; 4] = [64, 32, 16, 8];
 
 /// Dynamic shared memory of one backward block, in bytes, for key dimension `dk`, `bv` value
 /// columns and input elements of `elem` bytes. Must match the carve-up at the top of `gdp_bwd`
@@ -61,52 +59,13 @@ impl BwdPlan {
         sms: usize,
         forced: Option<usize>,
     ) -> Result<Self> {
-        let cap = width.next_power_of_two().clamp(8, 64);
-        let fits = |bv: usize| bwd_smem_bytes(dk, bv, elem) <= max_smem;
-        let blocks = |bv: usize| rows * width.div_ceil(bv);
-        let bv = match forced {
-            Some(bv) => {
-                if !BV_CANDIDATES.contains(&bv) || !fits(bv) {
-                    candle_core::bail!(
-                        "gdp cuda: KernelConfig::tiles.fused_backward = {bv} must be one of {BV_CANDIDATES:?} and fit \
-                         in {max_smem} bytes of shared memory (needs {})",
-                        bwd_smem_bytes(dk, bv, elem)
-                    );
-                }
-                bv
-            }
-            None => {
-                let fitting: Vec<usize> = BV_CANDIDATES
-                    .iter()
-                    .copied()
-                    .filter(|&bv| bv <= cap && fits(bv))
-                    .collect();
-                let Some(&narrowest) = fitting.last() else {
-                    candle_core::bail!(
-                        "gdp cuda backward: K = {dk} needs {} bytes of shared memory even with 8 \
-                         value columns per block, the device allows {max_smem}",
-                        bwd_smem_bytes(dk, 8, elem)
-                    );
-                };
-                match fitting.iter().copied().find(|&bv| 2 * blocks(bv) >= sms) {
-                    Some(bv) => bv,
-                    None => fitting
-                        .iter()
-                        .rev()
-                        .copied()
-                        .find(|&bv| bv >= 16)
-                        .unwrap_or(narrowest),
-                }
-            }
-        };
-        let (gx, gy) = (rows, width.div_ceil(bv));
-        if gx > i32::MAX as usize || gy > 65_535 {
-            candle_core::bail!("gdp cuda: grid ({gx}, {gy}) is too large");
-        }
+        let smem = |bv: usize| bwd_smem_bytes(dk, bv, elem);
+        let what = "tiles.fused_backward";
+        let (bv, grid) = fused_tile(width, rows, dk, smem, max_smem, sms, forced, what)?;
         Ok(Self {
             bv,
-            smem: bwd_smem_bytes(dk, bv, elem),
-            grid: (gx as u32, gy as u32),
+            smem: smem(bv),
+            grid,
         })
     }
 }

@@ -4,6 +4,7 @@
 
 use super::device::{allow_smem, check_states, device_attr, shape_i32, to_i32, view};
 use super::module::load_kernel;
+use super::plan::fused_tile;
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -14,9 +15,6 @@ use candle_core::{CudaStorage, Layout, Result};
 
 /// Threads per block of the forward kernel (`GDP_THREADS` in `cuda/gdp.cu`).
 pub const THREADS: u32 = 256;
-
-/// Candidate value-column tile widths, widest first.
-pub(super) const BV_CANDIDATES: [usize; 4] = [64, 32, 16, 8];
 
 /// Dynamic shared memory of one block, in bytes, for key dimension `dk`, `bv` value columns and
 /// input elements of `elem` bytes. Must match the carve-up at the top of `gdp_fwd` in
@@ -50,60 +48,14 @@ impl LaunchPlan {
         sms: usize,
         forced: Option<usize>,
     ) -> Result<Self> {
-        let cap = sh.dv.next_power_of_two().clamp(8, 64);
-        let fits = |bv: usize| smem_bytes(sh.dk, bv, elem) <= max_smem;
+        let smem = |bv: usize| smem_bytes(sh.dk, bv, elem);
         let rows = sh.num_seqs() * sh.heads;
-        let blocks = |bv: usize| rows * sh.dv.div_ceil(bv);
-        let bv = match forced {
-            Some(bv) => {
-                if !BV_CANDIDATES.contains(&bv) {
-                    candle_core::bail!(
-                        "gdp cuda: KernelConfig::tiles.fused_forward must be one of {BV_CANDIDATES:?}, got {bv}"
-                    );
-                }
-                if !fits(bv) {
-                    candle_core::bail!(
-                        "gdp cuda: KernelConfig::tiles.fused_forward = {bv} needs {} bytes of shared memory, the device allows {max_smem}",
-                        smem_bytes(sh.dk, bv, elem)
-                    );
-                }
-                bv
-            }
-            None => {
-                let fitting: Vec<usize> = BV_CANDIDATES
-                    .iter()
-                    .copied()
-                    .filter(|&bv| bv <= cap && fits(bv))
-                    .collect();
-                let Some(&narrowest) = fitting.last() else {
-                    candle_core::bail!(
-                        "gdp cuda: K = {} needs {} bytes of shared memory even with 8 value columns \
-                         per block, the device allows {max_smem}",
-                        sh.dk,
-                        smem_bytes(sh.dk, 8, elem)
-                    );
-                };
-                // Each block recomputes the V-independent WY factors, so narrower tiles cost
-                // more work in all; only split V further while the grid is under half a wave.
-                match fitting.iter().copied().find(|&bv| 2 * blocks(bv) >= sms) {
-                    Some(bv) => bv,
-                    None => fitting
-                        .iter()
-                        .rev()
-                        .copied()
-                        .find(|&bv| bv >= 16)
-                        .unwrap_or(narrowest),
-                }
-            }
-        };
-        let (gx, gy) = (rows, sh.dv.div_ceil(bv));
-        if gx > i32::MAX as usize || gy > 65_535 {
-            candle_core::bail!("gdp cuda: grid ({gx}, {gy}) is too large");
-        }
+        let what = "tiles.fused_forward";
+        let (bv, grid) = fused_tile(sh.dv, rows, sh.dk, smem, max_smem, sms, forced, what)?;
         Ok(Self {
             bv,
-            smem: smem_bytes(sh.dk, bv, elem),
-            grid: (gx as u32, gy as u32),
+            smem: smem(bv),
+            grid,
         })
     }
 }

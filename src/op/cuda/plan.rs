@@ -398,3 +398,69 @@ pub(crate) fn split_backward_fits(
 pub(super) fn grads_tiles(kp: usize, vp: usize, n: usize) -> bool {
     kp == 128 && vp == 128 && n >= 2
 }
+
+/// Value tiles of the fused one-kernel paths (`fused_fwd`, `fused_bwd`), widest first.
+pub(super) const FUSED_TILES: [usize; 4] = [64, 32, 16, 8];
+
+/// A fused kernel's value tile and grid `(rows, ceil(width / bv))` for `rows` (sequence or
+/// entry, head) pairs over `width` value columns, `smem(bv)` bytes of shared memory per block:
+/// `forced` (the [`TileConfig`] field `what`) when set, else the widest tile that fits in
+/// `max_smem` and still gives at least `sms / 2` blocks, else the narrowest fitting tile of at
+/// least 16 columns. Each block recomputes the V-independent WY factors, so narrower tiles cost
+/// more work in all: V is split further only while the grid is under half a wave.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn fused_tile(
+    width: usize,
+    rows: usize,
+    dk: usize,
+    smem: impl Fn(usize) -> usize,
+    max_smem: usize,
+    sms: usize,
+    forced: Option<usize>,
+    what: &str,
+) -> Result<(usize, (u32, u32))> {
+    let cap = width.next_power_of_two().clamp(8, 64);
+    let fits = |bv: usize| smem(bv) <= max_smem;
+    let blocks = |bv: usize| rows * width.div_ceil(bv);
+    let bv =
+        match forced {
+            Some(bv) => {
+                if !FUSED_TILES.contains(&bv) || !fits(bv) {
+                    candle_core::bail!(
+                    "gdp cuda: KernelConfig::{what} = {bv} must be one of {FUSED_TILES:?} and fit \
+                     in {max_smem} bytes of shared memory (needs {})",
+                    if FUSED_TILES.contains(&bv) { smem(bv) } else { 0 }
+                );
+                }
+                bv
+            }
+            None => {
+                let fitting: Vec<usize> = FUSED_TILES
+                    .iter()
+                    .copied()
+                    .filter(|&bv| bv <= cap && fits(bv))
+                    .collect();
+                let Some(&narrowest) = fitting.last() else {
+                    candle_core::bail!(
+                    "gdp cuda: K = {dk} needs {} bytes of shared memory even with 8 value columns \
+                     per block, the device allows {max_smem}",
+                    smem(8)
+                );
+                };
+                match fitting.iter().copied().find(|&bv| 2 * blocks(bv) >= sms) {
+                    Some(bv) => bv,
+                    None => fitting
+                        .iter()
+                        .rev()
+                        .copied()
+                        .find(|&bv| bv >= 16)
+                        .unwrap_or(narrowest),
+                }
+            }
+        };
+    let (gx, gy) = (rows, width.div_ceil(bv));
+    if gx > i32::MAX as usize || gy > 65_535 {
+        candle_core::bail!("gdp cuda: grid ({gx}, {gy}) is too large");
+    }
+    Ok((bv, (gx as u32, gy as u32)))
+}
