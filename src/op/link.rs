@@ -1,6 +1,6 @@
 //! The boundary through which a context-parallel rank takes part in the op. The op knows
 //! nothing of groups, summaries or communicators: a rank's op holds a [`RankLink`], which the
-//! context-parallel layer (`crate::cp`) implements, and hands it the call's inputs where the
+//! context-parallel layer implements, and hands it the call's inputs where the
 //! plain op would run its kernels.
 
 use super::cpu::PackedInputs;
