@@ -2,7 +2,10 @@
 //! a failing rank stops its siblings, one-line usage errors) and the rendezvous health channel
 //! across real processes (an abort, or a process that dies, reaches every other rank promptly).
 //! The workers are this test binary itself, started by the library launcher with a worker
-//! variable set.
+//! variable set: `rendezvous_worker` is an ignored test that only `failures_reach_every_process`
+//! starts (`--ignored --exact rendezvous_worker`); run on its own it fails. Each rank's standard
+//! output goes to a file that the parent reads, so a filter that stops matching (libtest's
+//! "running 0 tests") fails the parent instead of passing.
 
 use anyhow::{ensure, Result};
 use candle_gdp::cp::comm::{DistEnv, Rendezvous};
@@ -11,11 +14,13 @@ use std::time::{Duration, Instant};
 
 const WORKER: &str = "GDP_RDV_TEST_WORKER";
 
-/// Runs as a worker only (see `failures_reach_every_process`); a plain test run skips it.
+/// Runs as a worker only: `failures_reach_every_process` starts it with `WORKER` set; run
+/// without it (e.g. by `--ignored`), it fails.
 #[test]
+#[ignore = "worker: started by failures_reach_every_process"]
 fn rendezvous_worker() {
     let Ok(scenario) = std::env::var(WORKER) else {
-        return;
+        panic!("{WORKER} is unset: rendezvous_worker is run only by failures_reach_every_process");
     };
     let env = DistEnv::from_vars(std::env::vars_os()).expect("launcher environment");
     let r = env.rank;
@@ -54,27 +59,71 @@ fn rendezvous_worker() {
     assert!(waited < Duration::from_secs(5), "{waited:?}");
 }
 
+/// Starts `nproc` copies of this test binary running exactly the ignored test `name`, each
+/// rank's standard output redirected to `<dir>/rank<R>.out` (through `sh`, so that libtest's own
+/// summary is captured too). Returns the report and every rank's output.
+fn launch_workers(
+    nproc: usize,
+    name: &str,
+    env: (&str, &str),
+    dir: &std::path::Path,
+) -> Result<(candle_gdp::cp::launch::LaunchReport, Vec<String>)> {
+    let exe = std::env::current_exe()?;
+    std::fs::create_dir_all(dir)?;
+    let mut args: Vec<std::ffi::OsString> = vec![
+        "-c".into(),
+        r#"exec "$0" "$@" > "$GDP_WORKER_OUT/rank$RANK.out""#.into(),
+        exe.into(),
+    ];
+    args.extend(
+        [
+            "--ignored",
+            "--exact",
+            name,
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ]
+        .map(Into::into),
+    );
+    let cfg = LaunchConfig::new(nproc, "sh", args)
+        .env(env.0, env.1)
+        .env("GDP_WORKER_OUT", dir);
+    let rep = launch(&cfg)?;
+    let outs = (0..nproc)
+        .map(|r| std::fs::read_to_string(dir.join(format!("rank{r}.out"))).unwrap_or_default())
+        .collect();
+    let _ = std::fs::remove_dir_all(dir);
+    Ok((rep, outs))
+}
+
+/// libtest's summary for a worker that ran exactly one test, which passed.
+const ONE_PASSED: &str = "test result: ok. 1 passed; 0 failed;";
+/// libtest's header for a worker whose filter matched exactly one test.
+const ONE_RUNNING: &str = "running 1 test\n";
+
 #[test]
 fn failures_reach_every_process() -> Result<()> {
-    let exe = std::env::current_exe()?;
-    for scenario in ["abort", "die"] {
-        let mut cfg = LaunchConfig::new(
-            3,
-            &exe,
-            [
-                "--exact",
-                "rendezvous_worker",
-                "--nocapture",
-                "--test-threads",
-                "1",
-            ],
-        )
-        .env(WORKER, scenario);
-        cfg.quiet_stdout = true;
+    for (scenario, culprit) in [("abort", 1), ("die", 2)] {
+        let dir =
+            std::env::temp_dir().join(format!("gdp-launch-test-{}-{scenario}", std::process::id()));
         let t0 = Instant::now();
-        let rep = launch(&cfg)?;
-        ensure!(rep.success(), "{scenario}: {rep:?}");
+        let (rep, outs) = launch_workers(3, "rendezvous_worker", (WORKER, scenario), &dir)?;
+        ensure!(rep.success(), "{scenario}: {rep:?}; outputs: {outs:#?}");
         ensure!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+        for (r, out) in outs.iter().enumerate() {
+            // The culprit exits in the middle of its test, before libtest's summary.
+            let want = if r == culprit {
+                ONE_RUNNING
+            } else {
+                ONE_PASSED
+            };
+            ensure!(
+                out.contains(want),
+                "{scenario}: rank {r} did not print `{}`: {out}",
+                want.trim_end()
+            );
+        }
     }
     Ok(())
 }

@@ -4,19 +4,24 @@
 //! gradient on every rank; the collectives (host and device), an abort and a timeout.
 //!
 //! The test `cp_over_nccl_equals_single_gpu` starts this binary once per world size (1, 2, 4, 8,
-//! or `GDP_NCCL_WORLDS=1,2`) through the library launcher; each worker (the `nccl_worker` test
-//! with `GDP_NCCL_TEST_WORKER` set) opens `cuda:LOCAL_RANK`, computes the reference with the
-//! single-device op on its own GPU and compares. World sizes above the number of visible GPUs are
-//! skipped with a printed reason. CI only compiles this (no GPU). On a GPU machine:
-//! `cargo test --release --features nccl --test nccl -- --nocapture`.
+//! or `GDP_NCCL_WORLDS=1,2`) through the library launcher; each worker (the ignored
+//! `nccl_worker` test, started with `--ignored --exact nccl_worker` and `GDP_NCCL_TEST_WORKER`
+//! set; run any other way it fails) opens `cuda:LOCAL_RANK`, computes the reference with the
+//! single-device op on its own GPU and compares. The parent reads every rank's standard output
+//! and requires libtest's "1 passed" in each. World sizes above the number of visible GPUs are
+//! skipped with a printed `SKIPPED` line. Both tests are ignored by default (CI only compiles
+//! this, without a GPU). On a GPU machine:
+//! `cargo test --release --features nccl --test nccl -- --ignored --exact
+//! cp_over_nccl_equals_single_gpu --nocapture` (a bare `--ignored` also runs the worker on its
+//! own, which fails by design).
 #![cfg(feature = "nccl")]
 
 mod common;
 
-use anyhow::{ensure, Context as _, Result};
+use anyhow::{bail, ensure, Context as _, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_gdp::cp::comm::DistEnv;
-use candle_gdp::cp::launch::{launch, LaunchConfig};
+use candle_gdp::cp::launch::{launch, LaunchConfig, LaunchReport};
 use candle_gdp::cp::{
     distributed_gated_delta_product, Communicator, Composition, NcclComm, DEFAULT_TIMEOUT,
 };
@@ -33,42 +38,85 @@ fn gpu_count() -> usize {
         .unwrap_or(0)
 }
 
-fn worlds() -> Vec<usize> {
-    match std::env::var("GDP_NCCL_WORLDS") {
-        Ok(s) => s.split(',').filter_map(|w| w.trim().parse().ok()).collect(),
-        Err(_) => vec![1, 2, 4, 8],
-    }
+/// The world sizes to run: `GDP_NCCL_WORLDS` (comma-separated, each at least 1), or 1, 2, 4, 8.
+/// An unparsable or empty list is an error, not a silently shorter run.
+fn worlds() -> Result<Vec<usize>> {
+    let Ok(s) = std::env::var("GDP_NCCL_WORLDS") else {
+        return Ok(vec![1, 2, 4, 8]);
+    };
+    let worlds = s
+        .split(',')
+        .map(|w| match w.trim().parse::<usize>() {
+            Ok(n) if n >= 1 => Ok(n),
+            _ => bail!("GDP_NCCL_WORLDS={s:?}: `{w}` is not a world size (want e.g. `1,2`)"),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(worlds)
 }
 
+/// libtest's summary for a worker that ran exactly one test, which passed.
+const ONE_PASSED: &str = "test result: ok. 1 passed; 0 failed;";
+
+/// Starts `world` copies of this binary running exactly `nccl_worker`, each rank's standard
+/// output redirected (through `sh`) to a file; returns the report and every rank's output.
+fn launch_workers(world: usize) -> Result<(LaunchReport, Vec<String>)> {
+    let exe = std::env::current_exe()?;
+    let dir = std::env::temp_dir().join(format!("gdp-nccl-test-{}-w{world}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let mut args: Vec<std::ffi::OsString> = vec![
+        "-c".into(),
+        r#"exec "$0" "$@" > "$GDP_WORKER_OUT/rank$RANK.out""#.into(),
+        exe.into(),
+    ];
+    args.extend(
+        [
+            "--ignored",
+            "--exact",
+            "nccl_worker",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ]
+        .map(Into::into),
+    );
+    let cfg = LaunchConfig::new(world, "sh", args)
+        .env(WORKER, "1")
+        .env("GDP_WORKER_OUT", &dir);
+    let rep = launch(&cfg)?;
+    let outs = (0..world)
+        .map(|r| std::fs::read_to_string(dir.join(format!("rank{r}.out"))).unwrap_or_default())
+        .collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok((rep, outs))
+}
+
+/// Ignored by default: it needs GPUs, and a test that cannot run must be reported as skipped,
+/// not passed. Without this attribute a machine with no GPU (or fewer GPUs than every requested
+/// world size) would run nothing and still count a pass. Run explicitly (see the module docs),
+/// each world size above the visible GPU count prints `SKIPPED`, and if no world size at all
+/// could run the test fails: it was asked for and checked nothing.
 #[test]
+#[ignore = "needs GPUs: run with --ignored"]
 fn cp_over_nccl_equals_single_gpu() -> Result<()> {
     let gpus = gpu_count();
-    let exe = std::env::current_exe()?;
     let mut ran = vec![];
-    for world in worlds() {
+    let mut skipped = vec![];
+    for world in worlds()? {
         if world > gpus {
             println!("SKIPPED world size {world}: needs {world} GPUs, {gpus} visible");
+            skipped.push(world);
             continue;
         }
-        let cfg = LaunchConfig::new(
-            world,
-            &exe,
-            [
-                "--exact",
-                "nccl_worker",
-                "--nocapture",
-                "--test-threads",
-                "1",
-            ],
-        )
-        .env(WORKER, "1");
         let t0 = Instant::now();
-        let rep = launch(&cfg)?;
+        let (rep, outs) = launch_workers(world)?;
         println!(
             "world size {world}: {} in {:.1} s",
             if rep.success() { "passed" } else { "FAILED" },
             t0.elapsed().as_secs_f64()
         );
+        for out in &outs {
+            print!("{out}");
+        }
         ensure!(
             rep.success(),
             "world size {world}: {}",
@@ -76,18 +124,30 @@ fn cp_over_nccl_equals_single_gpu() -> Result<()> {
                 .map(|f| f.description)
                 .unwrap_or_else(|| "interrupted".into())
         );
+        for (r, out) in outs.iter().enumerate() {
+            ensure!(
+                out.contains(ONE_PASSED),
+                "world size {world}: rank {r} did not print `{ONE_PASSED}` (did the worker \
+                 filter stop matching?)"
+            );
+        }
         ran.push(world);
     }
-    println!("ran world sizes {ran:?} ({gpus} GPUs visible)");
+    ensure!(
+        !ran.is_empty(),
+        "SKIPPED every world size {skipped:?} ({gpus} GPUs visible): nothing was checked"
+    );
+    println!("ran world sizes {ran:?}, skipped {skipped:?} ({gpus} GPUs visible)");
     Ok(())
 }
 
-/// The worker: runs only under `cp_over_nccl_equals_single_gpu` (a plain test run returns at
-/// once).
+/// The worker: run only by `cp_over_nccl_equals_single_gpu`, which sets `WORKER`; run without
+/// it (e.g. by a bare `--ignored`), it fails.
 #[test]
+#[ignore = "worker: started by cp_over_nccl_equals_single_gpu"]
 fn nccl_worker() -> Result<()> {
     if std::env::var_os(WORKER).is_none() {
-        return Ok(());
+        bail!("{WORKER} is unset: nccl_worker is run only by cp_over_nccl_equals_single_gpu");
     }
     let env = DistEnv::from_vars(std::env::vars_os())?;
     let (r, w) = (env.rank, env.world_size);
