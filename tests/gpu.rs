@@ -230,6 +230,8 @@ fn backward_f32_matches_cpu_op() -> Result<()> {
         let want = run_op_on(&c, &x, DType::F32, &Device::Cpu)?;
         let refr = run_reference(&c, &x)?;
         assert_eq!(got.grads.len(), want.grads.len());
+        common::assert_same_grads(&got.grads, &want.grads);
+        common::assert_same_grads(&got.grads, &refr.grads);
         for (((name, a), (_, b)), (_, r)) in got.grads.iter().zip(&want.grads).zip(&refr.grads) {
             let e = rel_rms(a, b)?;
             if e <= 1e-5 {
@@ -267,6 +269,7 @@ fn without_final_state_matches_f64_reference() -> Result<()> {
             let got = run_op_plain_on(&c, &x, dtype, &dev)?;
             let want = run_reference(&c, &x.without_dht()?)?;
             check(&c, &format!("o {dtype:?} plain"), &got.o, &want.o, tol)?;
+            common::assert_same_grads(&got.grads, &want.grads);
             for ((name, a), (_, b)) in got.grads.iter().zip(&want.grads) {
                 check(&c, &format!("{name} {dtype:?} plain"), a, b, tol)?;
             }
@@ -287,6 +290,8 @@ fn check_same_kernels(
 ) -> Result<()> {
     check(c, &format!("o {what}"), &got.o, &want.o, tol)?;
     assert_eq!(rel_rms(&got.o, &base.o)?, 0.0, "{}: o {what}", c.name);
+    common::assert_same_grads(&got.grads, &base.grads);
+    common::assert_same_grads(&got.grads, &want.grads);
     for (((name, a), (_, b)), (_, w)) in got.grads.iter().zip(&base.grads).zip(&want.grads) {
         check(c, &format!("{name} {what}"), a, w, tol)?;
         let diff = rel_rms(a, b)?;
@@ -428,6 +433,8 @@ fn overlapped_forward_is_bit_identical_and_matches_f64_reference() -> Result<()>
         assert_eq!(rel_rms(&plain.o, &off_plain.o)?, 0.0, "plain o with {what}");
         assert_eq!(rel_rms(&wy.o, &off_wy.o)?, 0.0, "WY-saved o with {what}");
         for (run, off_run, label) in [(&saved, &off_saved, ""), (&wy, &off_wy, " (WY saved)")] {
+            common::assert_same_grads(&run.grads, &off_run.grads);
+            common::assert_same_grads(&run.grads, &want.grads);
             let pairs = run.grads.iter().zip(&off_run.grads);
             for (((name, a), (_, b)), (_, w)) in pairs.zip(&want.grads) {
                 check(&c, &format!("{name} {value}{label}"), a, w, 1e-2)?;
@@ -439,6 +446,7 @@ fn overlapped_forward_is_bit_identical_and_matches_f64_reference() -> Result<()>
                 );
             }
         }
+        common::assert_same_grads(&plain.grads, &off_plain.grads);
         for ((name, a), (_, b)) in plain.grads.iter().zip(&off_plain.grads) {
             let diff = rel_rms(a, b)?;
             assert!(
@@ -480,6 +488,7 @@ fn backward_half_precision_matches_f64_reference() -> Result<()> {
             let got = run_op_on(&c, &x, dtype, &dev)?;
             let want = run_reference(&c, &x)?;
             assert_eq!(got.grads.len(), want.grads.len());
+            common::assert_same_grads(&got.grads, &want.grads);
             for ((name, a), (_, b)) in got.grads.iter().zip(&want.grads) {
                 check(&c, &format!("{name} {dtype:?}"), a, b, 1e-2)?;
             }

@@ -167,6 +167,8 @@ fn suffix_gradients_match_reference() -> Result<()> {
     let (_, ht_ref) = gated_delta_product_naive(&q, &k, &v, &g, &beta, &opts)?;
     let mut report = vec![format!("ht {:.1e}", rel_rms(&r.ht, &ht_ref)?)];
     assert!(rel_rms(&r.ht, &ht_ref)? <= 1e-5);
+    let names: Vec<&str> = r.grads.iter().map(|(n, _)| *n).collect();
+    assert_eq!(names, ["dq", "dk", "dv", "dg", "dbeta"]);
     for ((name, got), want) in r.grads.iter().zip([gr.dq, gr.dk, gr.dv, gr.dg, gr.dbeta]) {
         let rows = if matches!(*name, "dq" | "dg") {
             W
@@ -217,6 +219,7 @@ fn backward_is_causal() -> Result<()> {
         None,
     )?;
     let names = ["dq", "dk", "dv", "dg", "dbeta"];
+    assert_eq!(vars.len(), names.len(), "q, k, v, g, beta");
     for ((name, var), want) in names
         .iter()
         .zip(&vars)

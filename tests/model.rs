@@ -376,8 +376,24 @@ fn short_conv_halo_cache_and_step_match_full() -> Result<()> {
         state = s;
     }
     assert!(rel_err(&Tensor::cat(&ys, 1)?, &full)? < 1e-6);
-    assert!(conv.forward_with_halo(&x, Some(&x)).is_err());
+    expect_err(
+        "halo of the wrong shape",
+        conv.forward_with_halo(&x, Some(&x)),
+        "`halo`: expected shape [2, 3, 6]",
+    );
     Ok(())
+}
+
+/// `r` is an error whose message contains `needle` (the argument or setting it names).
+fn expect_err<T, E: std::fmt::Display>(what: &str, r: std::result::Result<T, E>, needle: &str) {
+    match r {
+        Ok(_) => panic!("{what}: expected an error naming `{needle}`, got Ok"),
+        Err(e) => {
+            let msg = e.to_string();
+            println!("{what:<24} {msg}");
+            assert!(msg.contains(needle), "{what}: `{needle}` not in: {msg}");
+        }
+    }
 }
 
 /// Bad inputs and configs are errors, not panics.
@@ -389,42 +405,83 @@ fn bad_inputs_are_errors() -> Result<()> {
     let zeros = |dims: &[usize], dt: DType| Tensor::zeros(dims, dt, &dev);
     let mut wrong_batch = Cache::new(&cfg, 3, DType::F32, &dev)?;
     let bad_calls = [
-        model.forward(&Tensor::new(&[[1u32, 64]], &dev)?, None), // id = vocab
-        model.forward(&zeros(&[2, 0], DType::U32)?, None),
-        model.forward(&zeros(&[3], DType::U32)?, None),
-        model.forward(&Tensor::new(&[[-1i64, 2]], &dev)?, None),
-        model.forward(&zeros(&[1, 3], DType::F32)?, None),
-        model.forward(&ids(2, 1, 64, 0)?, Some(&mut wrong_batch)),
+        (
+            "id = vocab",
+            model.forward(&Tensor::new(&[[1u32, 64]], &dev)?, None),
+            "`input_ids`: id 64",
+        ),
+        (
+            "empty sequence",
+            model.forward(&zeros(&[2, 0], DType::U32)?, None),
+            "`input_ids`: every dimension",
+        ),
+        (
+            "rank-1 ids",
+            model.forward(&zeros(&[3], DType::U32)?, None),
+            "`input_ids`: expected a rank-2",
+        ),
+        (
+            "negative id",
+            model.forward(&Tensor::new(&[[-1i64, 2]], &dev)?, None),
+            "`input_ids`: id -1",
+        ),
+        (
+            "f32 ids",
+            model.forward(&zeros(&[1, 3], DType::F32)?, None),
+            "`input_ids`: expected an integer dtype",
+        ),
+        (
+            "cache batch 3 vs 2",
+            model.forward(&ids(2, 1, 64, 0)?, Some(&mut wrong_batch)),
+            "`cache.recurrent`: expected shape [2,",
+        ),
     ];
-    assert!(bad_calls.iter().all(|r| r.is_err()));
-    assert!(model
-        .forward(&ids(2, 5, 64, 0)?, Some(&mut wrong_batch))
-        .is_err());
+    for (what, r, needle) in bad_calls {
+        expect_err(what, r, needle);
+    }
+    expect_err(
+        "cache batch 3 vs 2, T 5",
+        model.forward(&ids(2, 5, 64, 0)?, Some(&mut wrong_batch)),
+        "`cache.recurrent`: expected shape [2,",
+    );
     let vm = VarMap::new();
     let layer = GatedDeltaProduct::new(&cfg, 0, VarBuilder::from_varmap(&vm, DType::F32, &dev))?;
-    assert!(layer
-        .forward(&zeros(&[1, 4, 31], DType::F32)?, None)
-        .is_err());
+    expect_err(
+        "hidden 31",
+        layer.forward(&zeros(&[1, 4, 31], DType::F32)?, None),
+        "`x`: expected shape [1, 4, 32]",
+    );
     let mut no_conv = cfg.clone();
     no_conv.use_short_conv = false;
     let mut c = LayerCache::new(&no_conv, 1, DType::F32, &dev)?;
-    assert!(layer
-        .forward(&zeros(&[1, 4, 32], DType::F32)?, Some(&mut c))
-        .is_err());
-    let edits: [fn(&mut GdpConfig); 6] = [
-        |c| c.expand_v = 1.3,
-        |c| c.num_v_heads = Some(3),
-        |c| c.num_householder = 0,
-        |c| c.hidden_act = "gelu".into(),
-        |c| c.attn = Some(serde_json::json!({"layers": [1], "num_heads": 2})),
-        |c| c.attnres_block_size = Some(2),
+    expect_err(
+        "cache without conv",
+        layer.forward(&zeros(&[1, 4, 32], DType::F32)?, Some(&mut c)),
+        "`cache`: has no conv states",
+    );
+    /// A config setting and an edit that makes it invalid.
+    type Edit = (&'static str, fn(&mut GdpConfig));
+    let edits: [Edit; 6] = [
+        ("expand_v", |c| c.expand_v = 1.3),
+        ("num_v_heads", |c| c.num_v_heads = Some(3)),
+        ("num_householder", |c| c.num_householder = 0),
+        ("hidden_act", |c| c.hidden_act = "gelu".into()),
+        ("attn.layers", |c| {
+            c.attn = Some(serde_json::json!({"layers": [1], "num_heads": 2}))
+        }),
+        ("attnres_block_size", |c| c.attnres_block_size = Some(2)),
     ];
-    for edit in edits {
+    for (name, edit) in edits {
         let mut bad = cfg.clone();
         edit(&mut bad);
         let vm = VarMap::new();
-        assert!(bad.validate().is_err());
-        assert!(GdpForCausalLM::new(&bad, VarBuilder::from_varmap(&vm, DType::F32, &dev)).is_err());
+        let needle = format!("`{name}`");
+        expect_err(name, bad.validate(), &needle);
+        expect_err(
+            name,
+            GdpForCausalLM::new(&bad, VarBuilder::from_varmap(&vm, DType::F32, &dev)),
+            &needle,
+        );
     }
     Ok(())
 }

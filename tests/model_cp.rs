@@ -298,6 +298,13 @@ fn training_steps_equal_single_device() -> Result<()> {
                         other[s].0 == *got_loss,
                         "{name} R={r}: ranks' losses differ"
                     );
+                    let names = |l: &[(String, Tensor)]| -> Vec<String> {
+                        l.iter().map(|(n, _)| n.clone()).collect()
+                    };
+                    anyhow::ensure!(
+                        names(&other[s].1) == names(got),
+                        "{name} R={r} step {s}: ranks' gradient lists differ"
+                    );
                     for ((n, g), (_, g2)) in other[s].1.iter().zip(got) {
                         let d = (g - g2)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
                         anyhow::ensure!(d == 0.0, "{name} R={r} step {s}: ranks differ in {n}");
@@ -305,6 +312,12 @@ fn training_steps_equal_single_device() -> Result<()> {
                 }
                 let e = ((got_loss - loss) / loss).abs();
                 assert!(e <= 1e-5, "{name} R={r} step {s}: loss rel {e:.2e}");
+                anyhow::ensure!(
+                    got.len() == grads.len(),
+                    "{name} R={r} step {s}: {} gradients vs {}",
+                    got.len(),
+                    grads.len()
+                );
                 let errs = got
                     .iter()
                     .zip(grads)

@@ -91,6 +91,7 @@ fn packed_and_separate_queries_and_keys_agree() -> Result<()> {
         let packed = run_op_packed_on(&c, &x, DType::F32, &Device::Cpu)?;
         assert_eq!(rel_rms(&split.o, &packed.o)?, 0.0, "{}: o", c.name);
         assert_eq!(rel_rms(&split.ht, &packed.ht)?, 0.0, "{}: ht", c.name);
+        common::assert_same_grads(&split.grads, &packed.grads);
         for ((name, a), (_, b)) in split.grads.iter().zip(&packed.grads) {
             assert_eq!(rel_rms(a, b)?, 0.0, "{}: {name}", c.name);
         }

@@ -272,6 +272,14 @@ fn step_grads_match_op(c: &Case) -> Result<()> {
         + (st.to_dtype(DType::F64)? * &x.dht)?.sum_all()?)?;
     let gs = loss.backward()?;
     let mut report = vec![];
+    let names: Vec<&str> = want.grads.iter().map(|(n, _)| *n).collect();
+    assert_eq!(
+        names,
+        ["dq", "dk", "dv", "dg", "dbeta", "dh0"],
+        "{}",
+        c.name
+    );
+    assert_eq!(vars.len() + 1, want.grads.len(), "q, k, v, g, beta, h0");
     let all = vars.iter().chain(std::iter::once(&h0));
     for (v, (name, g_op)) in all.zip(&want.grads) {
         let g = gs

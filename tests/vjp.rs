@@ -116,6 +116,9 @@ fn inputs_are_checked_as_by_the_op() -> Result<()> {
     let msg = gated_delta_product_vjp(&q, &k, &v, &g_bad, &beta, &GdpOptions::default())
         .expect_err("a gate of the wrong shape")
         .to_string();
-    assert!(msg.contains("g"), "{msg}");
+    assert!(
+        msg.contains("`g`: expected shape [1, 5, 2] [B, T, H], got [1, 4, 2]"),
+        "{msg}"
+    );
     Ok(())
 }

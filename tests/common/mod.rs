@@ -492,11 +492,20 @@ pub fn assert_close(c: &Case, got: &Results, want: &Results, tol: f64) -> Result
     };
     check("o", &got.o, &want.o)?;
     check("ht", &got.ht, &want.ht)?;
+    assert_same_grads(&got.grads, &want.grads);
     for ((name, a), (_, b)) in got.grads.iter().zip(&want.grads) {
         check(name, a, b)?;
     }
     println!("{:<28} {}", c.name, report.join("  "));
     Ok(worst)
+}
+
+/// Asserts that two gradient lists hold the same names in the same order, so that a `zip` over
+/// them compares like with like and cannot silently drop a missing or extra gradient.
+pub fn assert_same_grads<A: AsRef<str>, B: AsRef<str>>(a: &[(A, Tensor)], b: &[(B, Tensor)]) {
+    let names_a: Vec<&str> = a.iter().map(|(n, _)| n.as_ref()).collect();
+    let names_b: Vec<&str> = b.iter().map(|(n, _)| n.as_ref()).collect();
+    assert_eq!(names_a, names_b, "gradient lists differ in length or names");
 }
 
 /// Decode-step arguments `[state, q, k, v, g, beta]` on `dev`: a normal f32 state
