@@ -189,7 +189,7 @@ fn main() -> candle_core::Result<()> {
                 let s = fold_forward((0..r).map(|j| &all[j * h * sl + hd * sl..][..sl]), d, d);
                 h0[hd * kv..(hd + 1) * kv].copy_from_slice(&s);
             }
-            let _ = cpu::forward(&px, &sh, dims.scale, Some(&h0));
+            cpu::forward(&px, &sh, dims.scale, Some(&h0))?;
             let t3 = Instant::now();
             let local_b: Vec<f32> = (0..h)
                 .flat_map(|hd| {
@@ -211,7 +211,7 @@ fn main() -> candle_core::Result<()> {
                     d,
                 );
             }
-            let _ = cpu::backward(&px, &sh, dims.scale, &grad, Some(&h0));
+            cpu::backward(&px, &sh, dims.scale, &grad, Some(&h0))?;
             let t6 = Instant::now();
             for (i, (a, b)) in [(t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5), (t5, t6)]
                 .iter()

@@ -613,3 +613,93 @@ fn non_contiguous_inputs_match_contiguous() -> Result<()> {
     assert_eq!(diff(&ht.unwrap(), &ht_ref.unwrap())?, 0.0);
     Ok(())
 }
+
+/// `op::cpu::forward` / `backward` write through raw pointers at offsets derived from a
+/// `GdpShape`, whose fields are public: an inconsistent shape, or buffers of the wrong length,
+/// are errors naming what is wrong, never out-of-bounds writes.
+#[test]
+fn cpu_kernels_refuse_inconsistent_shapes() {
+    use candle_gdp::op::cpu::{backward, forward, PackedInputs};
+    use candle_gdp::op::shape::{GdpShape, SeqSpan};
+    let good = GdpShape::new(B, T, H, K, V, N, None);
+    let qk = vec![0.5f32; good.qk_len()];
+    let v = vec![0.5f32; good.v_len()];
+    let aux = vec![-0.1f32; good.aux_len(false)];
+    let x = PackedInputs {
+        qk: &qk,
+        v: &v,
+        aux: &aux,
+        has_h0: false,
+    };
+    let grad = vec![1.0f32; good.o_len() + good.state_len()];
+    let out = forward(&x, &good, 0.5, None).expect("a consistent shape runs");
+    assert_eq!(out.len(), good.o_len() + good.state_len());
+    backward(&x, &good, 0.5, &grad, None).expect("a consistent shape runs");
+
+    let span = |batch, start, len| SeqSpan { batch, start, len };
+    let edit = |f: &dyn Fn(&mut GdpShape)| {
+        let mut s = good.clone();
+        f(&mut s);
+        s
+    };
+    let shapes = [
+        (
+            "batch row",
+            edit(&|s| s.seqs[1] = span(B, 0, T)),
+            "outside the batch",
+        ),
+        (
+            "past T",
+            edit(&|s| s.seqs[1] = span(1, 1, T)),
+            "outside the batch",
+        ),
+        (
+            "start overflow",
+            edit(&|s| s.seqs[1] = span(1, usize::MAX, 2)),
+            "outside",
+        ),
+        ("overlap", edit(&|s| s.seqs[1] = span(0, 1, 2)), "overlap"),
+        (
+            "size overflow",
+            edit(&|s| s.dv = usize::MAX / 2),
+            "overflows",
+        ),
+        (
+            "extra sequence",
+            edit(&|s| s.seqs.push(span(0, 0, 1))),
+            "overlap",
+        ),
+    ];
+    for (what, sh, needle) in &shapes {
+        for r in [
+            forward(&x, sh, 0.5, None).map(drop),
+            backward(&x, sh, 0.5, &grad, None).map(drop),
+        ] {
+            let msg = r.expect_err(what).to_string();
+            assert!(
+                msg.contains("`shape`") && msg.contains(needle),
+                "{what}: {msg}"
+            );
+        }
+    }
+    // A consistent shape with buffers of the wrong length.
+    let short = &qk[..qk.len() - 1];
+    let bad_x = PackedInputs { qk: short, ..x };
+    let msg = forward(&bad_x, &good, 0.5, None).unwrap_err().to_string();
+    assert!(msg.contains("`qk`"), "{msg}");
+    let msg = forward(&x, &good, 0.5, Some(&[0.0; 3]))
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("`h0`"), "{msg}");
+    let msg = backward(&x, &good, 0.5, &grad[1..], None)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("`grad`"), "{msg}");
+    // Fewer tokens in `T` than the buffers hold is caught by the length checks too.
+    let smaller = edit(&|s| {
+        s.tokens = 1;
+        s.seqs = vec![span(0, 0, 1), span(1, 0, 1)];
+    });
+    let msg = forward(&x, &smaller, 0.5, None).unwrap_err().to_string();
+    assert!(msg.contains("`qk`"), "{msg}");
+}

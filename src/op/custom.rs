@@ -297,7 +297,7 @@ impl CustomOp3 for GdpForward {
         let out = with_float_type!(s1.dtype(), T, {
             let x = self.packed::<T>((s1, l1), (s2, l2), (s3, l3))?;
             let out = match &self.cp {
-                None => cpu::forward(&x, &self.shape, self.scale, None),
+                None => cpu::forward(&x, &self.shape, self.scale, None)?,
                 Some(link) => link.forward_cpu(CpuInputs::from(&x), &self.shape, self.scale)?,
             };
             if self.with_final_state {
@@ -358,7 +358,7 @@ impl CustomOp3 for GdpBackward {
             let x = self.fwd.packed::<T>((s1, l1), (s2, l2), (s3, l3))?;
             let (sh, scale) = (&self.fwd.shape, self.fwd.scale);
             match &self.fwd.cp {
-                None => cpu::backward(&x, sh, scale, grad, None),
+                None => cpu::backward(&x, sh, scale, grad, None)?,
                 Some(link) => link.backward_cpu(CpuInputs::from(&x), sh, scale, grad)?,
             }
         });

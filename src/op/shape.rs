@@ -80,6 +80,59 @@ impl GdpShape {
         }
     }
 
+    /// Checks that the geometry is self-consistent, as every kernel that writes through it
+    /// assumes: each sequence lies inside its batch row (`batch < B`, `start + len <= T`), no
+    /// two sequences of a row overlap, and every buffer size fits in `usize`. [`GdpShape::new`]
+    /// builds shapes that pass; a hand-built one may not.
+    pub fn check(&self) -> Result<(), GdpError> {
+        let bad = |reason: String| GdpError::Option {
+            name: "shape".into(),
+            reason,
+        };
+        let overflow = || bad(format!("{self:?}: a buffer size overflows usize"));
+        let th = self
+            .batch
+            .checked_mul(self.tokens)
+            .and_then(|x| x.checked_mul(self.heads))
+            .ok_or_else(overflow)?;
+        let kv = self.dk.checked_mul(self.dv).ok_or_else(overflow)?;
+        let n1 = self.n.checked_add(1).ok_or_else(overflow)?;
+        let states = self
+            .seqs
+            .len()
+            .checked_mul(self.heads)
+            .and_then(|x| x.checked_mul(kv))
+            .ok_or_else(overflow)?;
+        // The largest buffer is the backward's `[dqk | dv | dg | dbeta | dh0]`; `[o | ht]` and
+        // every offset into either are smaller.
+        let (m, a) = (usize::checked_mul, usize::checked_add);
+        let qk = m(th, n1).and_then(|x| m(x, self.dk));
+        let v = m(th, self.n).and_then(|x| m(x, self.dv));
+        let o = m(th, self.dv);
+        let gates = m(th, n1);
+        [qk, v, o, gates]
+            .into_iter()
+            .try_fold(states, |acc, x| x.and_then(|x| a(acc, x)))
+            .ok_or_else(overflow)?;
+        for (i, sp) in self.seqs.iter().enumerate() {
+            let end = sp.start.checked_add(sp.len);
+            if sp.batch >= self.batch || end.is_none_or(|e| e > self.tokens) {
+                return Err(bad(format!(
+                    "sequence {i} {sp:?} lies outside the batch [B = {}, T = {}]",
+                    self.batch, self.tokens
+                )));
+            }
+        }
+        let mut order: Vec<&SeqSpan> = self.seqs.iter().collect();
+        order.sort_by_key(|sp| (sp.batch, sp.start, sp.len));
+        for w in order.windows(2) {
+            if w[0].batch == w[1].batch && w[0].start + w[0].len > w[1].start {
+                return Err(bad(format!("sequences {:?} and {:?} overlap", w[0], w[1])));
+            }
+        }
+        Ok(())
+    }
+
     /// Number of sequences `N` (rows of the initial and final state).
     pub fn num_seqs(&self) -> usize {
         self.seqs.len()

@@ -416,7 +416,7 @@ impl CpLink {
         let mut grad = grad.to_vec();
         self.fold_into_final_grads(&all, frags.len(), sh, &mut grad[o_len..]);
         let states = overlap.then_some(states.as_slice());
-        let mut out = cpu::backward_from(x, sh, scale, &grad, Some(&h0), states);
+        let mut out = cpu::backward_from(x, sh, scale, &grad, Some(&h0), states)?;
         if x.has_h0 {
             // The initial state of a continuing sequence came from earlier ranks; its gradient
             // travelled there as γ, so the given initial-state row gets none.

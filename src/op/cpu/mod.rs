@@ -10,6 +10,7 @@ pub mod forward;
 pub mod linalg;
 pub mod subnormal;
 
+use crate::error::{GdpError, Result};
 use crate::op::shape::{GdpShape, SeqSpan};
 use candle_core::WithDType;
 use chunk::{Dims, HeadInputs};
@@ -109,6 +110,41 @@ fn tasks(sh: &GdpShape) -> Vec<(usize, usize)> {
         .collect()
 }
 
+/// Checks `sh` ([`GdpShape::check`]) and every buffer's length against it, before any raw
+/// write: the kernels below write through [`OutPtr`] at offsets derived from `sh` alone.
+fn check_call<T>(
+    x: &PackedInputs<T>,
+    sh: &GdpShape,
+    h0: Option<&[f32]>,
+    grad: Option<&[f32]>,
+    states: Option<&[Vec<f32>]>,
+) -> Result<()> {
+    sh.check()?;
+    let want = |name: &str, got: usize, want: usize| -> Result<()> {
+        if got != want {
+            return Err(GdpError::Option {
+                name: name.into(),
+                reason: format!("has {got} elements, the shape needs {want}"),
+            }
+            .into());
+        }
+        Ok(())
+    };
+    want("qk", x.qk.len(), sh.qk_len())?;
+    want("v", x.v.len(), sh.v_len())?;
+    want("aux", x.aux.len(), sh.aux_len(x.has_h0))?;
+    if let Some(h0) = h0 {
+        want("h0", h0.len(), sh.state_len())?;
+    }
+    if let Some(grad) = grad {
+        want("grad", grad.len(), sh.o_len() + sh.state_len())?;
+    }
+    if let Some(st) = states {
+        want("states", st.len(), sh.num_seqs() * sh.heads)?;
+    }
+    Ok(())
+}
+
 fn dims(sh: &GdpShape, scale: f32) -> Dims {
     Dims {
         dk: sh.dk,
@@ -120,12 +156,15 @@ fn dims(sh: &GdpShape, scale: f32) -> Dims {
 
 /// Forward: returns `[o (B·T·H·V) | final state (N·H·K·V)]` in f32. `h0 [N, H, K, V]`, when
 /// given, replaces the initial states of the gate buffer (context parallelism folds states in).
+///
+/// Errors when `sh` is inconsistent ([`GdpShape::check`]) or a buffer's length does not match it.
 pub fn forward<T: WithDType>(
     x: &PackedInputs<T>,
     sh: &GdpShape,
     scale: f32,
     h0: Option<&[f32]>,
-) -> Vec<f32> {
+) -> Result<Vec<f32>> {
+    check_call(x, sh, h0, None, None)?;
     let d = dims(sh, scale);
     let o_len = sh.o_len();
     let mut out = vec![0.0f32; o_len + sh.state_len()];
@@ -148,19 +187,19 @@ pub fn forward<T: WithDType>(
             unsafe { ptr.write(o_len + (s * sh.heads + h) * sh.dk * sh.dv, &state) };
         },
     );
-    out
+    Ok(out)
 }
 
 /// Backward. `grad` is `[do (B·T·H·V) | dht (N·H·K·V)]` f32. Returns
 /// `[dqk (B·T·(n+1)·H·K) | dv (B·T·n·H·V) | dg (B·T·H) | dbeta (B·T·n·H) | dh0 (N·H·K·V)?]`.
-/// `h0` as in [`forward()`].
+/// `h0` as in [`forward()`]. Errors as [`forward()`] does, or when `grad`'s length is wrong.
 pub fn backward<T: WithDType>(
     x: &PackedInputs<T>,
     sh: &GdpShape,
     scale: f32,
     grad: &[f32],
     h0: Option<&[f32]>,
-) -> Vec<f32> {
+) -> Result<Vec<f32>> {
     backward_from(x, sh, scale, grad, h0, None)
 }
 
@@ -182,6 +221,7 @@ pub fn head_start_states<T: WithDType>(
 
 /// [`backward()`], with each (sequence, head)'s chunk start states from `states` (in (sequence,
 /// head) order, [`head_start_states`]) instead of a rerun of the forward scan when given.
+/// Errors as [`backward()`] does, or when `states` does not hold one entry per (sequence, head).
 pub fn backward_from<T: WithDType>(
     x: &PackedInputs<T>,
     sh: &GdpShape,
@@ -189,7 +229,8 @@ pub fn backward_from<T: WithDType>(
     grad: &[f32],
     h0: Option<&[f32]>,
     states: Option<&[Vec<f32>]>,
-) -> Vec<f32> {
+) -> Result<Vec<f32>> {
+    check_call(x, sh, h0, Some(grad), states)?;
     let d = dims(sh, scale);
     let (h, k, v, n, tt) = (sh.heads, sh.dk, sh.dv, sh.n, sh.tokens);
     let (qk_len, v_len, th) = (sh.qk_len(), sh.v_len(), sh.token_heads());
@@ -241,5 +282,5 @@ pub fn backward_from<T: WithDType>(
             }
         }
     });
-    out
+    Ok(out)
 }
