@@ -472,6 +472,45 @@ fn non_finite_scale_named() {
     );
 }
 
+/// A finite f64 scale that overflows f32 (the kernels' type) is an error naming `scale`, for the
+/// op, the packed op and the decode steps, instead of silently becoming infinite.
+#[test]
+fn scale_beyond_f32_named() {
+    use candle_gdp::op::recurrent::{gated_delta_product_step, gated_delta_product_step_fused};
+    let step_args = [
+        randn(&[B, H, K, V]),
+        randn(&[B, H, K]),
+        randn(&[B, N, H, K]),
+        randn(&[B, N, H, V]),
+        randn(&[B, H]),
+        randn(&[B, N, H]),
+    ];
+    let [s0, q, k, v, g, beta] = &step_args;
+    let mut failures = vec![];
+    for s in [1e39, -1e39, f64::MAX, f32::MAX as f64 * 1.0001] {
+        failures.extend([
+            check(&format!("scale {s:e}"), &["scale"], || {
+                with(|a| a.scale = Some(s)).run()
+            }),
+            check(&format!("packed scale {s:e}"), &["scale"], || {
+                let a = with(|a| a.scale = Some(s));
+                a.run_packed(&a.qk())
+            }),
+            check(&format!("step scale {s:e}"), &["scale"], || {
+                gated_delta_product_step(s0, q, k, v, g, beta, Some(s))
+            }),
+            check(&format!("fused step scale {s:e}"), &["scale"], || {
+                gated_delta_product_step_fused(s0, q, k, v, g, beta, Some(s))
+            }),
+        ]);
+    }
+    assert_all(failures);
+    // f32::MAX itself is representable and accepted.
+    with(|a| a.scale = Some(f32::MAX as f64))
+        .run()
+        .expect("scale f32::MAX");
+}
+
 #[test]
 fn zero_size_dimensions_named() {
     let sized = |b, t, h, k, v| Args::new(b, t, h, k, v, N);

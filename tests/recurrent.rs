@@ -6,7 +6,7 @@ mod common;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_gdp::op::naive::gated_delta_product_naive;
-use candle_gdp::op::recurrent::gated_delta_product_step;
+use candle_gdp::op::recurrent::{gated_delta_product_step, gated_delta_product_step_fused};
 use candle_gdp::{gated_delta_product, GdpOptions};
 use common::{inputs, rel_rms, run_op, step_inputs, Case, Inputs};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -280,6 +280,14 @@ fn step_grads_match_op(c: &Case) -> Result<()> {
         c.name
     );
     assert_eq!(vars.len() + 1, want.grads.len(), "q, k, v, g, beta, h0");
+    let names: Vec<&str> = want.grads.iter().map(|(n, _)| *n).collect();
+    assert_eq!(
+        names,
+        ["dq", "dk", "dv", "dg", "dbeta", "dh0"],
+        "{}",
+        c.name
+    );
+    assert_eq!(vars.len() + 1, want.grads.len(), "q, k, v, g, beta, h0");
     let all = vars.iter().chain(std::iter::once(&h0));
     for (v, (name, g_op)) in all.zip(&want.grads) {
         let g = gs
@@ -535,6 +543,49 @@ fn step_zero_sized_dimensions_do_not_panic() {
             .map(|_| ())
         }));
         assert!(r.is_ok(), "state [{b}, {h}, {k}, {v}]: panicked");
+    }
+}
+
+/// The fused step with K = 0 or V = 0 (an empty state) gives zeros of `[B, H, V]` and an empty
+/// new state, as the unfused step's algebra does; with B = 0 or H = 0, empty outputs. Never a
+/// panic (it used to split the state into chunks of K·V = 0 elements). An explicit scale is
+/// given, since the default `K^-0.5` is infinite at K = 0 (an error naming `scale`).
+#[test]
+fn fused_step_zero_sized_dimensions_give_empty_results() {
+    for (b, h, k, v) in [(B, H, 0, V), (B, H, K, 0), (0, H, K, V), (B, 0, K, V)] {
+        let args = [
+            randn(&[b, h, k, v]),
+            randn(&[b, h, k]),
+            randn(&[b, N, h, k]),
+            randn(&[b, N, h, v]),
+            randn(&[b, h]),
+            randn(&[b, N, h]),
+        ];
+        let [s, q, kk, vv, g, beta] = &args;
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            gated_delta_product_step_fused(s, q, kk, vv, g, beta, Some(0.5))
+        }));
+        let (o, st) = r
+            .unwrap_or_else(|_| panic!("state [{b}, {h}, {k}, {v}]: panicked"))
+            .unwrap_or_else(|e| panic!("state [{b}, {h}, {k}, {v}]: {e}"));
+        assert_eq!(o.dims(), [b, h, v], "o");
+        assert_eq!(st.dims(), [b, h, k, v], "new state");
+        let max = o
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert!(
+            max.iter().all(|&x| x == 0.0),
+            "state [{b}, {h}, {k}, {v}]: o {max:?}"
+        );
+        let msg = gated_delta_product_step_fused(s, q, kk, vv, g, beta, None);
+        if k == 0 {
+            let msg = msg.expect_err("K^-0.5 at K = 0").to_string();
+            assert!(msg.contains("`scale`"), "{msg}");
+        }
     }
 }
 

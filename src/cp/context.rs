@@ -373,7 +373,12 @@ impl<'a> Problem<'a> {
             composition: *composition,
         };
         let (o, ht) = cp_gated_delta_product(&qv, &kv, &vv, &gv, &bv, &local_opts, &rank)?;
-        let ht = ht.expect("final state requested");
+        let Some(ht) = ht else {
+            candle_core::bail!(
+                "context parallelism, rank {r}: the local op returned no final state although \
+                 `output_final_state` was set"
+            );
+        };
         let (grads, dh0) = match cotangents {
             None => (None, None),
             Some(ct) => {

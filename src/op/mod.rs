@@ -382,15 +382,26 @@ fn validate_rest(
         same_device(h0, "initial_state", dev, q_name)?;
     }
     if let Some(s) = opts.scale {
-        if !s.is_finite() {
-            return Err(GdpError::Option {
-                name: "scale".into(),
-                reason: format!("must be finite, got {s}"),
-            }
-            .into());
-        }
+        check_scale(s)?;
     }
     Ok(sh)
+}
+
+/// `scale` must be finite, also once rounded to the f32 that the kernels compute with (a finite
+/// f64 above `f32::MAX` would silently become infinite).
+pub(crate) fn check_scale(s: f64) -> Result<()> {
+    let reason = if !s.is_finite() {
+        format!("must be finite, got {s}")
+    } else if (s as f32).is_infinite() {
+        format!("must fit in f32 (|scale| <= {:e}), got {s:e}", f32::MAX)
+    } else {
+        return Ok(());
+    };
+    Err(GdpError::Option {
+        name: "scale".into(),
+        reason,
+    }
+    .into())
 }
 
 fn same_device(x: &Tensor, name: &str, dev: &Device, reference: &str) -> Result<()> {

@@ -136,13 +136,7 @@ fn validate_step(
         .into());
     }
     let scale = scale.unwrap_or((dk as f64).powf(-0.5));
-    if !scale.is_finite() {
-        return Err(GdpError::Option {
-            name: "scale".into(),
-            reason: format!("must be finite, got {scale}"),
-        }
-        .into());
-    }
+    super::check_scale(scale)?;
     Ok(StepDims {
         b,
         h,
@@ -169,6 +163,13 @@ pub fn gated_delta_product_step_fused(
     scale: Option<f64>,
 ) -> Result<(Tensor, Tensor)> {
     let d = validate_step(state, q, k, v, g, beta, scale)?;
+    if d.dk == 0 || d.dv == 0 {
+        // An empty state: the output `q·S` is all zeros and the new state is empty.
+        let dev = state.device();
+        let o = Tensor::zeros((d.b, d.h, d.dv), q.dtype(), dev)?;
+        let s = Tensor::zeros((d.b, d.h, d.dk, d.dv), DType::F32, dev)?;
+        return Ok((o, s));
+    }
     #[cfg(feature = "cuda")]
     if state.device().is_cuda() && !super::cuda::step_fits(d.dk, d.n) {
         return gated_delta_product_step(state, q, k, v, g, beta, scale);

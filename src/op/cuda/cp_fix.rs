@@ -3,7 +3,7 @@
 //! belongs on top of `S0` is known the true rows are `y = y0 + ỹ S`. This turns the summary's
 //! widened scan into the rank's own output, with no second pass over the chunks.
 
-use super::device::{allow_smem, to_i32};
+use super::device::{allow_smem, grid_dim, to_i32, GRID_YZ};
 use super::module::load_kernel;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -127,7 +127,7 @@ fn fix_rows<T: FixOut>(
     let cfg = LaunchConfig {
         grid_dim: (
             to_i32(groups, "row tiles")? as u32,
-            dv.div_ceil(COLS) as u32,
+            grid_dim(dv.div_ceil(COLS), "value tiles", GRID_YZ)?,
             to_i32(rows.seqs * heads, "sequences x heads")? as u32,
         ),
         block_dim: (THREADS, 1, 1),

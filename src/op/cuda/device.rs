@@ -71,6 +71,24 @@ pub(super) fn to_i32(x: usize, what: &str) -> Result<i32> {
         .map_err(|_| candle_core::Error::Msg(format!("gdp cuda: {what} = {x} exceeds i32")))
 }
 
+/// CUDA's largest grid dimension x (`2^31 - 1`).
+pub(super) const GRID_X: usize = i32::MAX as usize;
+/// CUDA's largest grid dimensions y and z.
+pub(super) const GRID_YZ: usize = 65_535;
+
+/// A grid dimension as the `u32` a launch takes, checked against `u32` and CUDA's `max`
+/// ([`GRID_X`] or [`GRID_YZ`]); the error names the grid dimension (`what`).
+pub(super) fn grid_dim(x: usize, what: &str, max: usize) -> Result<u32> {
+    u32::try_from(x)
+        .ok()
+        .filter(|&g| g as usize <= max)
+        .ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "gdp cuda: grid dimension {what} = {x} exceeds CUDA's limit {max}"
+            ))
+        })
+}
+
 pub(super) fn device_attr(dev: &CudaDevice, attr: CUdevice_attribute) -> Result<usize> {
     let v = dev.cuda_stream().context().attribute(attr).w()?;
     Ok(v.max(0) as usize)

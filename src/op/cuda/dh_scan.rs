@@ -2,7 +2,7 @@
 //! chunk's end-state gradient and dDelta for the gradient kernel, and the initial-state
 //! gradients.
 
-use super::device::{allow_smem, shape_i32, untracked};
+use super::device::{allow_smem, grid_dim, shape_i32, untracked, GRID_X, GRID_YZ};
 use super::inputs::{Bf16Inputs, ChunkTable};
 use super::module::load_kernel;
 use super::plan::ScanPlan;
@@ -97,8 +97,8 @@ pub(super) fn run_dh_scan(
     args.arg(&signal);
     let cfg = LaunchConfig {
         grid_dim: (
-            (sh.num_seqs() * sh.heads) as u32,
-            sh.dv.div_ceil(plan.bv) as u32,
+            grid_dim(sh.num_seqs() * sh.heads, "sequences x heads", GRID_X)?,
+            grid_dim(sh.dv.div_ceil(plan.bv), "value tiles", GRID_YZ)?,
             1,
         ),
         block_dim: (plan.threads, 1, 1),

@@ -3,7 +3,7 @@
 //! the next chunk's operands copied with cp.async while the current one computes.
 
 use super::cache::ChunkStates;
-use super::device::{allow_smem, shape_i32, untracked};
+use super::device::{allow_smem, grid_dim, shape_i32, untracked, GRID_X, GRID_YZ};
 use super::inputs::{Bf16Inputs, ChunkTable};
 use super::module::load_kernel;
 use super::plan::ScanPlan;
@@ -142,7 +142,11 @@ pub(super) fn run_scan(
     args.arg(&ready);
     let rows = sh.num_seqs() * sh.heads;
     let cfg = LaunchConfig {
-        grid_dim: (rows as u32, sh.dv.div_ceil(plan.bv) as u32, 1),
+        grid_dim: (
+            grid_dim(rows, "sequences x heads", GRID_X)?,
+            grid_dim(sh.dv.div_ceil(plan.bv), "value tiles", GRID_YZ)?,
+            1,
+        ),
         block_dim: (plan.threads, 1, 1),
         shared_mem_bytes: plan.smem as u32,
     };

@@ -3,7 +3,7 @@
 //! (`_pipe`) beside that scan.
 
 use super::cache::ChunkStates;
-use super::device::{allow_smem, shape_i32, to_i32};
+use super::device::{allow_smem, grid_dim, shape_i32, to_i32, GRID_X, GRID_YZ};
 use super::inputs::{Bf16Inputs, ChunkTable};
 use super::module::load_kernel;
 use super::plan::{grads_smem_bytes, grads_tiles};
@@ -147,7 +147,11 @@ impl GradsLaunch<'_> {
         let items = to_i32(pairs, "chunk-head pairs")?;
         let beside_i;
         let grid_dim = match pipe {
-            None => (self.table.chunks as u32, sh.heads as u32, 1),
+            None => (
+                grid_dim(self.table.chunks, "chunks", GRID_X)?,
+                grid_dim(sh.heads, "heads", GRID_YZ)?,
+                1,
+            ),
             Some((p, beside, blocks)) => {
                 beside_i = i32::from(beside);
                 args.arg(&p.pipe);
@@ -156,7 +160,11 @@ impl GradsLaunch<'_> {
                 args.arg(&p.ready_count);
                 args.arg(&beside_i);
                 args.arg(&p.scan_blocks);
-                (blocks.clamp(1, pairs) as u32, 1, 1)
+                (
+                    grid_dim(blocks.clamp(1, pairs), "chunk-head blocks", GRID_X)?,
+                    1,
+                    1,
+                )
             }
         };
         let cfg = LaunchConfig {

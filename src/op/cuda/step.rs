@@ -1,7 +1,7 @@
 //! Launcher of the fused decode step `gdp_step_{f32,bf16,f16}_k{32,64,128,256}`
 //! (`cuda/gdp.cu`).
 
-use super::device::{to_i32, view};
+use super::device::{grid_dim, to_i32, view, GRID_X, GRID_YZ};
 use super::module::{load_kernel, GdpFunc};
 use crate::op::recurrent::{step_input_lens, STEP_INPUTS};
 use candle_core::backend::{BackendDevice, BackendStorage};
@@ -104,7 +104,11 @@ pub fn step(
     let name = format!("gdp_step_{tag}_k{}", PARTS * rows_per_part(k));
     let func = load_kernel(&dev, &name)?;
     let cfg = LaunchConfig {
-        grid_dim: (rows as u32, v.div_ceil(COLS) as u32, 1),
+        grid_dim: (
+            grid_dim(rows, "B x H", GRID_X)?,
+            grid_dim(v.div_ceil(COLS), "value tiles", GRID_YZ)?,
+            1,
+        ),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: smem as u32,
     };

@@ -1,7 +1,9 @@
 //! The WY kernel (`gdp_fwd_wy_bf16`): every chunk's WY factors in parallel, and the readiness
 //! counters through which a scan running beside it waits for them.
 
-use super::device::{allow_smem, device_attr, shape_i32, smem_and_sms, to_i32, untracked};
+use super::device::{
+    allow_smem, device_attr, grid_dim, shape_i32, smem_and_sms, to_i32, untracked, GRID_X, GRID_YZ,
+};
 use super::inputs::{Bf16Inputs, ChunkTable};
 use super::module::load_kernel;
 use super::plan::wy_smem_bytes;
@@ -136,7 +138,11 @@ impl WyFactors {
         args.arg(&ready);
         // With an order, a 1-D grid of (chunk, head) pairs (time-major across heads).
         let grid_dim = if ready == 0 {
-            (table.chunks as u32, sh.heads as u32, 1)
+            (
+                grid_dim(table.chunks, "chunks", GRID_X)?,
+                grid_dim(sh.heads, "heads", GRID_YZ)?,
+                1,
+            )
         } else {
             let blocks = table.chunks * sh.heads;
             (u32::try_from(blocks).ok().filter(|&b| b <= i32::MAX as u32))
