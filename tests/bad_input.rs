@@ -297,8 +297,9 @@ fn wrong_dtypes_name_the_tensor() {
     ]);
 }
 
-/// `k`'s dtype is never validated: `gated_delta_product` concatenates it with `q`, and the
-/// resulting Candle error ("dtype mismatch in cat") does not name `k`.
+/// A `k` whose dtype differs from `q`'s is an error naming `k`: `validate_fla` compares the two
+/// before `gated_delta_product` concatenates them (whose Candle error, "dtype mismatch in cat",
+/// would not name `k`).
 #[test]
 fn k_dtype_differing_from_q_names_k() {
     assert_all(vec![
@@ -434,9 +435,8 @@ fn num_householder_inconsistent() {
     ]);
 }
 
-/// `num_householder: Some(0)` on the dense entry point is reported as a shape error of `k`
-/// ("expected shape [2, 0, 2, 3]"), not as an invalid `num_householder`: `validate_fla` builds
-/// the expected `k` shape from `n = 0` before `validate_rest` can reject `n == 0`.
+/// `num_householder: Some(0)` on the dense entry point is an error naming `num_householder`:
+/// `validate_fla` rejects `n = 0` before it derives the expected shape of `k` from `n`.
 #[test]
 fn zero_num_householder_names_the_option() {
     assert_all(vec![check("n = 0", &["num_householder"], || {

@@ -66,8 +66,8 @@ impl Seq {
         let mut s = state.clone();
         let mut outs = vec![];
         for t in 0..self.tokens() {
-            // Contiguous per-token tensors, as a decoder produces them (a strided query hits a
-            // library bug, see `step_accepts_strided_inputs`).
+            // Contiguous per-token tensors, as a decoder produces them (strided ones are
+            // covered by `step_accepts_strided_inputs`).
             let (o, s_next) = gated_delta_product_step(
                 &s,
                 &self.q.narrow(1, t, 1)?.squeeze(1)?.contiguous()?,
@@ -140,8 +140,8 @@ fn steps_match_op(c: &Case, dtype: DType, scale: Option<f64>, tol: f64) -> Resul
     Ok(())
 }
 
-/// B = 2 cases (plus one B = 1, H = 2). With n >= 2 and B = 2 they use one head: B >= 2,
-/// H >= 2 and n >= 2 together hit a library bug (see `multi_head_multi_substep`).
+/// B = 2 cases (plus one B = 1, H = 2). With n >= 2 and B = 2 they use one head; B >= 2,
+/// H >= 2 and n >= 2 together are covered by `multi_head_multi_substep`.
 fn cases() -> Vec<Case> {
     vec![
         Case::new("n1 B2 T70 H2 K8 V6 h0", 2, 70, 2, 8, 6, 1).h0(),
@@ -272,14 +272,6 @@ fn step_grads_match_op(c: &Case) -> Result<()> {
         + (st.to_dtype(DType::F64)? * &x.dht)?.sum_all()?)?;
     let gs = loss.backward()?;
     let mut report = vec![];
-    let names: Vec<&str> = want.grads.iter().map(|(n, _)| *n).collect();
-    assert_eq!(
-        names,
-        ["dq", "dk", "dv", "dg", "dbeta", "dh0"],
-        "{}",
-        c.name
-    );
-    assert_eq!(vars.len() + 1, want.grads.len(), "q, k, v, g, beta, h0");
     let names: Vec<&str> = want.grads.iter().map(|(n, _)| *n).collect();
     assert_eq!(
         names,
@@ -424,11 +416,10 @@ fn valid_step_runs() -> Result<()> {
     Ok(())
 }
 
-/// Minimal reproducer: contiguous inputs with B = 2, H = 2, n = 2 fail with
-/// `MatMulUnexpectedStriding { .. msg: "non-contiguous lhs" }`. In src/op/recurrent.rs
-/// `kj = k.narrow(1, j, 1)?.squeeze(1)?` is a strided `[B, H, K]` view (batch stride n·H·K,
-/// head stride K), and `kj.unsqueeze(2)?.matmul(&s)` (and `kj.unsqueeze(3)?.matmul(..)`)
-/// cannot flatten its (B, H) batch dimensions: a `.contiguous()` is missing.
+/// Contiguous inputs with B = 2, H = 2, n = 2 run. Sub-step `j` of `k` and `v` is a strided
+/// `[B, H, K]` view (batch stride n·H·K, head stride K) that src/op/recurrent.rs makes
+/// contiguous before its batched `matmul`, which cannot flatten strided (B, H) batch
+/// dimensions (`MatMulUnexpectedStriding`, as an earlier version failed).
 #[test]
 fn valid_step_runs_with_two_batches_two_heads_two_substeps() -> Result<()> {
     let (o, s) = run_step(B, H, N)?;
@@ -451,8 +442,8 @@ fn multi_head_multi_substep() -> Result<()> {
 }
 
 /// Strided (non-contiguous) step inputs, e.g. `q[:, t]` of a `[B, T, H, K]` tensor, are valid
-/// Candle tensors, but the step fails on them with `MatMulUnexpectedStriding`: the `matmul` of
-/// src/op/recurrent.rs:81 runs on `f32(q)?.unsqueeze(2)?`, which keeps `q`'s strided layout.
+/// Candle tensors, and the step gives exactly what it gives on contiguous copies (it makes its
+/// `matmul` operands contiguous; an earlier version failed with `MatMulUnexpectedStriding`).
 #[test]
 fn step_accepts_strided_inputs() -> Result<()> {
     let c = Case::new("strided q n1", 2, 6, 2, 4, 3, 1).h0();
@@ -589,12 +580,11 @@ fn fused_step_zero_sized_dimensions_give_empty_results() {
     }
 }
 
-/// The step takes any dtype and casts it to f32: integer queries are accepted and the output
-/// is truncated to integers, and a non-finite scale silently yields NaN/inf outputs, while
-/// `gated_delta_product` rejects both (naming `q` and `scale`).
+/// The step validates as `gated_delta_product` does: integer inputs and a non-finite scale are
+/// errors naming the argument (`q`, `g`, `scale`), not casts to f32 or NaN/inf outputs.
 #[test]
 fn step_rejects_integer_queries_and_non_finite_scale() {
-    // n = 1, so that the striding bug above does not interfere.
+    // n = 1: one sub-step (B = 2, H = 2, n >= 2 is covered above).
     let a = [
         randn(&[B, H, K, V]),
         randn(&[B, H, K]),
