@@ -17,6 +17,8 @@ alignas(16) unsigned char gdpc_smem[256 * 1024];
 alignas(16) unsigned char gdpcs_smem[256 * 1024];
 alignas(16) unsigned char gdpg_smem[256 * 1024];
 alignas(16) unsigned char gdps_smem[48 * 1024];
+// cp_fix.cuh's correction kernel (compiled with the rest; not run here).
+alignas(16) unsigned char gdp_fix_smem[256 * 1024];
 
 static bool g_reverse = false;
 // `f32dg`: run_case checks only the f32 backward (no forward, no summaries).
