@@ -18,8 +18,8 @@ use std::ops::Range;
 impl CpLink {
     /// The forward on this rank, like [`CpLink::forward`], on CUDA storages (with `plain`, `o`
     /// alone in the inputs' dtype, as [`cuda::forward`](crate::op::cuda::forward)); with a
-    /// `cache` slot the bf16 chunked forward keeps its intermediates for the backward (they are of the folded initial states, which the backward
-    /// uses too).
+    /// `cache` slot the bf16 chunked forward keeps its intermediates for the backward (they are
+    /// of the folded initial states, which the backward uses too).
     pub(super) fn forward_cuda_impl(
         &self,
         qk: CudaIn,
