@@ -30,8 +30,8 @@ impl std::fmt::Debug for CpContext {
 }
 
 impl CpContext {
-    /// A context for `comm`'s rank, e.g. from [`crate::cp::ContextParallel::run`]. Create one per rank
-    /// and reuse it: its sequence numbers must advance in step on all ranks.
+    /// A context for `comm`'s rank, e.g. from [`crate::cp::ContextParallel::run`]. Create one per
+    /// rank and reuse it: its sequence numbers must advance in step on all ranks.
     pub fn new(comm: Arc<dyn Communicator>) -> Self {
         Self {
             comm,

@@ -42,13 +42,12 @@ use half::bf16;
 use std::sync::Arc;
 
 /// Backward on CUDA: `grad` is the f32 `[do (B·T·H·V) | dht (N·H·K·V)]`; returns the packed f32
-/// `[dqk | dv | dg | dbeta | dh0?]` of [`crate::op::cpu::backward()`]. bf16 inputs take the
-/// split backward (`try_backward_bf16`) where it fits (`KernelConfig::backward`), everything else the
-/// per-value-tile kernel `gdp_bwd_*`. `h0_override` replaces the
-/// initial states and `dht_override` the `dht` part of `grad` (context parallelism); the
-/// initial-state gradients of the sequences in `zero_dh0` are set to zero. `cache`, what the
-/// bf16 chunked forward of these inputs (and initial states) kept, spares the split backward
-/// its rerun of the WY kernel and the forward scan.
+/// `[dqk | dv | dg | dbeta | dh0?]` of [`crate::op::cpu::backward()`]. bf16 inputs take the split
+/// backward (`try_backward_bf16`) where it fits (`KernelConfig::backward`), everything else the
+/// per-value-tile kernel `gdp_bwd_*`. `h0_override` replaces the initial states and `dht_override`
+/// the `dht` part of `grad` (context parallelism); the initial-state gradients of the sequences in
+/// `zero_dh0` are set to zero. `cache`, what the bf16 chunked forward of these inputs (and initial
+/// states) kept, spares the split backward its rerun of the WY kernel and the forward scan.
 #[allow(clippy::too_many_arguments)]
 pub fn backward(
     qk: In,

@@ -107,15 +107,14 @@ pub(super) const STATES_SCAN: ScanKind = ScanKind {
 };
 
 /// Picks a scan's value tile: the one `tiles` forces for `kind` (16, 32 or 64, or 128 for a
-/// [`ScanKind::wide`] kind at K <= 128) when set; else the widest of 64, 32 and 16 that still gives about one block per
-/// two multiprocessors, or 16. Fewer, wider blocks stage each chunk's W, K and Q fewer times,
-/// and a scan's chunk step is latency-bound: at B1 T32768 H16 on an H200, 64
-/// blocks of BV = 32 (eight warps) took 2.85 / 2.86 / 3.30 ms for the forward scan, its rerun
-/// and the dS scan against 3.20 / 3.22 / 3.74 ms for 128 blocks of BV = 16 (four warps); a scan
-/// alone at BV 128 is slower than at 64 where both give enough blocks (B4 T4096 H16 n2: the dS
-/// scan 0.774 ms against 0.493). Three stage buffers (copies two chunks ahead) where they
-/// fit and `kind.max_stages` allows, else two. `None` where nothing fits (K too large, or shared
-/// memory).
+/// [`ScanKind::wide`] kind at K <= 128) when set; else the widest of 64, 32 and 16 that still gives
+/// about one block per two multiprocessors, or 16. Fewer, wider blocks stage each chunk's W, K and
+/// Q fewer times, and a scan's chunk step is latency-bound: at B1 T32768 H16 on an H200, 64 blocks
+/// of BV = 32 (eight warps) took 2.85 / 2.86 / 3.30 ms for the forward scan, its rerun and the dS
+/// scan against 3.20 / 3.22 / 3.74 ms for 128 blocks of BV = 16 (four warps); a scan alone at BV
+/// 128 is slower than at 64 where both give enough blocks (B4 T4096 H16 n2: the dS scan 0.774 ms
+/// against 0.493). Three stage buffers (copies two chunks ahead) where they fit and
+/// `kind.max_stages` allows, else two. `None` where nothing fits (K too large, or shared memory).
 pub(super) fn scan_plan(
     kind: &ScanKind,
     sh: &GdpShape,
@@ -143,13 +142,14 @@ pub(super) fn scan_plan(
         .map(|bv| tiles.plan(bv)))
 }
 
-/// Plans a context-parallel rank's widened scan (`V + K` value columns, `summary.rs`):
-/// the tile that gives the most blocks that still run at once on the `budget` multiprocessors
-/// it has (all, or those a scan beside it leaves), one per multiprocessor, else [`scan_plan`]'s. The widened columns are what a rank adds to the plain op's scan, and at
-/// small `B·H` they fit beside it on the multiprocessors it leaves idle: at B1 H16 K = V = 128
-/// (H200) 128 blocks of 32 columns ran the widened forward scan in the plain scan's time, 64
-/// of 64 took 1.28x; the widened state-gradient scan, which shares the GPU with the states
-/// rerun's 64 blocks, runs at 64 columns so that both fit at once (`docs/cp.md`).
+/// Plans a context-parallel rank's widened scan (`V + K` value columns, `summary.rs`): the tile
+/// that gives the most blocks that still run at once on the `budget` multiprocessors it has (all,
+/// or those a scan beside it leaves), one per multiprocessor, else [`scan_plan`]'s. The widened
+/// columns are what a rank adds to the plain op's scan, and at small `B·H` they fit beside it on
+/// the multiprocessors it leaves idle: at B1 H16 K = V = 128 (H200) 128 blocks of 32 columns ran
+/// the widened forward scan in the plain scan's time, 64 of 64 took 1.28x; the widened
+/// state-gradient scan, which shares the GPU with the states rerun's 64 blocks, runs at 64 columns
+/// so that both fit at once (`docs/cp.md`).
 pub(super) fn widened_scan_plan(
     kind: &ScanKind,
     wide: &GdpShape,

@@ -54,8 +54,8 @@ pub(super) fn widened_states(x: &[f32], sh: &GdpShape, frags: &[usize]) -> Vec<f
 }
 
 /// Forward summaries `[ΔS | M]` (`[K, V + K]` per head, in `(fragment, head)` order) of the
-/// sequences `frags` from the initial states `h0 [N, H, K, V]` (host), on the bf16 chunked
-/// kernels; `Ok(None)` where they do not serve (not bf16, `KernelConfig::summaries` = `Fused`, or the
+/// sequences `frags` from the initial states `h0 [N, H, K, V]` (host), on the bf16 chunked kernels;
+/// `Ok(None)` where they do not serve (not bf16, `KernelConfig::summaries` = `Fused`, or the
 /// shape).
 #[allow(clippy::too_many_arguments)]
 pub fn forward_summaries_bf16(
