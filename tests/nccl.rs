@@ -26,7 +26,7 @@ use candle_gdp::cp::{
     distributed_gated_delta_product, Communicator, Composition, NcclComm, DEFAULT_TIMEOUT,
 };
 use candle_gdp::{Cotangents, GdpOptions};
-use common::{inputs, rel_rms, run_op_on, Case, Inputs};
+use common::{cp_pairs, inputs, rel_rms, run_op_on, Case, Inputs};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -290,23 +290,13 @@ fn cp_case(comm: &Arc<NcclComm>, dev: &Device, c: &Case) -> Result<()> {
         }),
         Composition::Fold,
     )?;
-    let grads = got.grads.context("grads")?;
-    let mut pairs = vec![
-        ("o", got.o, want.o.clone()),
-        ("ht", got.final_state.context("ht")?, want.ht.clone()),
-        ("dq", grads.dq, want.grads[0].1.clone()),
-        ("dk", grads.dk, want.grads[1].1.clone()),
-        ("dv", grads.dv, want.grads[2].1.clone()),
-        ("dg", grads.dg, want.grads[3].1.clone()),
-        ("dbeta", grads.dbeta, want.grads[4].1.clone()),
-    ];
-    match grads.dh0 {
-        Some(dh0) => pairs.push(("dh0", dh0, want.grads[5].1.clone())),
-        None => ensure!(!c.h0, "dh0 missing"),
-    }
+    ensure!(
+        got.grads.as_ref().is_some_and(|g| g.dh0.is_some()) == c.h0,
+        "dh0 missing or unexpected"
+    );
     let mut report = vec![];
     let mut worst = 0.0f64;
-    for (name, a, b) in pairs {
+    for (name, a, b) in cp_pairs(got, &want)? {
         let a = a.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
         ensure!(
             a.dims() == b.dims(),

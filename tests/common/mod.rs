@@ -2,8 +2,9 @@
 //! under autograd.
 #![allow(dead_code)]
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use candle_core::{DType, Device, Tensor, Var};
+use candle_gdp::cp::CpOutput;
 use candle_gdp::op::naive::{gated_delta_product_naive, gated_delta_product_naive_backward};
 use candle_gdp::op::KernelConfig;
 use candle_gdp::{gated_delta_product, ContextParallel, Cotangents, GdpOptions, SaveIntermediates};
@@ -557,6 +558,33 @@ pub fn median_ms(
     Ok(ts[ts.len() / 2])
 }
 
+/// A context-parallel run's outputs and gradients paired by name with the single-device
+/// `want`'s: `o`, `ht`, then `dq dk dv dg dbeta` and `dh0` exactly where `want` has it. An error
+/// where the run lacks a final state or gradients, or where the two disagree on `dh0`.
+#[allow(dead_code)]
+pub fn cp_pairs(got: CpOutput, want: &Results) -> Result<Vec<(&'static str, Tensor, Tensor)>> {
+    let grads = got.grads.context("the CP run returned no gradients")?;
+    let ht = got
+        .final_state
+        .context("the CP run returned no final state")?;
+    let mut got_grads = vec![
+        ("dq", grads.dq),
+        ("dk", grads.dk),
+        ("dv", grads.dv),
+        ("dg", grads.dg),
+        ("dbeta", grads.dbeta),
+    ];
+    if let Some(dh0) = grads.dh0 {
+        got_grads.push(("dh0", dh0));
+    }
+    assert_same_grads(&got_grads, &want.grads);
+    let mut pairs = vec![("o", got.o, want.o.clone()), ("ht", ht, want.ht.clone())];
+    for ((name, a), (_, b)) in got_grads.into_iter().zip(&want.grads) {
+        pairs.push((name, a, b.clone()));
+    }
+    Ok(pairs)
+}
+
 /// Context parallelism on CPU ranks (`ranks` group sizes) against the single-device op: the
 /// outputs, final states and every gradient within 1e-5 (f32).
 #[allow(dead_code)]
@@ -593,21 +621,8 @@ pub fn cp_check_cpu(c: &Case, ranks: &[usize]) -> Result<()> {
                 dht: Some(&dht),
             }),
         )?;
-        let grads = got.grads.expect("grads");
-        let mut pairs = vec![
-            ("o", got.o, want.o.clone()),
-            ("ht", got.final_state.expect("ht"), want.ht.clone()),
-            ("dq", grads.dq, want.grads[0].1.clone()),
-            ("dk", grads.dk, want.grads[1].1.clone()),
-            ("dv", grads.dv, want.grads[2].1.clone()),
-            ("dg", grads.dg, want.grads[3].1.clone()),
-            ("dbeta", grads.dbeta, want.grads[4].1.clone()),
-        ];
-        if let Some(dh0) = grads.dh0 {
-            pairs.push(("dh0", dh0, want.grads[5].1.clone()));
-        }
         let mut report = vec![];
-        for (name, a, b) in pairs {
+        for (name, a, b) in cp_pairs(got, &want)? {
             assert_eq!(a.dims(), b.dims(), "{} cp={r}: {name} shape", c.name);
             let e = rel_rms(&a, &b)?;
             report.push(format!("{name} {e:.0e}"));
