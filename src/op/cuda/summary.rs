@@ -8,13 +8,13 @@
 use super::device::{check_inputs, view, In};
 use super::dh_scan::{run_dh_scan, DhDest};
 use super::fused_bwd::{summaries, MODE_BWD_SUM, MODE_FWD_SUM};
-use super::fwd_scan::{run_scan, ScanDest, ScanOut};
+use super::fwd_scan::ScanOut;
 use super::inputs::{Bf16Inputs, ChunkTable, Cotangent, QkIn};
 use super::plan::{DH_SCAN, STATES_SCAN};
 use super::widened::{wanted, widen_rows, Widened};
 use super::wy::WyFactors;
 use crate::op::config::{KernelConfig, KernelPath};
-use crate::op::shape::{GdpShape, CHUNK};
+use crate::op::shape::GdpShape;
 use candle_core::backend::BackendStorage;
 use candle_core::Result;
 use half::bf16;
@@ -73,33 +73,21 @@ pub fn forward_summaries_bf16(
     let Some(path) = wanted(qk, cfg) else {
         return Ok(None);
     };
-    let Some(Widened { sub, wide, plan }) =
-        Widened::plan(&dev, sh, frags, &STATES_SCAN, &cfg.tiles)?
-    else {
+    let Some(widened) = Widened::plan(&dev, sh, frags, &STATES_SCAN, &cfg.tiles)? else {
         return not_served(path, sh);
     };
     let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
-    let table = ChunkTable::new(&dev, &sub)?;
-    let mut wy = WyFactors::compute(&dev, &inp, &table, &sub, scale, false)?;
-    // U of the widened values [v | 0] is [U | 0].
-    wy.u = widen_rows(&dev, &wy.u, 0, table.slots(&sub) * CHUNK, sh.dv, sh.dk)?;
     let h0w = dev.clone_htod(&widened_states(h0, sh, frags))?;
+    let wide = &widened.wide;
     let mut fin = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
-    let dest = ScanDest {
-        out: ScanOut::Final(&mut fin),
-        states: None,
-    };
-    run_scan(
+    widened.forward_scan(
         &dev,
         &inp,
-        &table,
-        &wy,
-        &wide,
+        scale,
         has_h0,
-        Some(&h0w),
-        &plan,
-        dest,
-        None,
+        &h0w,
+        ScanOut::Final(&mut fin),
+        false,
     )?;
     let mut all = dev.clone_dtoh(&fin)?;
     all.truncate(wide.state_len());

@@ -78,6 +78,44 @@ impl Widened {
         let plan = widened_scan_plan(kind, &wide, max_smem, sms, sms, forced)?;
         Ok(plan.map(|plan| Self { sub, wide, plan }))
     }
+
+    /// Runs the WY kernel over the sub-problem's chunks (keeping `Ainv` with `keep`), then the
+    /// forward scan on the values widened to `[U | 0_K]` from the initial states `h0w`
+    /// (`[h0 | I_K]` per fragment and head, f32 `[N, H, K, V + K]`) into `out`. Returns the WY
+    /// factors with `U` at its own width, as the backward reads them.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn forward_scan(
+        &self,
+        dev: &CudaDevice,
+        inp: &Bf16Inputs,
+        scale: f32,
+        has_h0: bool,
+        h0w: &CudaSlice<f32>,
+        out: ScanOut,
+        keep: bool,
+    ) -> Result<WyFactors> {
+        let (sub, wide) = (&self.sub, &self.wide);
+        let table = ChunkTable::new(dev, sub)?;
+        let mut wy = WyFactors::compute(dev, inp, &table, sub, scale, keep)?;
+        let rows = table.slots(sub) * CHUNK;
+        let u_wide = widen_rows(dev, &wy.u, 0, rows, sub.dv, sub.dk)?;
+        let u = std::mem::replace(&mut wy.u, u_wide);
+        let dest = ScanDest { out, states: None };
+        run_scan(
+            dev,
+            inp,
+            &table,
+            &wy,
+            wide,
+            has_h0,
+            Some(h0w),
+            &self.plan,
+            dest,
+            None,
+        )?;
+        wy.u = u;
+        Ok(wy)
+    }
 }
 
 /// `rows` rows of `width` elements of `src` from element `at` on, copied into a zeroed buffer
@@ -187,41 +225,21 @@ pub(crate) fn widened_forward(
         return Ok(None);
     }
     let every: Vec<usize> = (0..sh.num_seqs()).collect();
-    let Some(Widened { wide, plan, .. }) = Widened::plan(&dev, sh, &every, &FWD_SCAN, &cfg.tiles)?
-    else {
+    let Some(widened) = Widened::plan(&dev, sh, &every, &FWD_SCAN, &cfg.tiles)? else {
         return Ok(None);
     };
     let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
-    let table = ChunkTable::new(&dev, sh)?;
     let keep = match cache {
         Some(slot) if super::plan::split_backward_fits(&dev, sh, cfg)? => Some(slot),
         _ => None,
     };
-    let mut wy = WyFactors::compute(&dev, &inp, &table, sh, scale, keep.is_some())?;
-    let rows = table.slots(sh) * CHUNK;
-    let u_wide = widen_rows(&dev, &wy.u, 0, rows, sh.dv, sh.dk)?;
-    let u = std::mem::replace(&mut wy.u, u_wide);
     let h0w = widened_states_dev(&dev, Some((h0, 0)), sh)?;
+    let wide = &widened.wide;
     // SAFETY: the scan writes o for every query row (`cu_seqlens` covers every token).
     let mut o = unsafe { dev.alloc::<bf16>(wide.o_len().max(1))? };
     let mut fin = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
-    let dest = ScanDest {
-        out: ScanOut::PlainFinal(&mut o, &mut fin),
-        states: None,
-    };
-    run_scan(
-        &dev,
-        &inp,
-        &table,
-        &wy,
-        &wide,
-        has_h0,
-        Some(&h0w),
-        &plan,
-        dest,
-        None,
-    )?;
-    wy.u = u;
+    let out = ScanOut::PlainFinal(&mut o, &mut fin);
+    let wy = widened.forward_scan(&dev, &inp, scale, has_h0, &h0w, out, keep.is_some())?;
     if let Some(slot) = keep {
         slot.put(super::cache::ForwardCache::wy_only(wy));
     }
