@@ -319,8 +319,7 @@ pub(crate) fn finish_widened_forward(
     if let (Some(s_in), false) = (s_in, fixed.is_empty()) {
         let fin = super::device::tensor_of(dev, &wf.fin, &[sh.num_seqs(), h, k, wide])?;
         let s = super::device::tensor_of(dev, s_in, &[fixed.len(), h, k, v])?;
-        let part = fin.narrow(0, fixed.start, fixed.len())?;
-        let ht = (part.narrow(3, 0, v)? + part.narrow(3, v, k)?.contiguous()?.matmul(&s)?)?;
+        let ht = corrected_summary(&fin, fixed.clone(), &s)?;
         super::device::copy_tensor_into(&ht, &mut out, o_len + fixed.start * h * k * v)?;
     }
     Ok(candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()))
@@ -476,8 +475,7 @@ impl WidenedRun<'_> {
             return dh0.contiguous();
         };
         let ds = super::device::tensor_of(dev, s, &[r.len(), h, k, v])?;
-        let part = t.narrow(0, r.start, r.len())?;
-        let fixed = (part.narrow(3, 0, v)? + part.narrow(3, v, k)?.contiguous()?.matmul(&ds)?)?;
+        let fixed = corrected_summary(&t, r.clone(), &ds)?;
         let mut parts = vec![];
         if r.start > 0 {
             parts.push(dh0.narrow(0, 0, r.start)?);
@@ -488,4 +486,13 @@ impl WidenedRun<'_> {
         }
         Tensor::cat(&parts, 0)
     }
+}
+
+/// `x⁰ + x̃ S` for the sequences `fixed` of a widened scan's per-sequence rows `t = [x⁰ | x̃]`
+/// (f32 `[N, H, K, V + K]`), given the state `s` they lacked (f32 `[fixed.len(), H, K, V]`):
+/// `ΔS + M S_in` forward, `γ⁰ + Mᵀ dS_out` backward. f32 `[fixed.len(), H, K, V]`.
+fn corrected_summary(t: &Tensor, fixed: std::ops::Range<usize>, s: &Tensor) -> Result<Tensor> {
+    let (k, v) = (t.dim(2)?, s.dim(3)?);
+    let part = t.narrow(0, fixed.start, fixed.len())?;
+    part.narrow(3, 0, v)? + part.narrow(3, v, k)?.contiguous()?.matmul(s)?
 }
