@@ -1,7 +1,9 @@
 //! Context parallelism over NCCL, one process per GPU (feature `nccl`, needs GPUs): the cases
 //! of `tests/cp.rs` (dense and packed, empty sequences, sequences spanning ranks, n = 1..3,
 //! with and without an initial state) give the single-GPU op's outputs, final states and every
-//! gradient on every rank; the collectives (host and device), an abort and a timeout.
+//! gradient on every rank; the collectives (host and device), an abort, a timeout, and faults
+//! on one rank (collectives of another length or kind, bad input, disagreeing problems) that
+//! must fail every rank within 2 s.
 //!
 //! The test `cp_over_nccl_equals_single_gpu` starts this binary once per world size (1, 2, 4, 8,
 //! or `GDP_NCCL_WORLDS=1,2`) through the library launcher; each worker (the ignored
@@ -380,6 +382,82 @@ fn failures(env: &DistEnv, dev: &Device) -> Result<()> {
             "{e}"
         );
         ensure!(t0.elapsed() < Duration::from_secs(6), "{:?}", t0.elapsed());
+    }
+    drop(comm);
+    mismatches(env, dev)
+}
+
+/// Faults on rank 1, each on a fresh group with a 30 s timeout: every rank must fail within
+/// 2 s, its error naming rank 1 or the mismatch. A collective of another length, a collective
+/// of another kind (the peer checks of `NcclComm`); in the op, a `beta` of the wrong shape (an
+/// error before any collective, which aborts the group) and another scale (the ranks' problem
+/// agreement).
+fn mismatches(env: &DistEnv, dev: &Device) -> Result<()> {
+    use candle_gdp::cp::{cp_gated_delta_product, dense_rank_meta, CpRank, ShardPlan};
+    let (r, w) = (env.rank, env.world_size);
+    let faults: [(&str, &str); 4] = [
+        ("length", "collective mismatch"),
+        ("kind", "collective mismatch"),
+        ("bad input", "rank 1"),
+        ("scale", "scale"),
+    ];
+    for (fault, says) in faults {
+        let comm = Arc::new(NcclComm::from_dist_env(dev, env, Duration::from_secs(30))?);
+        comm.barrier()?;
+        let t0 = Instant::now();
+        let odd = r == 1;
+        let res: Result<()> = match fault {
+            "length" => comm
+                .all_gather(&vec![1.0; if odd { 3 } else { 2 }])
+                .map(|_| ())
+                .map_err(Into::into),
+            "kind" if odd => comm.all_reduce_sum(&mut [1.0; 2]).map_err(Into::into),
+            "kind" => comm.all_gather(&[1.0; 2]).map(|_| ()).map_err(Into::into),
+            _ => (|| -> Result<()> {
+                let c = Case::new("fault", 1, 40, 2, 8, 8, 2);
+                let x = inputs(&c, DType::F32)?.cast(DType::F32)?;
+                let plan = ShardPlan::new(c.t, w)?;
+                let span = plan.range(r)?;
+                let cut = |t: &Tensor, per: usize, l: usize| -> candle_core::Result<Tensor> {
+                    t.narrow(1, span.start * per, l * per)?.to_device(dev)
+                };
+                let l = span.len();
+                let beta_len = if fault == "bad input" && odd {
+                    l
+                } else {
+                    l * c.n
+                };
+                let rank = CpRank {
+                    comm: comm.clone(),
+                    meta: dense_rank_meta(&plan, r)?,
+                    composition: Composition::Fold,
+                };
+                let opts = GdpOptions {
+                    scale: (fault == "scale" && odd).then_some(0.5),
+                    ..Default::default()
+                };
+                cp_gated_delta_product(
+                    &cut(&x.q, 1, l)?,
+                    &cut(&x.k, c.n, l)?,
+                    &cut(&x.v, c.n, l)?,
+                    &cut(&x.g, 1, l)?,
+                    &x.beta
+                        .narrow(1, span.start * c.n, beta_len)?
+                        .to_device(dev)?,
+                    &opts,
+                    &rank,
+                )?;
+                Ok(())
+            })(),
+        };
+        let took = t0.elapsed();
+        let Err(e) = res else {
+            bail!("rank {r}: the {fault} fault returned success");
+        };
+        let e = e.to_string();
+        println!("[rank {r}/{w}] {fault} fault seen after {took:?}: {e}");
+        ensure!(r == 1 || e.contains(says), "{fault}: {e}");
+        ensure!(took < Duration::from_secs(2), "{fault}: {took:?}");
     }
     Ok(())
 }

@@ -8,13 +8,14 @@
 //! * whole problem: [`ContextParallel::gated_delta_product`] shards full-sequence tensors, runs
 //!   all ranks, and returns the gathered outputs, final states and gradients.
 
+use super::agree::{agree, ProblemRecord};
 use super::comm::{run_ranks, Communicator, DEFAULT_TIMEOUT};
 use super::driver::CpLink;
 use super::protocol::Composition;
 use super::shard::{dense_rank_meta, packed_rank_meta, RankMeta, ShardPlan};
 use crate::error::GdpError;
 use crate::op::shape::GdpShape;
-use crate::op::{apply, validate_fla, validate_packed, GdpOptions, QueryKeys};
+use crate::op::{apply, effective_scale, validate_fla, validate_packed, GdpOptions, QueryKeys};
 use candle_core::{DType, Device, Result, Tensor, Var};
 use std::ops::Range;
 use std::sync::Arc;
@@ -49,8 +50,10 @@ pub fn cp_gated_delta_product(
     opts: &GdpOptions,
     rank: &CpRank,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let sh = validate_fla(q, k, v, g, beta, opts)?;
-    apply_on_rank(QueryKeys::Split(q, k), v, g, beta, sh, opts, rank)
+    aborting_on_error(rank, || {
+        let sh = validate_fla(q, k, v, g, beta, opts)?;
+        apply_on_rank(QueryKeys::Split(q, k), v, g, beta, sh, opts, rank)
+    })
 }
 
 /// [`cp_gated_delta_product`] on the packed query/key layout `qk [B, T_r, n+1, H, K]` of
@@ -65,8 +68,17 @@ pub fn cp_gated_delta_product_packed(
     opts: &GdpOptions,
     rank: &CpRank,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let sh = validate_packed(qk, v, g, beta, opts)?;
-    apply_on_rank(QueryKeys::Packed(qk), v, g, beta, sh, opts, rank)
+    aborting_on_error(rank, || {
+        let sh = validate_packed(qk, v, g, beta, opts)?;
+        apply_on_rank(QueryKeys::Packed(qk), v, g, beta, sh, opts, rank)
+    })
+}
+
+/// Runs a rank's forward; any error aborts the group first, so that the peers fail within a
+/// moment instead of waiting out the timeout in their next collective (the backward's errors
+/// abort the group from inside the op, see [`CpLink`]).
+fn aborting_on_error<T>(rank: &CpRank, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    f().inspect_err(|e| rank.comm.abort(&e.to_string()))
 }
 
 /// Checks the rank's offsets and applies the op with this rank's link to its group.
@@ -88,11 +100,21 @@ fn apply_on_rank(
             .into());
         }
     }
+    let dtype = match qk {
+        QueryKeys::Packed(qk) => qk.dtype(),
+        QueryKeys::Split(q, _) => q.dtype(),
+    };
+    let packed = opts.cu_seqlens.is_some();
+    let scale = effective_scale(opts, sh.dk);
+    agree(
+        &*rank.comm,
+        ProblemRecord::new(&sh, dtype, packed, scale, rank.composition),
+    )?;
     let link = CpLink::new(
         rank.comm.clone(),
         rank.meta.preceding_rank_start,
         rank.meta.following_rank_stop,
-        opts.cu_seqlens.is_some(),
+        packed,
         rank.composition,
     )?;
     apply(qk, v, g, beta, sh, opts, Some(Arc::new(link)))

@@ -2,6 +2,7 @@
 //! its shard, the summaries are all-gathered and folded (`megatron_cp.md` §5).
 //!
 //! * [`shard`]: the shard plan and the per-rank metadata of packed sequences;
+//! * `agree`: the ranks' check that they run the same problem, before the first summary;
 //! * [`protocol`]: the summaries `[ΔS | M]`, `[γ | Mᵀ]` and their composition (fold or scan);
 //! * [`driver`]: a rank's pass (widened by the transition's columns) → all-gather → fold →
 //!   correct, run inside the op's forward and backward (`docs/cp.md`);
@@ -11,6 +12,7 @@
 //! * [`launch`]: the multi-process launcher behind `gdp launch`;
 //! * [`mod@bench`]: one rank timed alone on one device against the plain op (`gdp cp-bench`).
 
+mod agree;
 pub mod bench;
 pub mod comm;
 pub mod context;

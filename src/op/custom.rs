@@ -90,6 +90,15 @@ impl GdpForward {
 
     /// `(dqk, dv, d gate buffer)` from the gradient `grad_res` of the output: the direct bf16
     /// backward where it applies, else the packed f32 one split back onto the inputs.
+    /// `result`, after failing this rank's context-parallel group on an error (so that the
+    /// peers waiting in a collective of their backward fail at once).
+    fn aborting<T>(&self, result: Result<T>) -> Result<T> {
+        if let (Err(e), Some(link)) = (&result, &self.cp) {
+            link.abort(&e.to_string());
+        }
+        result
+    }
+
     fn gradients(
         &self,
         qk: &Tensor,
@@ -330,7 +339,7 @@ impl CustomOp3 for GdpForward {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dqk, dv, daux) = self.gradients(qk, v, aux, grad_res)?;
+        let (dqk, dv, daux) = self.aborting(self.gradients(qk, v, aux, grad_res))?;
         Ok((Some(dqk), Some(dv), Some(daux)))
     }
 }
@@ -548,7 +557,7 @@ impl CustomOp3 for GdpForwardSplit {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dq, dk, dv, daux) = self.gradients(q, k, grad_res)?;
+        let (dq, dk, dv, daux) = self.op.aborting(self.gradients(q, k, grad_res))?;
         if tie.track_op() {
             *lock_stash(&self.stash)? = Some((dv, daux));
         }

@@ -41,6 +41,10 @@ pub(crate) struct CudaCall<'a> {
 /// A context-parallel rank's part in the op: the op's forward and backward on this rank's
 /// shard, exchanging state summaries with the other ranks.
 pub(crate) trait RankLink: std::fmt::Debug + Send + Sync {
+    /// Fails the rank's group with `reason` (this rank's error), so that its peers stop
+    /// waiting for it; the op calls it on any error of a rank's backward.
+    fn abort(&self, reason: &str);
+
     /// The rank's forward on the CPU: the packed f32 `[o | final states]`, as
     /// [`super::cpu::forward`] returns for the plain op.
     fn forward_cpu(&self, x: CpuInputs<'_>, sh: &GdpShape, scale: f32) -> Result<Vec<f32>>;

@@ -21,6 +21,11 @@
 //! `ncclCommAbort`, tells the other ranks, and returns [`GdpError::Comm`] naming the rank, the
 //! collective and the reason. After that the communicator is failed for good.
 //!
+//! Peer checks: NCCL cannot tell when ranks call different collectives or pass different
+//! lengths (it hangs or reads out of bounds), so every collective is preceded by a fixed-size
+//! all-gather of `[tag, number, kind, length]`, and a rank whose peers announce something else
+//! fails the group, naming both sides. That costs one small collective per collective.
+//!
 //! The host slice methods ([`Communicator::all_gather`] ...) go through device scratch
 //! buffers; the tensor methods keep CUDA tensors of the communicator's device on the device
 //! (other tensors go through the host).
@@ -57,7 +62,10 @@ struct Inner {
     comm: sys::ncclComm_t,
     send: Option<CudaSlice<f32>>,
     recv: Option<CudaSlice<f32>>,
-    /// Collectives issued so far (numbers them in messages).
+    /// The peer check's buffers: this rank's header and every rank's.
+    header_send: Option<CudaSlice<f32>>,
+    header_recv: Option<CudaSlice<f32>>,
+    /// NCCL calls issued so far, peer checks included (numbers them in messages).
     seq: u64,
     stats: CommStats,
 }
@@ -300,6 +308,8 @@ impl NcclComm {
                 comm,
                 send: None,
                 recv: None,
+                header_send: None,
+                header_recv: None,
                 seq: 0,
                 stats: CommStats::default(),
             }),
@@ -358,9 +368,8 @@ impl NcclComm {
         &self,
         inner: &mut Inner,
         op: Collective,
-        bytes: usize,
         issue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> sys::ncclResult_t,
-    ) -> Result<()> {
+    ) -> Result<Duration> {
         inner.seq += 1;
         let what = format!("{op} #{}", inner.seq);
         if self.rendezvous.is_failed() || inner.comm.is_null() {
@@ -435,10 +444,96 @@ impl NcclComm {
             }
             backoff.wait();
         }
+        Ok(t0.elapsed())
+    }
+
+    /// Runs `op` (of `n` floats from this rank) after [`Self::check_peers`], and counts it.
+    fn checked_run(
+        &self,
+        inner: &mut Inner,
+        op: Collective,
+        n: usize,
+        issue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> sys::ncclResult_t,
+    ) -> Result<()> {
+        let checked = self.check_peers(inner, op, n)?;
+        let waited = self.run(inner, op, issue)?;
         inner.stats.collectives += 1;
-        inner.stats.wait += t0.elapsed();
-        inner.stats.bytes += bytes as u64;
+        inner.stats.wait += checked + waited;
+        inner.stats.bytes += 4 * n as u64;
         Ok(())
+    }
+
+    /// Before each collective every rank all-gathers `[tag, number, kind, length]`; a rank that
+    /// is about to run another collective, or the same one on a different number of values,
+    /// fails the group here instead of handing NCCL buffers of different sizes (which it cannot
+    /// detect). Returns the time spent.
+    fn check_peers(&self, inner: &mut Inner, op: Collective, n: usize) -> Result<Duration> {
+        let number = inner.seq + 2;
+        let what = format!("{op} #{number}");
+        let len = u32::try_from(n).map_err(|_| {
+            comm_err(format!(
+                "rank {}: {what}: {n} values do not fit one collective (at most {})",
+                self.rank,
+                u32::MAX
+            ))
+        })?;
+        let header = [PEER_TAG, number as u32, wire_code(op), len];
+        let words = HEADER_WORDS * self.world_size;
+        if inner.header_send.is_none() {
+            inner.header_send = Some(self.device.alloc_zeros::<f32>(HEADER_WORDS)?);
+        }
+        if inner.header_recv.is_none() {
+            inner.header_recv = Some(self.device.alloc_zeros::<f32>(words)?);
+        }
+        let (Some(mut send), Some(mut recv)) = (inner.header_send.take(), inner.header_recv.take())
+        else {
+            return Err(comm_err(format!(
+                "rank {}: {what}: no header buffers",
+                self.rank
+            )));
+        };
+        let res = (|| -> Result<Duration> {
+            let bits = header.map(f32::from_bits);
+            self.stream.memcpy_htod(&bits, &mut send).map_err(|e| {
+                comm_err(format!(
+                    "rank {}: {what}: copy to the device: {e:?}",
+                    self.rank
+                ))
+            })?;
+            let waited = {
+                let stream = &self.nccl_stream;
+                let (src, _s) = send.device_ptr(stream);
+                let (dst, _d) = recv.device_ptr_mut(stream);
+                self.run(inner, Collective::AllGather, |comm, st| unsafe {
+                    enqueue(Collective::AllGather, src, dst, HEADER_WORDS, comm, st)
+                })?
+            };
+            let all = self.stream.clone_dtoh(&recv).map_err(|e| {
+                comm_err(format!(
+                    "rank {}: {what}: copy to the host: {e:?}",
+                    self.rank
+                ))
+            })?;
+            for (r, theirs) in all.chunks(HEADER_WORDS).enumerate() {
+                let theirs: Vec<u32> = theirs.iter().map(|x| x.to_bits()).collect();
+                if theirs[..] != header[..] {
+                    let called = match (theirs[0] == PEER_TAG, from_wire_code(theirs[2])) {
+                        (true, Some(c)) => format!("{c} #{} with {} values", theirs[1], theirs[3]),
+                        _ => format!("something else (header {theirs:?})"),
+                    };
+                    let reason = format!(
+                        "collective mismatch: rank {} called {op} #{number} with {n} values, \
+                         rank {r} called {called}",
+                        self.rank
+                    );
+                    return Err(self.fail(inner, &what, &reason));
+                }
+            }
+            Ok(waited)
+        })();
+        inner.header_send = Some(send);
+        inner.header_recv = Some(recv);
+        res
     }
 
     /// Scratch buffers of at least `send` and `recv` floats.
@@ -480,7 +575,7 @@ impl NcclComm {
                 let stream = &self.nccl_stream;
                 let (src, _s) = send.device_ptr(stream);
                 let (dst, _d) = recv.device_ptr_mut(stream);
-                self.run(inner, op, n * 4, |comm, st| unsafe {
+                self.checked_run(inner, op, n, |comm, st| unsafe {
                     enqueue(op, src, dst, n, comm, st)
                 })?;
             }
@@ -518,9 +613,8 @@ impl NcclComm {
             dims.insert(0, self.world_size);
         }
         if n == 0 {
-            if self.rendezvous.is_failed() {
-                return Err(self.failed_err(&op.to_string()));
-            }
+            // Nothing to move, but the peers must agree that there is nothing.
+            self.check_peers(&mut self.lock(), op, 0)?;
             return Ok(Some(Tensor::zeros(dims, DType::F32, local.device())?));
         }
         let out_len = n * if let Collective::AllGather = op {
@@ -542,7 +636,7 @@ impl NcclComm {
             let stream = &self.nccl_stream;
             let (sp, _s) = src.device_ptr(stream);
             let (dp, _d) = out.device_ptr_mut(stream);
-            self.run(&mut inner, op, n * 4, |comm, st| unsafe {
+            self.checked_run(&mut inner, op, n, |comm, st| unsafe {
                 enqueue(op, sp, dp, n, comm, st)
             })?;
         }
@@ -550,6 +644,31 @@ impl NcclComm {
         let t = Tensor::from_storage(storage, out_len, BackpropOp::none(), false);
         Ok(Some(t.reshape(dims)?))
     }
+}
+
+/// Marks a peer-check header (the bits of an ASCII tag).
+const PEER_TAG: u32 = u32::from_le_bytes(*b"gdpc");
+/// Words of a peer-check header: tag, collective number, kind, length.
+const HEADER_WORDS: usize = 4;
+
+/// A collective's code in peer-check headers.
+fn wire_code(op: Collective) -> u32 {
+    match op {
+        Collective::AllGather => 1,
+        Collective::AllReduceSum => 2,
+        Collective::Barrier => 3,
+    }
+}
+
+/// The collective of a [`wire_code`], if any.
+fn from_wire_code(code: u32) -> Option<Collective> {
+    [
+        Collective::AllGather,
+        Collective::AllReduceSum,
+        Collective::Barrier,
+    ]
+    .into_iter()
+    .find(|&c| wire_code(c) == code)
 }
 
 /// Enqueues `op` on raw device pointers (`n` floats in; `world · n` out for a gather).

@@ -8,9 +8,9 @@
 //!
 //! The group fails as a whole, and a failed group never blocks: a rank that calls
 //! [`Communicator::abort`], a collective that waits longer than the timeout, ranks that disagree
-//! on the collective or its length, and (under [`run_ranks`]) a rank that errors, panics or
-//! returns while its peers still need it all make every pending and later collective return
-//! [`GdpError::Comm`]. Device tensors reach this transport as host copies (see the
+//! on the collective or its length, a rank whose thread panics, and (under [`run_ranks`]) a rank
+//! that errors or returns while its peers still need it all make every pending and later
+//! collective return [`GdpError::Comm`]. Device tensors reach this transport as host copies (see the
 //! [`Communicator`] tensor methods).
 
 use std::any::Any;
@@ -292,6 +292,21 @@ impl Communicator for ThreadComm {
             Err(poisoned) => poisoned.into_inner(),
         };
         let _ = self.fail(&mut st, format!("aborted: {reason}"));
+    }
+}
+
+/// A rank whose thread panics fails its group as the unwinding drops its handles (the op keeps
+/// one until its backward), so that the peers stop waiting for it, with or without
+/// [`run_ranks`].
+impl Drop for ThreadComm {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let mut st = match self.shared.state.lock() {
+                Ok(g) => g,
+                Err(poisoned) => poisoned.into_inner(),
+            };
+            let _ = self.fail(&mut st, "panicked".into());
+        }
     }
 }
 

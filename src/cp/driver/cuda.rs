@@ -156,7 +156,9 @@ impl CpLink {
         if self.comm.world_size() == 1 {
             return local.unsqueeze(0);
         }
-        self.comm.all_gather_tensor(&local.contiguous()?)
+        let all = self.comm.all_gather_tensor(&local.contiguous()?)?;
+        self.check_gathered(all.elem_count(), local.elem_count())?;
+        Ok(all)
     }
 
     /// The backward on this rank, like [`CpLink::backward`], on CUDA storages `(qk, v, aux,

@@ -205,11 +205,31 @@ impl CpLink {
     }
 
     /// All-gathers `local` (`frags · H` summaries); a group of one skips the collective.
+    /// A gathered buffer of the wrong length (a faulty transport) fails the group rather than
+    /// being folded.
     fn gather(&self, local: Vec<f32>) -> Result<Vec<f32>> {
-        if self.comm.world_size() == 1 {
+        let world = self.comm.world_size();
+        if world == 1 {
             return Ok(local);
         }
-        self.comm.all_gather(&local)
+        let all = self.comm.all_gather(&local)?;
+        self.check_gathered(all.len(), local.len())?;
+        Ok(all)
+    }
+
+    /// Checks that an all-gather of `local` values per rank returned `got` values.
+    fn check_gathered(&self, got: usize, local: usize) -> Result<()> {
+        let want = local * self.comm.world_size();
+        if got == want {
+            return Ok(());
+        }
+        let reason = format!(
+            "rank {}: the summary all-gather returned {got} values, expected {want} ({local} \
+             per rank)",
+            self.comm.rank()
+        );
+        self.comm.abort(&reason);
+        Err(GdpError::Comm(reason).into())
     }
 
     /// The forward on this rank: returns `[o | final states]` like [`cpu::forward()`], in one
@@ -549,6 +569,10 @@ fn poisoned() -> candle_core::Error {
 }
 
 impl RankLink for CpLink {
+    fn abort(&self, reason: &str) {
+        self.comm.abort(reason);
+    }
+
     fn forward_cpu(&self, x: CpuInputs<'_>, sh: &GdpShape, scale: f32) -> Result<Vec<f32>> {
         match x {
             CpuInputs::F32(x) => self.forward(x, sh, scale),
