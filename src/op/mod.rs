@@ -387,14 +387,14 @@ fn validate_rest(
     Ok(sh)
 }
 
-/// `scale` must be finite, also once rounded to the f32 that the kernels compute with (a finite
-/// f64 above `f32::MAX` would silently become infinite).
 /// The scale the op multiplies queries by: `opts.scale`, else `1/sqrt(K)` (already checked to
 /// fit in f32 by the validation).
 pub(crate) fn effective_scale(opts: &GdpOptions, dk: usize) -> f32 {
     opts.scale.unwrap_or((dk as f64).powf(-0.5)) as f32
 }
 
+/// `scale` must be finite, also once rounded to the f32 that the kernels compute with (a finite
+/// f64 above `f32::MAX` would silently become infinite).
 pub(crate) fn check_scale(s: f64) -> Result<()> {
     let reason = if !s.is_finite() {
         format!("must be finite, got {s}")
