@@ -1033,3 +1033,118 @@ fn timing_context_parallel_bf16_b1_t32768_h16_k128_v128_n2() -> Result<()> {
     }
     Ok(())
 }
+
+/// Issue 43's edges on CUDA, f32, forward and every gradient: gates down to -1e4 and -inf, β
+/// exactly 0 and 2, zero-length packed sequences (`tests/edges.rs` runs them on the CPU).
+/// Each within 1e-5 of the CPU op, or else both within 1e-5 of f64 (as in
+/// `backward_f32_matches_cpu_op`). Then a NaN in one (sequence, head) leaves every other
+/// sequence's and head's outputs and final states bit for bit as they were.
+#[test]
+fn edge_numerics_match_cpu_and_nan_stays_in_its_sequence() -> Result<()> {
+    use candle_core::IndexOp;
+    let dev = cuda()?;
+    let mut cases = common::deep_gate_cases(DType::F32, -1e4)?;
+    cases.extend(common::deep_gate_cases(DType::F32, f64::NEG_INFINITY)?);
+    cases.extend(common::edge_beta_cases(DType::F32)?);
+    for c in common::empty_sequence_cases() {
+        let x = inputs(&c, DType::F32)?;
+        cases.push((c, x));
+    }
+    for (c, x) in &cases {
+        let got = run_op_on(c, x, DType::F32, &dev)?;
+        let cpu = run_op_on(c, x, DType::F32, &Device::Cpu)?;
+        let refr = run_reference(c, x)?;
+        common::assert_same_grads(&got.grads, &refr.grads);
+        let outs = [
+            ("o", &got.o, &cpu.o, &refr.o),
+            ("ht", &got.ht, &cpu.ht, &refr.ht),
+        ];
+        let grads = got
+            .grads
+            .iter()
+            .zip(&cpu.grads)
+            .zip(&refr.grads)
+            .map(|(((name, a), (_, b)), (_, r))| (*name, a, b, r));
+        for (name, a, b, r) in outs.into_iter().chain(grads) {
+            let e = rel_rms(a, b)?;
+            if e <= 1e-5 {
+                check(c, &format!("{name} vs cpu"), a, b, 1e-5)?;
+            } else {
+                let (e_gpu, e_cpu) = (rel_rms(a, r)?, rel_rms(b, r)?);
+                println!(
+                    "{:<28} {name} vs cpu {e:.2e}: vs f64 cuda {e_gpu:.2e}, cpu {e_cpu:.2e}",
+                    c.name
+                );
+                assert!(
+                    e_gpu <= 1e-5 && e_cpu <= 1e-5,
+                    "{}: {name} vs cpu {e:.2e}, vs f64: cuda {e_gpu:.2e}, cpu {e_cpu:.2e}",
+                    c.name
+                );
+            }
+        }
+    }
+    // NaN in v at token 100 (sequence 1 of [0, 40, 150, 150, 240]), head 1.
+    let c = Case::new("nan packed n2", 1, 240, 2, 16, 12, 2)
+        .packed(&[0, 40, 150, 150, 240])
+        .h0()
+        .seed(53);
+    let x = inputs(&c, DType::F32)?;
+    let clean = run_op_on(&c, &x, DType::F32, &dev)?;
+    let mut v = x.v.flatten_all()?.to_vec1::<f64>()?;
+    v[((201 * 2) + 1) * 12 + 3] = f64::NAN;
+    let xp = Inputs {
+        v: Tensor::from_vec(v, x.v.dims(), &Device::Cpu)?,
+        ..x.clone()
+    };
+    let dirty = run_op_on(&c, &xp, DType::F32, &dev)?;
+    let bits = |t: &Tensor| -> Result<Vec<u64>> {
+        let v = t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+        Ok(v.iter().map(|x| x.to_bits()).collect())
+    };
+    for (what, a, b) in [
+        (
+            "o head 0",
+            dirty.o.narrow(2, 0, 1)?,
+            clean.o.narrow(2, 0, 1)?,
+        ),
+        (
+            "o tokens 0..40",
+            dirty.o.narrow(1, 0, 40)?,
+            clean.o.narrow(1, 0, 40)?,
+        ),
+        (
+            "o tokens 150..",
+            dirty.o.narrow(1, 150, 90)?,
+            clean.o.narrow(1, 150, 90)?,
+        ),
+        (
+            "ht head 0",
+            dirty.ht.narrow(1, 0, 1)?,
+            clean.ht.narrow(1, 0, 1)?,
+        ),
+        (
+            "ht seq 0",
+            dirty.ht.narrow(0, 0, 1)?,
+            clean.ht.narrow(0, 0, 1)?,
+        ),
+        (
+            "ht seqs 2..",
+            dirty.ht.narrow(0, 2, 2)?,
+            clean.ht.narrow(0, 2, 2)?,
+        ),
+    ] {
+        assert_eq!(
+            bits(&a)?,
+            bits(&b)?,
+            "NaN in sequence 1, head 1 changed {what}"
+        );
+    }
+    let o_nan = dirty.o.i((0, 100, 1))?.to_vec1::<f32>()?;
+    assert!(
+        o_nan.iter().any(|x| !x.is_finite()),
+        "o at the NaN's token is finite"
+    );
+    let ht = dirty.ht.i((1, 1))?.flatten_all()?.to_vec1::<f32>()?;
+    assert!(ht.iter().any(|x| !x.is_finite()), "final state finite");
+    Ok(())
+}

@@ -91,6 +91,28 @@ impl From<bool> for SaveIntermediates {
 ///
 /// This wrapper copies `q` and `k` into the packed layout of
 /// [`gated_delta_product_packed`]; a model that produces that layout directly avoids the copy.
+///
+/// # Non-finite inputs
+///
+/// The op does not scan its inputs for NaN or ±Inf, which would cost a pass over `q`, `k` and `v`
+/// (and a device synchronisation on CUDA) on every call; it computes with them as the f64
+/// reference [`naive`] does:
+///
+/// * every output and gradient that the reference makes non-finite is non-finite here too. A NaN
+///   or ±Inf in `k`, `v`, `beta` or the initial state, or a NaN or +Inf in `g`, reaches the
+///   outputs of its (sequence, head) from its token on (from the first token, for the initial
+///   state) and its final state; one in `q` reaches the output of its token alone;
+/// * nothing reaches another sequence (packed, or batch row) or another head: their outputs,
+///   final states and gradients are bit for bit those of the call without the value, through
+///   [`crate::ContextParallel`] too;
+/// * within its (sequence, head), the chunked kernels mix the 64 sub-steps of a chunk, so the
+///   outputs of up to 63 sub-steps before the value, and gradients that the reference keeps
+///   finite, can be non-finite as well; outputs of tokens that end at least 64 sub-steps
+///   before it are unaffected.
+///
+/// A gate of `-inf` is no error but a complete reset (`exp(-inf) = 0`, as for any gate below
+/// about -104 in f32): the results are finite and bit for bit those of a gate of -1e4. Tested
+/// on the CPU, single-device and context-parallel (`tests/edges.rs`).
 pub fn gated_delta_product(
     q: &Tensor,
     k: &Tensor,
