@@ -8,6 +8,7 @@
 
 use candle_core::{Device, Tensor, Var};
 use candle_gdp::cp::protocol::{backward_summary, fold_backward, fold_forward, forward_summary};
+use candle_gdp::cp::summary::{Backward, Forward, Gathered};
 use candle_gdp::cp::{
     cp_gated_delta_product, dense_rank_meta, run_ranks, Communicator, CpRank, ShardPlan,
     SingleComm, DEFAULT_TIMEOUT,
@@ -178,15 +179,16 @@ fn main() -> candle_core::Result<()> {
             let local_sum: Vec<f32> = (0..h)
                 .flat_map(|hd| {
                     forward_summary(&px.gather(&sh, &sh.seqs[0], hd), &dims, &vec![0.0; kv])
+                        .into_rows()
                 })
                 .collect();
             let t1 = Instant::now();
             let all = comm.all_gather(&local_sum)?;
             let t2 = Instant::now();
-            let sl = local_sum.len() / h;
+            let gathered = Gathered::<Forward>::new(&all, cp, 1, h, (d, d))?;
             let mut h0 = vec![0.0f32; h * kv];
             for hd in 0..h {
-                let s = fold_forward((0..r).map(|j| &all[j * h * sl + hd * sl..][..sl]), d, d);
+                let s = fold_forward((0..r).map(|j| gathered.get(j, 0, hd)), d, d);
                 h0[hd * kv..(hd + 1) * kv].copy_from_slice(&s);
             }
             cpu::forward(&px, &sh, dims.scale, Some(&h0))?;
@@ -199,17 +201,15 @@ fn main() -> candle_core::Result<()> {
                         &grad[..local * d],
                         &vec![0.0; kv],
                     )
+                    .into_rows()
                 })
                 .collect();
             let t4 = Instant::now();
             let all = comm.all_gather(&local_b)?;
             let t5 = Instant::now();
+            let gathered = Gathered::<Backward>::new(&all, cp, 1, h, (d, d))?;
             for hd in 0..h {
-                let _ = fold_backward(
-                    (r + 1..cp).map(|j| &all[j * h * sl + hd * sl..][..sl]),
-                    d,
-                    d,
-                );
+                let _ = fold_backward((r + 1..cp).map(|j| gathered.get(j, 0, hd)), d, d);
             }
             cpu::backward(&px, &sh, dims.scale, &grad, Some(&h0))?;
             let t6 = Instant::now();

@@ -3,7 +3,8 @@
 //!
 //! * [`shard`]: the shard plan and the per-rank metadata of packed sequences;
 //! * `agree`: the ranks' check that they run the same problem, before the first summary;
-//! * [`protocol`]: the summaries `[ΔS | M]`, `[γ | Mᵀ]` and their composition (fold or scan);
+//! * [`summary`]: the typed summaries `[ΔS | M]` (forward), `[γ | Mᵀ]` (backward);
+//! * [`protocol`]: how a fragment's summaries are computed and composed (fold or scan);
 //! * [`driver`]: a rank's pass (widened by the transition's columns) → all-gather → fold →
 //!   correct, run inside the op's forward and backward (`docs/cp.md`);
 //! * [`context`]: [`ContextParallel`] and the per-rank entry points;
@@ -20,6 +21,7 @@ pub mod driver;
 pub mod launch;
 pub mod protocol;
 pub mod shard;
+pub mod summary;
 
 pub use bench::{rank_alone, RankBenchConfig, RankBenchReport};
 #[cfg(feature = "nccl")]
@@ -35,3 +37,4 @@ pub use protocol::Composition;
 pub use shard::{
     dense_rank_meta, packed_rank_meta, packed_rank_meta_from_seq_ids, RankMeta, ShardPlan,
 };
+pub use summary::{BackwardSummary, ForwardSummary};

@@ -4,41 +4,20 @@
 //! of the state, `S_next = M_c S + D_c` with `M_c = e^{G_last} I − kdecᵀ W`, so the whole
 //! fragment is `S_out = M S_in + ΔS`. Its backward is the transposed map,
 //! `dS_in = Mᵀ dS_out + γ`. Summaries are packed per head as `[K, V + K]` f32, row-major:
-//! `[ΔS | M]` forward, `[γ | Mᵀ]` backward.
+//! `[ΔS | M]` forward, `[γ | Mᵀ]` backward, typed by their direction ([`super::summary`]).
 
+use super::summary::{
+    identity, Backward, BackwardSummary, Direction, Forward, ForwardSummary, Summary, SummaryRef,
+};
 use crate::op::cpu::chunk::{decayed_keys, query_rows, ChunkWy, Dims, HeadInputs};
 use crate::op::cpu::forward::{query_key_scores, select_queries};
 use crate::op::cpu::linalg::{matmul, MatRef};
 use crate::op::shape::{chunks, CHUNK};
 
-/// Elements of one packed summary `[K, V + K]`.
-pub fn summary_len(dk: usize, dv: usize) -> usize {
-    dk * (dv + dk)
-}
-
-fn pack(a: &[f32], m: &[f32], dk: usize, dv: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(summary_len(dk, dv));
-    for r in 0..dk {
-        out.extend_from_slice(&a[r * dv..(r + 1) * dv]);
-        out.extend_from_slice(&m[r * dk..(r + 1) * dk]);
-    }
-    out
-}
-
-/// Splits a packed summary `[K, V + K]` into its `[K, V]` and `[K, K]` parts.
-pub fn unpack(p: &[f32], dk: usize, dv: usize) -> (Vec<f32>, Vec<f32>) {
-    let (mut a, mut m) = (Vec::with_capacity(dk * dv), Vec::with_capacity(dk * dk));
-    for row in p.chunks_exact(dv + dk).take(dk) {
-        a.extend_from_slice(&row[..dv]);
-        m.extend_from_slice(&row[dv..]);
-    }
-    (a, m)
-}
-
 /// Forward summary `[ΔS | M]` of a fragment: `ΔS` is its final state from `s0` (zeros for a
 /// fragment that continues a sequence from an earlier rank; the sequence's own initial state
 /// when it starts here), `M` the product of its chunk transitions (later chunks on the left).
-pub fn forward_summary(x: &HeadInputs, d: &Dims, s0: &[f32]) -> Vec<f32> {
+pub fn forward_summary(x: &HeadInputs, d: &Dims, s0: &[f32]) -> ForwardSummary {
     let (dk, dv) = (d.dk, d.dv);
     let mut state = s0.to_vec();
     let mut m = identity(dk);
@@ -71,13 +50,13 @@ pub fn forward_summary(x: &HeadInputs, d: &Dims, s0: &[f32]) -> Vec<f32> {
             -1.0,
         );
     }
-    pack(&state, &m, dk, dv)
+    Summary::from_parts(&state, &m, dk, dv)
 }
 
 /// Backward summary `[γ | Mᵀ]` of a fragment: `γ` is the gradient of its start state given the
 /// output gradients `dout [len, V]` of its tokens and the end-state gradient `ds_end` (zeros
 /// for a fragment whose sequence continues on a later rank), `Mᵀ` the transposed transition.
-pub fn backward_summary(x: &HeadInputs, d: &Dims, dout: &[f32], ds_end: &[f32]) -> Vec<f32> {
+pub fn backward_summary(x: &HeadInputs, d: &Dims, dout: &[f32], ds_end: &[f32]) -> BackwardSummary {
     backward_summary_with(x, d, dout, ds_end, None)
 }
 
@@ -89,7 +68,7 @@ pub fn backward_summary_with(
     dout: &[f32],
     ds_end: &[f32],
     transition: Option<&[f32]>,
-) -> Vec<f32> {
+) -> BackwardSummary {
     let (dk, dv) = (d.dk, d.dv);
     let mut ds = ds_end.to_vec();
     let mut mt = identity(dk);
@@ -155,30 +134,7 @@ pub fn backward_summary_with(
             }
         }
     }
-    pack(&ds, &mt, dk, dv)
-}
-
-fn identity(n: usize) -> Vec<f32> {
-    let mut m = vec![0.0; n * n];
-    for i in 0..n {
-        m[i * n + i] = 1.0;
-    }
-    m
-}
-
-/// Applies one packed summary to a state: `s ← P[:, V:] · s + P[:, :V]` (`[K, V]` states).
-pub fn apply_summary(p: &[f32], s: &mut [f32], dk: usize, dv: usize) {
-    let (a, m) = unpack(p, dk, dv);
-    let prev = s.to_vec();
-    s[..dk * dv].copy_from_slice(&a);
-    matmul(
-        s,
-        MatRef::new(&m, dk, dk),
-        MatRef::new(&prev, dk, dv),
-        true,
-        1.0,
-        1.0,
-    );
+    Summary::from_parts(&ds, &mt, dk, dv)
 }
 
 /// How a rank composes the gathered summaries of its causal slice.
@@ -192,99 +148,95 @@ pub enum Composition {
 }
 
 /// The state carried into a rank by `summaries` (rank order, nearest last), composed with
-/// `method`; both give the same state up to rounding.
+/// `method`; both give the same state `[K, V]` up to rounding.
 pub fn compose_forward<'a>(
-    summaries: impl Iterator<Item = &'a [f32]>,
+    summaries: impl Iterator<Item = SummaryRef<'a, Forward>>,
+    dk: usize,
+    dv: usize,
+    method: Composition,
+) -> Vec<f32> {
+    compose(summaries, dk, dv, method)
+}
+
+/// The backward counterpart of [`compose_forward`]: `summaries` in rank order (nearest first),
+/// applied farthest first; the final-state gradient `[K, V]` they carry.
+pub fn compose_backward<'a>(
+    summaries: impl DoubleEndedIterator<Item = SummaryRef<'a, Backward>>,
+    dk: usize,
+    dv: usize,
+    method: Composition,
+) -> Vec<f32> {
+    compose(summaries.rev(), dk, dv, method)
+}
+
+/// Either direction, summaries in the order they apply.
+fn compose<'a, D: Direction>(
+    summaries: impl Iterator<Item = SummaryRef<'a, D>>,
     dk: usize,
     dv: usize,
     method: Composition,
 ) -> Vec<f32> {
     match method {
-        Composition::Fold => fold_forward(summaries, dk, dv),
+        Composition::Fold => fold(summaries, dk, dv),
         Composition::Scan => {
-            let all: Vec<Vec<f32>> = summaries.map(<[f32]>::to_vec).collect();
-            match scan_forward(&all, dk, dv).last() {
-                Some(p) => unpack(p, dk, dv).0,
+            let all: Vec<Summary<D>> = summaries.map(|s| s.to_owned()).collect();
+            match scan(&all).last() {
+                Some(p) => p.as_ref().split().0,
                 None => vec![0.0; dk * dv],
             }
         }
     }
 }
 
-/// The backward counterpart of [`compose_forward`]: `summaries` in rank order (nearest first),
-/// applied farthest first.
-pub fn compose_backward<'a>(
-    summaries: impl DoubleEndedIterator<Item = &'a [f32]>,
-    dk: usize,
-    dv: usize,
-    method: Composition,
-) -> Vec<f32> {
-    compose_forward(summaries.rev(), dk, dv, method)
-}
-
 /// Forward fold over the preceding ranks' summaries, nearest rank last:
 /// `S = 0; for P in summaries: S ← M_P S + ΔS_P`.
 pub fn fold_forward<'a>(
-    summaries: impl Iterator<Item = &'a [f32]>,
+    summaries: impl Iterator<Item = SummaryRef<'a, Forward>>,
     dk: usize,
     dv: usize,
 ) -> Vec<f32> {
-    let mut s = vec![0.0; dk * dv];
-    for p in summaries {
-        apply_summary(p, &mut s, dk, dv);
-    }
-    s
+    fold(summaries, dk, dv)
 }
 
 /// Backward fold over the following ranks' summaries, given nearest first; applied farthest
 /// first: `dS = 0; for P in reversed: dS ← Mᵀ_P dS + γ_P`.
 pub fn fold_backward<'a>(
-    summaries: impl DoubleEndedIterator<Item = &'a [f32]>,
+    summaries: impl DoubleEndedIterator<Item = SummaryRef<'a, Backward>>,
     dk: usize,
     dv: usize,
 ) -> Vec<f32> {
-    fold_forward(summaries.rev(), dk, dv)
+    fold(summaries.rev(), dk, dv)
 }
 
-/// Composes two packed summaries into one: applying `first` then `second` equals applying the
-/// result (`[ΔS₂ + M₂ΔS₁ | M₂M₁]`). Associative, so a log-depth (Hillis–Steele) scan over ranks
-/// can replace the sequential fold; see [`scan_forward`].
-pub fn compose(first: &[f32], second: &[f32], dk: usize, dv: usize) -> Vec<f32> {
-    let (a1, m1) = unpack(first, dk, dv);
-    let (mut a, m2) = unpack(second, dk, dv);
-    matmul(
-        &mut a,
-        MatRef::new(&m2, dk, dk),
-        MatRef::new(&a1, dk, dv),
-        true,
-        1.0,
-        1.0,
-    );
-    let mut m = vec![0.0; dk * dk];
-    matmul(
-        &mut m,
-        MatRef::new(&m2, dk, dk),
-        MatRef::new(&m1, dk, dk),
-        false,
-        0.0,
-        1.0,
-    );
-    pack(&a, &m, dk, dv)
+fn fold<'a, D: Direction>(
+    summaries: impl Iterator<Item = SummaryRef<'a, D>>,
+    dk: usize,
+    dv: usize,
+) -> Vec<f32> {
+    let mut s = vec![0.0; dk * dv];
+    for p in summaries {
+        p.apply(&mut s);
+    }
+    s
 }
 
-/// Inclusive prefix composition of `summaries` (rank order) by Hillis–Steele doubling:
-/// `log2(R)` rounds of independent [`compose`] calls instead of `R − 1` dependent ones. Entry
-/// `r` maps the state before rank 0 to the state after rank `r`. It costs `O(R log R)` `K×K`
-/// products in total against the fold's `O(R)` per rank, so it wins only when the ranks'
+/// Inclusive prefix composition of forward `summaries` (rank order) by Hillis–Steele doubling:
+/// `log2(R)` rounds of independent [`SummaryRef::then`] calls instead of `R − 1` dependent ones.
+/// Entry `r` maps the state before rank 0 to the state after rank `r`. It costs `O(R log R)`
+/// `K×K` products in total against the fold's `O(R)` per rank, so it wins only when the ranks'
 /// compositions run in parallel (one per rank, on a large group); the plain fold is cheaper on
 /// a single host.
-pub fn scan_forward(summaries: &[Vec<f32>], dk: usize, dv: usize) -> Vec<Vec<f32>> {
+pub fn scan_forward(summaries: &[ForwardSummary]) -> Vec<ForwardSummary> {
+    scan(summaries)
+}
+
+fn scan<D: Direction>(summaries: &[Summary<D>]) -> Vec<Summary<D>> {
     let mut cur = summaries.to_vec();
     let mut step = 1;
     while step < cur.len() {
         let prev = cur.clone();
         for r in step..cur.len() {
-            cur[r] = compose(&prev[r - step], &prev[r], dk, dv);
+            cur[r] = prev[r - step].as_ref().then(prev[r].as_ref());
         }
         step *= 2;
     }
@@ -294,6 +246,7 @@ pub fn scan_forward(summaries: &[Vec<f32>], dk: usize, dv: usize) -> Vec<Vec<f32
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cp::summary::summary_len;
     use crate::op::cpu::backward::backward_head;
     use crate::op::cpu::forward::{forward_head, ForwardWorkspace};
 
@@ -350,7 +303,7 @@ mod tests {
             forward_head(&x, &d, &mut s, &mut o, &mut ForwardWorkspace::new(&d));
             let p = forward_summary(&x, &d, &vec![0.0; d.dk * d.dv]);
             let mut via = s_in.clone();
-            apply_summary(&p, &mut via, d.dk, d.dv);
+            p.as_ref().apply(&mut via);
             assert!(rel(&via, &s) < 1e-5, "len {len} n {n}: {}", rel(&via, &s));
         }
     }
@@ -372,11 +325,11 @@ mod tests {
             let want = backward_head(&x, &d, &h0, &dout, &ds_out).dh0;
             let p = backward_summary(&x, &d, &dout, &vec![0.0; d.dk * d.dv]);
             let mut got = ds_out.clone();
-            apply_summary(&p, &mut got, d.dk, d.dv);
+            p.as_ref().apply(&mut got);
             assert!(rel(&got, &want) < 1e-5, "len {len}: {}", rel(&got, &want));
             // Mᵀ of the backward is the transpose of the forward M of the same fragment.
-            let (_, mf) = unpack(&forward_summary(&x, &d, &h0), d.dk, d.dv);
-            let (_, mb) = unpack(&p, d.dk, d.dv);
+            let (_, mf) = forward_summary(&x, &d, &h0).as_ref().split();
+            let (_, mb) = p.as_ref().split();
             let mft: Vec<f32> = (0..d.dk * d.dk)
                 .map(|i| mf[(i % d.dk) * d.dk + i / d.dk])
                 .collect();
@@ -388,21 +341,27 @@ mod tests {
     fn compositions_agree() {
         let mut seed = 3;
         let (dk, dv) = (4, 6);
-        let sums: Vec<Vec<f32>> = (0..6)
-            .map(|_| (0..summary_len(dk, dv)).map(|_| lcg(&mut seed)).collect())
+        let mut rows =
+            || -> Vec<f32> { (0..summary_len(dk, dv)).map(|_| lcg(&mut seed)).collect() };
+        let fwd: Vec<ForwardSummary> = (0..6)
+            .map(|_| ForwardSummary::from_rows(dk, dv, rows()).unwrap())
             .collect();
-        let it = || sums.iter().map(|v| v.as_slice());
-        for (a, b) in [
+        let bwd: Vec<BackwardSummary> = (0..6)
+            .map(|_| BackwardSummary::from_rows(dk, dv, rows()).unwrap())
+            .collect();
+        let f = || fwd.iter().map(|s| s.as_ref());
+        let b = || bwd.iter().map(|s| s.as_ref());
+        for (x, y) in [
             (
-                compose_forward(it(), dk, dv, Composition::Fold),
-                compose_forward(it(), dk, dv, Composition::Scan),
+                compose_forward(f(), dk, dv, Composition::Fold),
+                compose_forward(f(), dk, dv, Composition::Scan),
             ),
             (
-                compose_backward(it(), dk, dv, Composition::Fold),
-                compose_backward(it(), dk, dv, Composition::Scan),
+                compose_backward(b(), dk, dv, Composition::Fold),
+                compose_backward(b(), dk, dv, Composition::Scan),
             ),
         ] {
-            assert!(rel(&a, &b) < 1e-5);
+            assert!(rel(&x, &y) < 1e-5);
         }
         assert_eq!(
             compose_forward(std::iter::empty(), dk, dv, Composition::Scan),
@@ -414,13 +373,16 @@ mod tests {
     fn scan_equals_fold() {
         let mut seed = 9;
         let (dk, dv) = (5, 4);
-        let sums: Vec<Vec<f32>> = (0..7)
-            .map(|_| (0..summary_len(dk, dv)).map(|_| lcg(&mut seed)).collect())
+        let sums: Vec<ForwardSummary> = (0..7)
+            .map(|_| {
+                let rows = (0..summary_len(dk, dv)).map(|_| lcg(&mut seed)).collect();
+                ForwardSummary::from_rows(dk, dv, rows).unwrap()
+            })
             .collect();
-        let scan = scan_forward(&sums, dk, dv);
+        let scan = scan_forward(&sums);
         for r in 0..sums.len() {
-            let fold = fold_forward(sums[..=r].iter().map(|v| v.as_slice()), dk, dv);
-            let (a, _) = unpack(&scan[r], dk, dv);
+            let fold = fold_forward(sums[..=r].iter().map(|s| s.as_ref()), dk, dv);
+            let (a, _) = scan[r].as_ref().split();
             assert!(rel(&a, &fold) < 1e-5);
         }
     }

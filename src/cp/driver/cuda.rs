@@ -4,7 +4,8 @@
 //! through the host.
 
 use super::{backward_before_forward, poisoned, CpLink, SavedStates};
-use crate::cp::protocol::{summary_len, Composition};
+use crate::cp::protocol::Composition;
+use crate::cp::summary::summary_len;
 use crate::op::link::CudaCall;
 use crate::op::shape::GdpShape;
 use candle_core::Result;
@@ -64,7 +65,7 @@ impl CpLink {
             cuda::forward_summaries(qk, v, aux, sh, scale, has_h0, &frags, &h0, cfg)?
         };
         let all = self.gather(local)?;
-        self.fold_into_initial_states(&all, frags.len(), sh, &mut h0);
+        self.fold_into_initial_states(&all, frags.len(), sh, &mut h0)?;
         let h0_dev = dev.clone_htod(&h0)?;
         let out = cuda::forward(
             cuda::QkIn::Packed(qk),
@@ -282,7 +283,7 @@ impl CpLink {
         dev: &candle_core::CudaDevice,
     ) -> Result<crate::op::cuda::CpOverrides<'static>> {
         let all = self.gather(local)?;
-        self.fold_into_final_grads(&all, frags, sh, &mut dht);
+        self.fold_into_final_grads(&all, frags, sh, &mut dht)?;
         Ok(crate::op::cuda::CpOverrides {
             h0: self.saved_initial_states_device(dev)?,
             dht: crate::op::cuda::CpFinalGrads::Folded(dev.clone_htod(&dht)?),

@@ -13,9 +13,8 @@
 //! its own and sends the forward's `M` transposed).
 
 use super::comm::Communicator;
-use super::protocol::{
-    backward_summary_with, compose_backward, compose_forward, summary_len, Composition,
-};
+use super::protocol::{backward_summary_with, compose_backward, compose_forward, Composition};
+use super::summary::{summary_len, Backward, Forward, Gathered};
 use crate::error::GdpError;
 use crate::op::cpu::chunk::Dims;
 use crate::op::cpu::linalg::{matmul, MatRef};
@@ -127,69 +126,64 @@ impl CpLink {
     /// Apply step of the forward: folds the preceding ranks' gathered `[ΔS | M]` summaries
     /// (`all`: `[ranks, frags, H, K, V+K]`) into the initial states `h0 [N, H, K, V]` of the
     /// sequences that continue from an earlier rank.
-    fn fold_into_initial_states(&self, all: &[f32], frags: usize, sh: &GdpShape, h0: &mut [f32]) {
+    fn fold_into_initial_states(
+        &self,
+        all: &[f32],
+        frags: usize,
+        sh: &GdpShape,
+        h0: &mut [f32],
+    ) -> Result<()> {
         let seqs = self.continuing_in(sh.num_seqs());
-        let folded = self.fold_per_head(all, frags, sh, seqs.len(), true);
-        let kv = sh.dk * sh.dv;
+        let world = self.comm.world_size();
+        let all = Gathered::<Forward>::new(all, world, frags, sh.heads, (sh.dk, sh.dv))?;
+        let (kv, h) = (sh.dk * sh.dv, sh.heads);
+        let folded: Vec<Vec<f32>> = (0..seqs.len() * h)
+            .into_par_iter()
+            .map(|i| {
+                let _flush = FlushSubnormals::new();
+                let (f, hd) = (i / h, i % h);
+                let from = self.fwd_slice.clone().map(|r| all.get(r, f, hd));
+                compose_forward(from, sh.dk, sh.dv, self.composition)
+            })
+            .collect();
         for (i, s_in) in folded.into_iter().enumerate() {
-            let at = (seqs[i / sh.heads] * sh.heads + i % sh.heads) * kv;
+            let at = (seqs[i / h] * h + i % h) * kv;
             h0[at..at + kv].copy_from_slice(&s_in);
         }
+        Ok(())
     }
 
     /// Apply step of the backward: adds the fold of the following ranks' gathered `[γ | Mᵀ]`
-    /// summaries to the final-state gradients `dht [N, H, K, V]` of the sequences that continue
-    /// on a later rank.
-    fn fold_into_final_grads(&self, all: &[f32], frags: usize, sh: &GdpShape, dht: &mut [f32]) {
+    /// summaries (`all`: `[ranks, frags, H, K, V+K]`) to the final-state gradients
+    /// `dht [N, H, K, V]` of the sequences that continue on a later rank.
+    fn fold_into_final_grads(
+        &self,
+        all: &[f32],
+        frags: usize,
+        sh: &GdpShape,
+        dht: &mut [f32],
+    ) -> Result<()> {
         let seqs = self.continuing_out(sh.num_seqs());
-        let folded = self.fold_per_head(all, frags, sh, seqs.len(), false);
-        let kv = sh.dk * sh.dv;
+        let world = self.comm.world_size();
+        let all = Gathered::<Backward>::new(all, world, frags, sh.heads, (sh.dk, sh.dv))?;
+        let (kv, h) = (sh.dk * sh.dv, sh.heads);
+        let folded: Vec<Vec<f32>> = (0..seqs.len() * h)
+            .into_par_iter()
+            .map(|i| {
+                let _flush = FlushSubnormals::new();
+                let (f, hd) = (i / h, i % h);
+                let from = self.bwd_slice.clone().map(|r| all.get(r, f, hd));
+                compose_backward(from, sh.dk, sh.dv, self.composition)
+            })
+            .collect();
         for (i, ds_out) in folded.into_iter().enumerate() {
-            let at = (seqs[i / sh.heads] * sh.heads + i % sh.heads) * kv;
+            let at = (seqs[i / h] * h + i % h) * kv;
             dht[at..at + kv]
                 .iter_mut()
                 .zip(&ds_out)
                 .for_each(|(g, d)| *g += d);
         }
-    }
-
-    /// The states `[K, V]` that the gathered summaries `all` (`[ranks, frags, H, K, V+K]`) of
-    /// the causal slice carry into each of the first `count` fragments and each head, in
-    /// (fragment, head) order, in parallel: the preceding ranks' (`forward`) or the following
-    /// ranks' (backward).
-    fn fold_per_head(
-        &self,
-        all: &[f32],
-        frags: usize,
-        sh: &GdpShape,
-        count: usize,
-        forward: bool,
-    ) -> Vec<Vec<f32>> {
-        let (h, sl) = (sh.heads, summary_len(sh.dk, sh.dv));
-        let per_rank = frags * h * sl;
-        (0..count * h)
-            .into_par_iter()
-            .map(|i| {
-                let _flush = FlushSubnormals::new();
-                let (f, hd) = (i / h, i % h);
-                let at = |r: usize| &all[r * per_rank + (f * h + hd) * sl..][..sl];
-                if forward {
-                    compose_forward(
-                        self.fwd_slice.clone().map(at),
-                        sh.dk,
-                        sh.dv,
-                        self.composition,
-                    )
-                } else {
-                    compose_backward(
-                        self.bwd_slice.clone().map(at),
-                        sh.dk,
-                        sh.dv,
-                        self.composition,
-                    )
-                }
-            })
-            .collect()
+        Ok(())
     }
 
     /// The initial states this rank's forward folded (what its backward runs from).
@@ -312,7 +306,7 @@ impl CpLink {
         let all = self.gather(local)?;
         // Fold the preceding ranks into the incoming states, then correct: o = o⁰ + Q̃ S_in.
         let mut h0 = vec![0.0f32; ns * h * kv];
-        self.fold_into_initial_states(&all, frags.len(), sh, &mut h0);
+        self.fold_into_initial_states(&all, frags.len(), sh, &mut h0)?;
         let o_len = sh.o_len();
         let mut out = vec![0.0f32; o_len + sh.state_len()];
         let mut m_all = vec![0.0f32; ns * h * k * k];
@@ -423,7 +417,7 @@ impl CpLink {
                 }
                 let st = o_len + (s * h + hd) * kv;
                 let ds_end = &grad[st..st + kv];
-                backward_summary_with(&x.gather(sh, seq, hd), &d, &dout, ds_end, m)
+                backward_summary_with(&x.gather(sh, seq, hd), &d, &dout, ds_end, m).into_rows()
             })
             .collect();
         let states = results.split_off(summaries.len());
@@ -434,7 +428,7 @@ impl CpLink {
         };
         let all = self.gather(local)?;
         let mut grad = grad.to_vec();
-        self.fold_into_final_grads(&all, frags.len(), sh, &mut grad[o_len..]);
+        self.fold_into_final_grads(&all, frags.len(), sh, &mut grad[o_len..])?;
         let states = overlap.then_some(states.as_slice());
         let mut out = cpu::backward_from(x, sh, scale, &grad, Some(&h0), states)?;
         if x.has_h0 {
