@@ -1,18 +1,19 @@
 //! The multi-process machinery without a GPU: `gdp launch` (environment, inherited output,
 //! a failing rank stops its siblings, one-line usage errors) and the rendezvous health channel
 //! across real processes (an abort, or a process that dies, reaches every other rank promptly).
-//! The workers are this test binary itself, started by the library launcher with a worker
-//! variable set: `rendezvous_worker` is an ignored test that only `failures_reach_every_process`
+//! The workers are this test binary itself, started by `gdp launch` with a worker variable
+//! set: `rendezvous_worker` is an ignored test that only `failures_reach_every_process`
 //! starts (`--ignored --exact rendezvous_worker`); run on its own it fails. Each rank's standard
 //! output goes to a file that the parent reads, so a filter that stops matching (libtest's
 //! "running 0 tests") fails the parent instead of passing.
 
 use anyhow::{ensure, Result};
 use candle_gdp::cp::comm::{DistEnv, Rendezvous};
-use candle_gdp::cp::launch::{launch, LaunchConfig};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 const WORKER: &str = "GDP_RDV_TEST_WORKER";
+const GDP: &str = env!("CARGO_BIN_EXE_gdp");
 
 /// Runs as a worker only: `failures_reach_every_process` starts it with `WORKER` set; run
 /// without it (e.g. by `--ignored`), it fails.
@@ -59,42 +60,37 @@ fn rendezvous_worker() {
     assert!(waited < Duration::from_secs(5), "{waited:?}");
 }
 
-/// Starts `nproc` copies of this test binary running exactly the ignored test `name`, each
-/// rank's standard output redirected to `<dir>/rank<R>.out` (through `sh`, so that libtest's own
-/// summary is captured too). Returns the report and every rank's output.
+/// Starts `nproc` copies of this test binary running exactly the ignored test `name` through
+/// `gdp launch`, each rank's standard output redirected to `<dir>/rank<R>.out` (through `sh`,
+/// so that libtest's own summary is captured too). Returns the launcher's output and every
+/// rank's output.
 fn launch_workers(
     nproc: usize,
     name: &str,
     env: (&str, &str),
     dir: &std::path::Path,
-) -> Result<(candle_gdp::cp::launch::LaunchReport, Vec<String>)> {
-    let exe = std::env::current_exe()?;
+) -> Result<(Output, Vec<String>)> {
     std::fs::create_dir_all(dir)?;
-    let mut args: Vec<std::ffi::OsString> = vec![
-        "-c".into(),
-        r#"exec "$0" "$@" > "$GDP_WORKER_OUT/rank$RANK.out""#.into(),
-        exe.into(),
-    ];
-    args.extend(
-        [
+    let launched = Command::new(GDP)
+        .args(["launch", "--nproc", &nproc.to_string(), "--", "sh", "-c"])
+        .arg(r#"exec "$0" "$@" > "$GDP_WORKER_OUT/rank$RANK.out""#)
+        .arg(std::env::current_exe()?)
+        .args([
             "--ignored",
             "--exact",
             name,
             "--nocapture",
             "--test-threads",
             "1",
-        ]
-        .map(Into::into),
-    );
-    let cfg = LaunchConfig::new(nproc, "sh", args)
+        ])
         .env(env.0, env.1)
-        .env("GDP_WORKER_OUT", dir);
-    let rep = launch(&cfg)?;
+        .env("GDP_WORKER_OUT", dir)
+        .output()?;
     let outs = (0..nproc)
         .map(|r| std::fs::read_to_string(dir.join(format!("rank{r}.out"))).unwrap_or_default())
         .collect();
     let _ = std::fs::remove_dir_all(dir);
-    Ok((rep, outs))
+    Ok((launched, outs))
 }
 
 /// libtest's summary for a worker that ran exactly one test, which passed.
@@ -108,8 +104,11 @@ fn failures_reach_every_process() -> Result<()> {
         let dir =
             std::env::temp_dir().join(format!("gdp-launch-test-{}-{scenario}", std::process::id()));
         let t0 = Instant::now();
-        let (rep, outs) = launch_workers(3, "rendezvous_worker", (WORKER, scenario), &dir)?;
-        ensure!(rep.success(), "{scenario}: {rep:?}; outputs: {outs:#?}");
+        let (launched, outs) = launch_workers(3, "rendezvous_worker", (WORKER, scenario), &dir)?;
+        ensure!(
+            launched.status.success(),
+            "{scenario}: {launched:?}; outputs: {outs:#?}"
+        );
         ensure!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
         for (r, out) in outs.iter().enumerate() {
             // The culprit exits in the middle of its test, before libtest's summary.
@@ -128,12 +127,8 @@ fn failures_reach_every_process() -> Result<()> {
     Ok(())
 }
 
-#[cfg(feature = "cli")]
 mod cli {
     use super::*;
-    use std::process::{Command, Output};
-
-    const GDP: &str = env!("CARGO_BIN_EXE_gdp");
 
     fn gdp(args: &[&str]) -> Result<Output> {
         Ok(Command::new(GDP).args(args).output()?)
@@ -195,6 +190,15 @@ mod cli {
             "echo $MASTER_PORT",
         ])?;
         ensure!(String::from_utf8(r.stdout)?.trim() == "29611");
+        // The ranks inherit the launcher's environment; its forced variables win.
+        let r = Command::new(GDP)
+            .args(["launch", "--nproc", "2", "--", "sh", "-c"])
+            .arg("echo $EXTRA $NCCL_NVLS_ENABLE")
+            .env("EXTRA", "x")
+            .env("NCCL_NVLS_ENABLE", "1")
+            .output()?;
+        ensure!(r.status.success(), "{r:?}");
+        ensure!(String::from_utf8(r.stdout)?.lines().all(|l| l == "x 0"));
         Ok(())
     }
 

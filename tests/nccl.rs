@@ -6,7 +6,7 @@
 //! must fail every rank within 2 s.
 //!
 //! The test `cp_over_nccl_equals_single_gpu` starts this binary once per world size (1, 2, 4, 8,
-//! or `GDP_NCCL_WORLDS=1,2`) through the library launcher; each worker (the ignored
+//! or `GDP_NCCL_WORLDS=1,2`) through `gdp launch`; each worker (the ignored
 //! `nccl_worker` test, started with `--ignored --exact nccl_worker` and `GDP_NCCL_TEST_WORKER`
 //! set; run any other way it fails) opens `cuda:LOCAL_RANK`, computes the reference with the
 //! single-device op on its own GPU and compares. The parent reads every rank's standard output
@@ -23,7 +23,6 @@ mod common;
 use anyhow::{bail, ensure, Context as _, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_gdp::cp::comm::DistEnv;
-use candle_gdp::cp::launch::{launch, LaunchConfig, LaunchReport};
 use candle_gdp::cp::{
     distributed_gated_delta_product, Communicator, Composition, NcclComm, DEFAULT_TIMEOUT,
 };
@@ -59,37 +58,32 @@ fn worlds() -> Result<Vec<usize>> {
 /// libtest's summary for a worker that ran exactly one test, which passed.
 const ONE_PASSED: &str = "test result: ok. 1 passed; 0 failed;";
 
-/// Starts `world` copies of this binary running exactly `nccl_worker`, each rank's standard
-/// output redirected (through `sh`) to a file; returns the report and every rank's output.
-fn launch_workers(world: usize) -> Result<(LaunchReport, Vec<String>)> {
-    let exe = std::env::current_exe()?;
+/// Starts `world` copies of this binary running exactly `nccl_worker` through `gdp launch`,
+/// each rank's standard output redirected (through `sh`) to a file; returns the launcher's
+/// output and every rank's output.
+fn launch_workers(world: usize) -> Result<(std::process::Output, Vec<String>)> {
     let dir = std::env::temp_dir().join(format!("gdp-nccl-test-{}-w{world}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let mut args: Vec<std::ffi::OsString> = vec![
-        "-c".into(),
-        r#"exec "$0" "$@" > "$GDP_WORKER_OUT/rank$RANK.out""#.into(),
-        exe.into(),
-    ];
-    args.extend(
-        [
+    let launched = std::process::Command::new(env!("CARGO_BIN_EXE_gdp"))
+        .args(["launch", "--nproc", &world.to_string(), "--", "sh", "-c"])
+        .arg(r#"exec "$0" "$@" > "$GDP_WORKER_OUT/rank$RANK.out""#)
+        .arg(std::env::current_exe()?)
+        .args([
             "--ignored",
             "--exact",
             "nccl_worker",
             "--nocapture",
             "--test-threads",
             "1",
-        ]
-        .map(Into::into),
-    );
-    let cfg = LaunchConfig::new(world, "sh", args)
+        ])
         .env(WORKER, "1")
-        .env("GDP_WORKER_OUT", &dir);
-    let rep = launch(&cfg)?;
+        .env("GDP_WORKER_OUT", &dir)
+        .output()?;
     let outs = (0..world)
         .map(|r| std::fs::read_to_string(dir.join(format!("rank{r}.out"))).unwrap_or_default())
         .collect();
     let _ = std::fs::remove_dir_all(&dir);
-    Ok((rep, outs))
+    Ok((launched, outs))
 }
 
 /// Ignored by default: it needs GPUs, and a test that cannot run must be reported as skipped,
@@ -110,21 +104,20 @@ fn cp_over_nccl_equals_single_gpu() -> Result<()> {
             continue;
         }
         let t0 = Instant::now();
-        let (rep, outs) = launch_workers(world)?;
+        let (launched, outs) = launch_workers(world)?;
+        let passed = launched.status.success();
         println!(
             "world size {world}: {} in {:.1} s",
-            if rep.success() { "passed" } else { "FAILED" },
+            if passed { "passed" } else { "FAILED" },
             t0.elapsed().as_secs_f64()
         );
         for out in &outs {
             print!("{out}");
         }
         ensure!(
-            rep.success(),
+            passed,
             "world size {world}: {}",
-            rep.first_failure
-                .map(|f| f.description)
-                .unwrap_or_else(|| "interrupted".into())
+            String::from_utf8_lossy(&launched.stderr).trim()
         );
         for (r, out) in outs.iter().enumerate() {
             ensure!(

@@ -28,6 +28,8 @@ mod input;
 mod kernels;
 #[path = "gdp/launch.rs"]
 mod launch;
+#[path = "gdp/launcher.rs"]
+mod launcher;
 #[path = "gdp/run.rs"]
 mod run;
 

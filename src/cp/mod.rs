@@ -10,7 +10,6 @@
 //! * [`context`]: [`ContextParallel`] and the per-rank entry points;
 //! * [`comm`]: the [`Communicator`] trait and its transports (in-process threads; NCCL across
 //!   processes with the `nccl` feature), the multi-process rendezvous;
-//! * [`launch`]: the multi-process launcher behind `gdp launch`;
 //! * [`mod@bench`]: one rank timed alone on one device against the plain op (`gdp cp-bench`).
 
 mod agree;
@@ -18,7 +17,6 @@ pub mod bench;
 pub mod comm;
 pub mod context;
 pub mod driver;
-pub mod launch;
 pub mod protocol;
 pub mod shard;
 pub mod summary;

@@ -1,8 +1,8 @@
 //! `gdp launch`: start R copies of a command as one multi-process group (one process per GPU),
-//! torchrun style, through [`candle_gdp::cp::launch`].
+//! torchrun style, through [`crate::launcher`].
 
 use crate::error::CliError;
-use candle_gdp::cp::launch::{forward_signals, launch, LaunchConfig};
+use crate::launcher::{forward_signals, launch, LaunchConfig};
 use clap::Args;
 use std::ffi::OsString;
 use std::time::Duration;

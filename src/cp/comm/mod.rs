@@ -14,7 +14,7 @@
 //! Transports: [`ThreadComm`] (one thread per rank in one process), [`ReplicaComm`] (one rank
 //! played alone, for timing) and, with the `nccl` feature,
 //! `NcclComm` (one process per GPU, NCCL collectives on the device, set up through the
-//! [`rendezvous`] and started by [`crate::cp::launch`]).
+//! [`rendezvous`] and started by `gdp launch` or torchrun).
 
 #[cfg(feature = "nccl")]
 mod nccl;

@@ -7,8 +7,10 @@ fn local(port: u16) -> RendezvousAddr {
     RendezvousAddr::new("127.0.0.1", port)
 }
 
+/// A free port (bound once and released).
 fn port() -> u16 {
-    crate::cp::launch::free_port("127.0.0.1").unwrap()
+    let l = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    l.local_addr().unwrap().port()
 }
 
 /// Establishes a group of `world` ranks on threads; rank 0's blob is `b"id-0123"`.

@@ -2,7 +2,7 @@
 //! group, torchrun style, and stops the whole group when one of them fails.
 //!
 //! Every process gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (= its GPU), `LOCAL_WORLD_SIZE`,
-//! `MASTER_ADDR` and `MASTER_PORT` (see [`super::comm::rendezvous`]), and NVLink multicast is
+//! `MASTER_ADDR` and `MASTER_PORT` (see [`candle_gdp::cp::comm::rendezvous`]), and NVLink multicast is
 //! forced off ([`FORCED_ENV`]: on shared multi-GPU hosts a program that uses it can take the
 //! GPUs out of service for everyone). Standard input, output and error are inherited, with no
 //! prefix. If a process exits with a failure, the launcher terminates the others (`SIGTERM` to
@@ -14,7 +14,8 @@ use std::process::{Child, Command, ExitStatus};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::error::{GdpError, Result};
+use candle_core::Result;
+use candle_gdp::GdpError;
 
 /// Environment forced on every launched process: NVLink multicast off in NCCL, PyTorch and
 /// NVSHMEM.
@@ -37,12 +38,8 @@ pub struct LaunchConfig {
     pub program: OsString,
     /// Its arguments.
     pub args: Vec<OsString>,
-    /// Extra environment for every rank (the launcher's own variables override these).
-    pub env: Vec<(OsString, OsString)>,
     /// How long the other ranks get between `SIGTERM` and `SIGKILL` once one has failed.
     pub grace: Duration,
-    /// Discard the ranks' standard output (their standard error stays inherited); for tests.
-    pub quiet_stdout: bool,
 }
 
 impl LaunchConfig {
@@ -58,16 +55,8 @@ impl LaunchConfig {
             master_port: None,
             program: program.into(),
             args: args.into_iter().map(Into::into).collect(),
-            env: vec![],
             grace: Duration::from_secs(5),
-            quiet_stdout: false,
         }
-    }
-
-    /// Adds an environment variable for every rank.
-    pub fn env(mut self, key: impl Into<OsString>, value: impl Into<OsString>) -> Self {
-        self.env.push((key.into(), value.into()));
-        self
     }
 }
 
@@ -85,10 +74,6 @@ pub struct RankFailure {
 /// How a launch ended.
 #[derive(Debug, Clone)]
 pub struct LaunchReport {
-    /// The `MASTER_PORT` the ranks got.
-    pub master_port: u16,
-    /// Every rank's exit status, in rank order.
-    pub statuses: Vec<ExitStatus>,
     /// The first rank that failed, if any (later ones were usually terminated by the launcher).
     pub first_failure: Option<RankFailure>,
     /// The signal that interrupted the launcher (see [`forward_signals`]), if any.
@@ -96,11 +81,6 @@ pub struct LaunchReport {
 }
 
 impl LaunchReport {
-    /// Whether every rank exited with code 0.
-    pub fn success(&self) -> bool {
-        self.first_failure.is_none() && self.interrupted.is_none()
-    }
-
     /// The launcher's exit code: 0, the first failure's code, or `128 + signal` when
     /// interrupted.
     pub fn exit_code(&self) -> i32 {
@@ -221,7 +201,6 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchReport> {
     for rank in 0..cfg.nproc {
         let mut cmd = Command::new(&cfg.program);
         cmd.args(&cfg.args)
-            .envs(cfg.env.iter().map(|(k, v)| (k, v)))
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", &world)
             .env("LOCAL_RANK", rank.to_string())
@@ -229,9 +208,6 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchReport> {
             .env("MASTER_ADDR", &cfg.master_addr)
             .env("MASTER_PORT", port.to_string())
             .envs(FORCED_ENV);
-        if cfg.quiet_stdout {
-            cmd.stdout(std::process::Stdio::null());
-        }
         #[cfg(unix)]
         {
             use std::os::unix::process::CommandExt;
@@ -312,8 +288,6 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchReport> {
         std::thread::sleep(Duration::from_millis(10));
     }
     Ok(LaunchReport {
-        master_port: port,
-        statuses: statuses.into_iter().map(|s| s.expect("reaped")).collect(),
         first_failure,
         interrupted,
     })
@@ -346,20 +320,17 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let script = format!(
             "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT \
-             $NCCL_NVLS_ENABLE $TORCH_SYMM_MEM_DISABLE_MULTICAST $NVSHMEM_DISABLE_NVLS $EXTRA\" \
+             $NCCL_NVLS_ENABLE $TORCH_SYMM_MEM_DISABLE_MULTICAST $NVSHMEM_DISABLE_NVLS\" \
              > {}/$RANK",
             dir.display()
         );
-        let mut cfg = sh(3, &script)
-            .env("EXTRA", "x")
-            .env("NCCL_NVLS_ENABLE", "1");
+        let mut cfg = sh(3, &script);
         cfg.master_port = Some(29577);
         let rep = launch(&cfg).unwrap();
-        assert!(rep.success() && rep.exit_code() == 0, "{rep:?}");
-        assert_eq!(rep.master_port, 29577);
+        assert_eq!(rep.exit_code(), 0, "{rep:?}");
         for r in 0..3 {
             let line = std::fs::read_to_string(dir.join(r.to_string())).unwrap();
-            assert_eq!(line.trim(), format!("{r} 3 {r} 3 127.0.0.1 29577 0 1 1 x"));
+            assert_eq!(line.trim(), format!("{r} 3 {r} 3 127.0.0.1 29577 0 1 1"));
         }
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -376,7 +347,6 @@ mod tests {
         let f = rep.first_failure.clone().expect("a failure");
         assert_eq!((f.rank, f.code, rep.exit_code()), (1, 7, 7));
         assert!(f.description.contains("rank 1") && f.description.contains("code 7"));
-        assert!(!rep.statuses[0].success() && !rep.statuses[2].success());
         // A rank that ignores SIGTERM is killed after the grace period.
         let mut cfg = sh(
             2,
