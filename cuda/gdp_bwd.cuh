@@ -1,6 +1,6 @@
 // Gated DeltaProduct: backward of the chunked (WY) algorithm on CUDA, and the two
-// context-parallel summaries. Included by gdp.cu (uses its to_f, KPad, load_rows); products on tensor cores
-// through block_mma (cuda/mma.cuh).
+// context-parallel summaries. Included by gdp.cu after fused_fwd.cuh (uses GDP_CHUNK, GDP_THREADS,
+// to_f, KPad, load_rows of common.cuh); products on tensor cores through block_mma (cuda/mma.cuh).
 //
 // Mirrors `src/op/cpu/backward.rs` (fla_gdp.md §3). The recurrence is column-separable over V,
 // so one block handles one (table entry, head) for BV value columns, like the forward. Every
