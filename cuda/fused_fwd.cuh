@@ -258,12 +258,13 @@ __device__ void gdp_fwd(const T* __restrict__ qk, const T* __restrict__ vv,
   }
 }
 
-#define GDP_FWD_ENTRY(NAME, TYPE)                                                             \
-  extern "C" __global__ void __launch_bounds__(GDP_THREADS)                                   \
-      NAME(const __grid_constant__ GdpFusedFwdParams p) {                                     \
-    gdp_fwd<TYPE>(static_cast<const TYPE*>(p.qk), static_cast<const TYPE*>(p.v), p.aux, p.seqs, \
-                  p.h0_override, p.use_h0_override, p.out, p.batch, p.tokens, p.heads, p.dk,  \
-                  p.dv, p.n, p.has_h0, p.scale, p.bv);                                        \
+#define GDP_FWD_ENTRY(NAME, TYPE)                                                              \
+  extern "C" __global__ void __launch_bounds__(GDP_THREADS)                                    \
+      NAME(const TYPE* qk, const TYPE* v, const float* aux, const int* seqs,                   \
+           const float* h0_override, int use_h0_override, float* out, int B, int T, int H,     \
+           int K, int V, int n, int has_h0, float scale, int BV) {                             \
+    gdp_fwd<TYPE>(qk, v, aux, seqs, h0_override, use_h0_override, out, B, T, H, K, V, n,       \
+                  has_h0, scale, BV);                                                          \
   }
 
 GDP_FWD_ENTRY(gdp_fwd_f32, float)

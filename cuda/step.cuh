@@ -160,13 +160,11 @@ __device__ __forceinline__ void gdp_step_impl(const float* __restrict__ state,
 
 // Two blocks per multiprocessor (at most 64 registers) up to ROWS = 32: one block of 16 warps
 // waits at each dot's barrier with no other block's loads to overlap.
-#define GDP_STEP_ENTRY(NAME, TYPE, ROWS, MIN_BLOCKS)                                     \
-  extern "C" __global__ void __launch_bounds__(GDP_STEP_THREADS, MIN_BLOCKS)             \
-      NAME(const __grid_constant__ GdpStepParams p) {                                    \
-    gdp_step_impl<ROWS, TYPE>(p.state, static_cast<const TYPE*>(p.q),                    \
-                              static_cast<const TYPE*>(p.k), static_cast<const TYPE*>(p.v), \
-                              p.g, p.beta, p.out, p.batch, p.heads, p.dk, p.dv, p.n,     \
-                              p.scale);                                                  \
+#define GDP_STEP_ENTRY(NAME, TYPE, ROWS, MIN_BLOCKS)                                            \
+  extern "C" __global__ void __launch_bounds__(GDP_STEP_THREADS, MIN_BLOCKS)                    \
+      NAME(const float* state, const TYPE* q, const TYPE* k, const TYPE* v, const float* g,     \
+           const float* beta, float* out, int B, int H, int K, int V, int n, float scale) {     \
+    gdp_step_impl<ROWS, TYPE>(state, q, k, v, g, beta, out, B, H, K, V, n, scale);              \
   }
 #define GDP_STEP_ENTRIES(T, TYPE)                           \
   GDP_STEP_ENTRY(gdp_step_##T##_k32, TYPE, 8, 2)            \

@@ -99,37 +99,21 @@ static void forward(int B, int T, int H, int n) {
   CK(cudaMalloc(&ob, BTH * V * 2));
   const float scale = 1.f / sqrtf((float)K);
   const int KP = K, VP = V;
-  const int QR = 16 * (((C + n - 1) / n + 15) / 16);
-  // The kernels' parameters (cuda/params.cuh) for these buffers: the WY kernel (with or without
-  // Ainv, the chunk order and the ready counters) and the forward scan or states-only kernel
-  // (outb: o in bf16; hs, dn: the backward's states and Delta; qr 0: no query rows).
-  auto wy_params = [&](__nv_bfloat16* ainv, const int* order, int* ready) {
-    GdpWyParams a{};
-    a.q = dq; a.k = dk; a.v = dv; a.aux = daux; a.table = dtab; a.w = w; a.u = u; a.p = p;
-    a.coef = cf; a.ainv = ainv; a.order = order; a.ready = ready; a.split = 1; a.batch = B;
-    a.tokens = T; a.heads = H; a.dk = K; a.dv = V; a.n = n; a.nseq = B; a.scale = scale;
-    return a;
-  };
-  auto scan_params = [&](__nv_bfloat16* outb, __nv_bfloat16* hs_out, __nv_bfloat16* dn_out,
-                         int qr, int ns, const int* ready) {
-    GdpScanParams a{};
-    a.q = dq; a.k = dk; a.aux = daux; a.table = dtab; a.w = w; a.u = u; a.p = p; a.coef = cf;
-    a.h0_override = daux; a.out = nullptr; a.outb = outb; a.fin = nullptr; a.hs = hs_out;
-    a.dn = dn_out; a.ready = ready; a.split = 1; a.use_h0_override = 0; a.batch = B;
-    a.tokens = T; a.heads = H; a.dk = K; a.dv = V; a.n = n; a.has_h0 = 0; a.qr = qr; a.ns = ns;
-    return a;
-  };
   const int wy_smem = 4 * (C * GDP_INV_LD + 6 * C) + 2 * C * ((KP + 8) + std::max(KP, VP) + 8);
   CK(cudaFuncSetAttribute(gdp_fwd_wy_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize, wy_smem));
   const float t_wy = median_ms([&] {
-    gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(wy_params(nullptr, nullptr, nullptr));
+    gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf, nullptr,
+                                                       B, T, H, K, V, n, B, scale, nullptr, nullptr);
   });
+  const int QR = 16 * (((C + n - 1) / n + 15) / 16);
   printf("B%d T%d H%d n%d: wy %.3f ms", B, T, H, n, t_wy);
   if (getenv("KB_ONLY_WY") != nullptr) {  // the WY kernel alone, also as the backward runs it
     __nv_bfloat16* ag;
     CK(cudaMalloc(&ag, slots * C * C * 2));
     const float t_ag = median_ms([&] {
-      gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(wy_params(ag, nullptr, nullptr));
+      gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf, ag,
+                                                         B, T, H, K, V, n, B, scale, nullptr,
+                                                         nullptr);
     });
     printf(" | storing Ainv too (the backward's) %.3f ms\n", t_ag);
     for (void* x : {(void*)ag, (void*)dq, (void*)dk, (void*)dv, (void*)daux, (void*)dtab, (void*)w,
@@ -151,7 +135,8 @@ static void forward(int B, int T, int H, int n) {
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return median_ms([&] {
       kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
-          scan_params(o_out, hs_out, dn_out, qr, NS, nullptr));
+          dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, o_out, nullptr, hs_out, dn_out, B, T, H,
+          K, V, n, 0, qr, NS, nullptr);
     });
   };
   auto scan = [&](auto kern, int bv) {
@@ -197,15 +182,20 @@ static void forward(int B, int T, int H, int n) {
     for (const int wy_pad : {wy_smem, 72 * 1024, 100 * 1024, 150 * 1024}) {
       if (wy_pad != wy_smem && (n < 2 || getenv("KB_WY_PAD") == nullptr)) continue;
       const float t_pad = median_ms([&] {
-        gdp_fwd_wy_bf16<<<total * H, 128, wy_pad, 0>>>(wy_params(nullptr, dorder, nullptr));
+        gdp_fwd_wy_bf16<<<total * H, 128, wy_pad, 0>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf,
+                                                        nullptr, B, T, H, K, V, n, B, scale,
+                                                        dorder, nullptr);
       });
       const float t = median_ms([&] {
         CK(cudaMemsetAsync(ready, 0, counters * sizeof(int), 0));
         CK(cudaEventRecord(zeroed, 0));
         CK(cudaStreamWaitEvent(urgent, zeroed, 0));
-        gdp_fwd_wy_bf16<<<total * H, 128, wy_pad, 0>>>(wy_params(nullptr, dorder, ready));
+        gdp_fwd_wy_bf16<<<total * H, 128, wy_pad, 0>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf,
+                                                        nullptr, B, T, H, K, V, n, B, scale,
+                                                        dorder, ready);
         gdp_fwd_scan_bf16_32_128<<<dim3(B * H, V / 32), 256, smem, urgent>>>(
-            scan_params(ob, nullptr, nullptr, QR, NS, ready));
+            dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, ob, nullptr, nullptr, nullptr,
+            B, T, H, K, V, n, 0, QR, NS, ready);
         CK(cudaEventRecord(done, urgent));
         CK(cudaStreamWaitEvent(0, done, 0));
       });
@@ -237,29 +227,9 @@ static void forward(int B, int T, int H, int n) {
   CK(cudaMalloc(&gk, BTH * n * K * 2));
   CK(cudaMalloc(&gv, BTH * n * V * 2));
   CK(cudaMalloc(&gout, BTH * (1 + n) * 4));
-  // The state-gradient scan's parameters (dht zero, no dh0; ready and signal may be null) and
-  // the gradient kernel's (into the op's parts; pipe null but for the persistent kernel).
-  auto dh_params = [&](int ns, const int* ready, int* signal) {
-    GdpDhParams a{};
-    a.q = dq; a.k = dk; a.table = dtab; a.w = w; a.p = p; a.coef = cf; a.dob = dob; a.dht = dht;
-    a.dhs = dhs; a.ddn = ddn; a.dh0 = nullptr; a.ready = ready; a.signal = signal; a.split = 1;
-    a.has_dht = 1; a.write_dh0 = 0; a.batch = B; a.tokens = T; a.heads = H; a.dk = K; a.dv = V;
-    a.n = n; a.qr = QR; a.ns = ns;
-    return a;
-  };
-  auto grads_params = [&](int* pipe, const int* order, int items, int ready_count, int beside,
-                          int scan_blocks) {
-    GdpGradsParams a{};
-    a.q = dq; a.k = dk; a.v = dv; a.aux = daux; a.table = dtab; a.ainv = ag; a.hs = hs;
-    a.dhs = dhs; a.dn = dn; a.ddn = ddn; a.dob = dob; a.out = nullptr; a.dq = gq; a.dk_out = gk;
-    a.dv_out = gv; a.dgates = gout; a.pipe = pipe; a.order = order; a.split = 1; a.batch = B;
-    a.tokens = T; a.heads = H; a.dk = K; a.dv = V; a.n = n; a.nseq = B; a.scale = scale;
-    a.qr = QR; a.items = items; a.ready_count = ready_count; a.beside = beside;
-    a.scan_blocks = scan_blocks;
-    return a;
-  };
   const float t_wya = median_ms([&] {
-    gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(wy_params(ag, nullptr, nullptr));
+    gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf, ag, B, T,
+                                                       H, K, V, n, B, scale, nullptr, nullptr);
   });
   printf("  bwd: wy+Ainv %.3f ms", t_wya);
   float best_states = 1e9, best_dh = 1e9;
@@ -304,7 +274,9 @@ static void forward(int B, int T, int H, int n) {
     const int NS = dh_stages(bv, smem);
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const float t = median_ms([&] {
-      kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(dh_params(NS, nullptr, nullptr));
+      kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
+          dq, dk, 1, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, NS,
+          nullptr, nullptr);
     });
     best_dh = std::min(best_dh, t);
     printf(" | dh BV%d/%d %.3f", bv, NS, t);
@@ -330,9 +302,11 @@ static void forward(int B, int T, int H, int n) {
       CK(cudaStreamWaitEvent(sa, go, 0));
       CK(cudaStreamWaitEvent(sb, go, 0));
       gdp_fwd_states_bf16_32_128<<<dim3(B * H, V / 32), 256, ssmem, sa>>>(
-          scan_params(nullptr, hs, dn, 0, 2, nullptr));
+          dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, nullptr, nullptr, hs, dn, B, T, H,
+          K, V, n, 0, 0, 2, nullptr);
       gdp_bwd_dh_bf16_32_128<<<dim3(B * H, V / 32), 256, dsmem, sb>>>(
-          dh_params(dns, nullptr, nullptr));
+          dq, dk, 1, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, dns,
+          nullptr, nullptr);
       CK(cudaEventRecord(da, sa));
       CK(cudaEventRecord(db, sb));
       CK(cudaStreamWaitEvent(0, da, 0));
@@ -348,7 +322,9 @@ static void forward(int B, int T, int H, int n) {
   const auto grads = n >= 2 ? gdp_bwd_grads_bf16_128_128_tiles : gdp_bwd_grads_bf16_128_128;
   CK(cudaFuncSetAttribute(grads, cudaFuncAttributeMaxDynamicSharedMemorySize, gsmem));
   const float t_gr = median_ms([&] {
-    grads<<<dim3(total, H), GDPG_THREADS, gsmem>>>(grads_params(nullptr, nullptr, 0, 0, 0, 0));
+    grads<<<dim3(total, H), GDPG_THREADS, gsmem>>>(dq, dk, 1, dv, daux, dtab, ag, hs, dhs, dn, ddn,
+                                                   dob, nullptr, gq, gk, gv, gout, B, T, H, K, V,
+                                                   n, B, scale, QR);
   });
   printf(" | grads %.3f ms (smem %d) | bwd total %.3f ms\n", t_gr, gsmem,
          t_wya + best_states + best_dh + t_gr);
@@ -365,8 +341,9 @@ static void forward(int B, int T, int H, int n) {
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, gsmem));
     const float t = median_ms([&] {
       CK(cudaMemsetAsync(counters, 0, GDPG_PIPE_COUNTERS * sizeof(int), 0));
-      kern<<<sms, GDPG_THREADS, gsmem>>>(
-          grads_params(counters, table_order, total * H, 1, 0, 0));
+      kern<<<sms, GDPG_THREADS, gsmem>>>(dq, dk, 1, dv, daux, dtab, ag, hs, dhs, dn, ddn, dob,
+                                         nullptr, gq, gk, gv, gout, B, T, H, K, V, n, B, scale, QR,
+                                         counters, table_order, total * H, 1, 0, 0);
     });
     printf("  grads persistent (%d blocks) %.3f ms\n", sms, t);
     CK(cudaFree(counters));
@@ -401,9 +378,13 @@ static void forward(int B, int T, int H, int n) {
     CK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     auto wy = [&](int* order, int* rdy, __nv_bfloat16* ainv) {
       if (order == nullptr)
-        gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem, 0>>>(wy_params(ainv, nullptr, nullptr));
+        gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem, 0>>>(dq, dk, 1, dv, daux, dtab, w, u, p,
+                                                             cf, ainv, B, T, H, K, V, n, B,
+                                                             scale, nullptr, nullptr);
       else
-        gdp_fwd_wy_bf16<<<total * H, 128, wy_smem, 0>>>(wy_params(ainv, order, rdy));
+        gdp_fwd_wy_bf16<<<total * H, 128, wy_smem, 0>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf,
+                                                        ainv, B, T, H, K, V, n, B, scale, order,
+                                                        rdy);
     };
     // `first` on the device's stream (the WY kernel), `second` on `st` once the counters are
     // zeroed, then `after` on the device's stream; joined.
@@ -419,7 +400,9 @@ static void forward(int B, int T, int H, int n) {
     };
     auto fscan = [&](auto kern, int bv, int ns, cudaStream_t st, int* rdy) {
       const int smem = gdpc_scan_smem_bytes(KP, QR, bv, ns);
-      kern<<<dim3(B * H, V / bv), 256, smem, st>>>(scan_params(ob, nullptr, nullptr, QR, ns, rdy));
+      kern<<<dim3(B * H, V / bv), 256, smem, st>>>(dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0,
+                                                   nullptr, ob, nullptr, nullptr, nullptr, B, T,
+                                                   H, K, V, n, 0, QR, ns, rdy);
     };
     auto nothing = [] {};
     printf("  co-resident (WY %d bytes beside a two-stage scan):", wy_smem);
@@ -440,12 +423,15 @@ static void forward(int B, int T, int H, int n) {
       const int LB = 64 + 8;
       const int smem = ns * gdpd_stage_bytes(KP, QR, 64) + 2 * (2 * KP * LB + C * LB + QR * LB) +
                        8 * ns * 3 * C + 12 * ns;
-      gdp_bwd_dh_bf16_64_128<<<dim3(B * H, V / 64), 256, smem, st>>>(dh_params(ns, rdy, nullptr));
+      gdp_bwd_dh_bf16_64_128<<<dim3(B * H, V / 64), 256, smem, st>>>(
+          dq, dk, 1, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, ns,
+          rdy, nullptr);
     };
     auto states64 = [&](cudaStream_t st, int* rdy) {
       const int smem = gdpc_scan_smem_bytes(KP, 0, 64, 2);
       gdp_fwd_states_bf16_64_128<<<dim3(B * H, V / 64), 256, smem, st>>>(
-          scan_params(nullptr, hs, dn, 0, 2, rdy));
+          dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, nullptr, nullptr, hs, dn, B, T, H,
+          K, V, n, 0, 0, 2, rdy);
     };
     // (Shared-memory limits set above, at least as large: three-stage dS and forward scans.)
     const float t_op = median_ms([&] {
@@ -481,11 +467,13 @@ static void forward(int B, int T, int H, int n) {
                             cudaFuncAttributeMaxDynamicSharedMemorySize, st128_smem));
     auto dh128 = [&](cudaStream_t st) {
       gdp_bwd_dh_bf16_128_128<<<dim3(B * H, 1), 256, dh128_smem, st>>>(
-          dh_params(2, nullptr, nullptr));
+          dq, dk, 1, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, 2,
+          nullptr, nullptr);
     };
     auto states128 = [&](cudaStream_t st) {
       gdp_fwd_states_bf16_128_128<<<dim3(B * H, 1), 256, st128_smem, st>>>(
-          scan_params(nullptr, hs, dn, 0, 2, nullptr));
+          dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, nullptr, nullptr, hs, dn, B, T, H,
+          K, V, n, 0, 0, 2, nullptr);
     };
     auto pair = [&](auto a, auto b) {  // a on the device's stream, b on `side`
       return median_ms([&] {
@@ -564,15 +552,19 @@ static void forward(int B, int T, int H, int n) {
     const int items = total * H;
     auto dh32 = [&](cudaStream_t st, int* signal) {
       gdp_bwd_dh_bf16_32_128<<<dim3(B * H, V / 32), 256, dsmem, st>>>(
-          dh_params(NS, nullptr, signal));
+          dq, dk, 1, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, NS,
+          nullptr, signal);
     };
     auto grads_pipe = [&](int blocks, int beside) {
       pipe_kern<<<std::min(blocks, items), GDPG_THREADS, gsmem, 0>>>(
-          grads_params(pipe, dorder, items, V / 32, beside, scan_blocks));
+          dq, dk, 1, dv, daux, dtab, ag, hs, dhs, dn, ddn, dob, nullptr, gq, gk, gv, gout, B, T, H,
+          K, V, n, B, scale, QR, pipe, dorder, items, V / 32, beside, scan_blocks);
     };
     const float t_seq = median_ms([&] {
       dh32(0, nullptr);
-      grads<<<dim3(total, H), GDPG_THREADS, gsmem>>>(grads_params(nullptr, nullptr, 0, 0, 0, 0));
+      grads<<<dim3(total, H), GDPG_THREADS, gsmem>>>(dq, dk, 1, dv, daux, dtab, ag, hs, dhs, dn,
+                                                     ddn, dob, nullptr, gq, gk, gv, gout, B, T, H,
+                                                     K, V, n, B, scale, QR);
     });
     const float t_pipe = median_ms([&] {
       CK(cudaMemsetAsync(pipe, 0, counters * sizeof(int), 0));
@@ -617,11 +609,9 @@ static void step() {
   for (int n = 1; n <= nmax; ++n) {
     const float t = median_ms([&] {
       const float *q = dsm, *k = q + BH * K, *v = k + BH * n * K, *g = v + BH * n * V;
-      GdpStepParams a{};
-      a.state = ds; a.q = q; a.k = k; a.v = v; a.g = g; a.beta = g + BH; a.out = out;
-      a.batch = B; a.heads = H; a.dk = K; a.dv = V; a.n = n; a.scale = 0.1f;
       gdp_step_f32_k128<<<dim3(BH, (V + GDP_STEP_COLS - 1) / GDP_STEP_COLS), GDP_STEP_THREADS,
-                          4 * gdp_step_smem_floats(K, n)>>>(a);
+                          4 * gdp_step_smem_floats(K, n)>>>(ds, q, k, v, g, g + BH, out, B, H,
+                                                            K, V, n, 0.1f);
     }, 50);
     printf("step B%d H%d K%d V%d n%d: %.4f ms, %.0f GB/s (state read + written)\n", B, H, K, V,
            n, t, bytes / t / 1e6);

@@ -28,7 +28,6 @@ extern dim3 blockIdx, blockDim, gridDim;
 #define __global__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __grid_constant__
 #define __restrict__
 #define __shared__
 #define __align__(x)
