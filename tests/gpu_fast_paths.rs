@@ -1,8 +1,8 @@
 //! GPU tests of the fast paths: both bf16 forwards (the two-kernel one, the default where it
 //! fits, and the one-kernel one, `KernelPath::Fused`) and both bf16 backwards (the split one,
 //! the default where it fits, and the per-value-tile one), the op after
-//! `retain_freed_memory`, every value tile of the forward and states-only scans, and the fused
-//! decode step. Feature `cuda`, needs a GPU: `cargo test --release --features cuda --test
+//! `retain_freed_memory`, every value tile of the forward and states-only scans, every
+//! shared-memory fallback (`KernelConfig::shared_memory_limit`), and the fused decode step. Feature `cuda`, needs a GPU: `cargo test --release --features cuda --test
 //! gpu_fast_paths`; `--ignored` adds the decode-step bandwidth timing (B64 H16 K=V=128).
 #![cfg(feature = "cuda")]
 
@@ -154,6 +154,83 @@ fn a_forced_tile_that_does_not_exist_is_an_error() -> Result<()> {
         .context("BV 64 at K = 256 must be refused")?;
     let msg = format!("{e:#}");
     assert!(msg.contains("tiles.forward_scan"), "{msg}");
+    Ok(())
+}
+
+/// The shared-memory fallbacks (`KernelConfig::shared_memory_limit`): the op (forward and
+/// backward) and a 3-rank context-parallel run under a ladder of limits from the device's own
+/// down to 8 KB, 8 KB apart, so that every switch is crossed: the chunked kernels' tiles narrow,
+/// then the fused kernels take over (forward, backward, CP summaries), then their tiles narrow.
+/// Every limit either matches the f64 reference (bf16 tolerance) or, below the smallest fused
+/// tile, fails with an error that names the shared memory; both must happen.
+#[test]
+fn every_shared_memory_fallback_matches_f64_reference() -> Result<()> {
+    use candle_gdp::{ContextParallel, Cotangents, GdpOptions};
+    let dev = cuda()?;
+    for c in [
+        Case::new("n2 T150 K128 V128 h0", 1, 150, 2, 128, 128, 2)
+            .h0()
+            .seed(61),
+        Case::new("n3 T90 K64 V96", 2, 90, 2, 64, 96, 3).seed(67),
+    ] {
+        let x = inputs(&c, DType::BF16)?;
+        let want = run_reference(&c, &x)?;
+        let (mut ran, mut refused) = (0, 0);
+        for kb in (1..=29).rev().map(|i| i * 8) {
+            let kernels = KernelConfig {
+                shared_memory_limit: Some(kb * 1024),
+                ..Default::default()
+            };
+            let nothing = SaveIntermediates::Nothing;
+            match run_op_configured_on(&c, &x, DType::BF16, &dev, false, nothing, kernels) {
+                Ok(got) => {
+                    println!("{}: limit {kb} KB", c.name);
+                    assert_close(&c, &got, &want, 1e-2)?;
+                    ran += 1;
+                }
+                Err(e) => {
+                    let msg = format!("{e:#}");
+                    assert!(msg.contains("shared memory"), "{}: {kb} KB: {msg}", c.name);
+                    refused += 1;
+                    continue;
+                }
+            }
+            // The same limit on every rank of a context-parallel group.
+            let xb = x.cast(DType::BF16)?;
+            let devices = (0..3)
+                .map(|_| Device::new_cuda(0))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let opts = GdpOptions {
+                initial_state: xb.h0.as_ref(),
+                output_final_state: true,
+                cu_seqlens: c.cu.as_deref(),
+                kernels,
+                ..Default::default()
+            };
+            let cotangents = Cotangents {
+                dout: &xb.dout,
+                dht: Some(&xb.dht),
+            };
+            let got = ContextParallel::new(devices)?.gated_delta_product(
+                &xb.q,
+                &xb.k,
+                &xb.v,
+                &xb.g,
+                &xb.beta,
+                &opts,
+                Some(cotangents),
+            )?;
+            for (name, a, b) in common::cp_pairs(got, &want)? {
+                let e = rel_rms(&a.to_dtype(DType::F32)?.to_device(&Device::Cpu)?, &b)?;
+                assert!(e <= 1e-2, "{} cp=3 at {kb} KB: {name} {e:.2e}", c.name);
+            }
+        }
+        assert!(
+            ran > 0 && refused > 0,
+            "{}: {ran} ran, {refused} refused",
+            c.name
+        );
+    }
     Ok(())
 }
 

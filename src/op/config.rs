@@ -50,6 +50,10 @@ pub struct KernelConfig {
     pub side_streams: bool,
     /// Forced value tiles.
     pub tiles: TileConfig,
+    /// Caps the shared memory one block may use, in bytes, below the device's opt-in limit:
+    /// the planners then take narrower tiles or the fused kernels, as on a GPU with less shared
+    /// memory (the tests force every fallback this way). `None`: the device's limit.
+    pub shared_memory_limit: Option<usize>,
 }
 
 impl Default for KernelConfig {
@@ -61,6 +65,7 @@ impl Default for KernelConfig {
             overlap: true,
             side_streams: true,
             tiles: TileConfig::default(),
+            shared_memory_limit: None,
         }
     }
 }

@@ -90,6 +90,10 @@ pub struct KernelArgs {
     /// Value tile of the backward's state-gradient scan.
     #[arg(long, value_name = "BV", value_parser = tile())]
     pub dh_tile: Option<String>,
+    /// Cap the shared memory per block (KB) below the device's limit: narrower tiles or the
+    /// fused kernels, as on a smaller GPU.
+    #[arg(long, value_name = "KB", value_parser = clap::value_parser!(u32).range(1..))]
+    pub smem_limit_kb: Option<u32>,
     /// What the forward keeps for the backward.
     #[arg(long, value_enum, default_value_t = SaveArg::Wy)]
     pub save: SaveArg,
@@ -117,6 +121,7 @@ impl KernelArgs {
                 states_scan: bv(&self.states_tile),
                 dh_scan: bv(&self.dh_tile),
             },
+            shared_memory_limit: self.smem_limit_kb.map(|kb| kb as usize * 1024),
         }
     }
 

@@ -106,7 +106,7 @@ pub fn backward(
                 h0: h0_override,
                 grad: Some(grad),
                 dht: dht_override,
-                forced_bv: cfg.tiles.fused_backward,
+                cfg,
             }
             .run(qk, v, aux, &mut out)?;
             out
@@ -256,7 +256,7 @@ pub fn try_backward_bf16(
         Some(pair) if rerun && widened.is_none() => pair,
         _ => [rerun_alone, dh_alone],
     };
-    let sms = smem_and_sms(dev)?.1;
+    let sms = smem_and_sms(dev, None)?.1;
     let pipeline = match widened {
         None => Pipeline::plan(dev, sh, &table, &dh, sms, sh.chunks_from_the_end(), cfg)?,
         Some(_) => None,

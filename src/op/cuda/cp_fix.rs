@@ -118,7 +118,7 @@ fn fix_rows<T: FixOut>(
     // Four blocks per multiprocessor in all (S takes 35 KB of shared memory at K = 128), each
     // walking several row tiles of its (sequence, head), so that S is loaded and converted once
     // per block.
-    let sms = super::device::smem_and_sms(dev)?.1;
+    let sms = super::device::smem_and_sms(dev, None)?.1;
     let others = rows.seqs * heads * dv.div_ceil(COLS);
     let groups = per_seq
         .div_ceil(ROWS * WARPS)

@@ -94,18 +94,19 @@ pub(super) fn device_attr(dev: &CudaDevice, attr: CUdevice_attribute) -> Result<
     Ok(v.max(0) as usize)
 }
 
-/// The device's opt-in shared memory per block and its multiprocessor count.
-pub(super) fn smem_and_sms(dev: &CudaDevice) -> Result<(usize, usize)> {
-    Ok((
-        device_attr(
-            dev,
-            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-        )?,
-        device_attr(
-            dev,
-            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-        )?,
-    ))
+/// The shared memory one block may use (the device's opt-in limit, capped by `limit`, see
+/// [`KernelConfig::shared_memory_limit`](crate::op::KernelConfig::shared_memory_limit)) and the
+/// device's multiprocessor count.
+pub(super) fn smem_and_sms(dev: &CudaDevice, limit: Option<usize>) -> Result<(usize, usize)> {
+    let optin = device_attr(
+        dev,
+        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+    )?;
+    let sms = device_attr(
+        dev,
+        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+    )?;
+    Ok((limit.map_or(optin, |l| l.min(optin)), sms))
 }
 
 /// The device address of `s` as a kernel argument outside cudarc's event tracking, which is

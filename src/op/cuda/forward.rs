@@ -91,7 +91,6 @@ pub fn forward(
         );
     };
     // The one-kernel forward of `qk`'s dtype: the same arguments for every kernel.
-    let bv = cfg.tiles.fused_forward;
     macro_rules! fused {
         ($t:ty, $kernel:literal) => {
             launch::<$t>(
@@ -104,7 +103,7 @@ pub fn forward(
                 scale,
                 has_h0,
                 h0_override,
-                bv,
+                cfg,
             )
         };
     }
@@ -135,7 +134,7 @@ pub fn reads_qk_in_place(q: &Tensor, sh: &GdpShape, cfg: &KernelConfig) -> Resul
     if q.dtype() != DType::BF16 || cfg.forward == KernelPath::Fused {
         return Ok(false);
     }
-    let (max_smem, sms) = smem_and_sms(dev)?;
+    let (max_smem, sms) = smem_and_sms(dev, cfg.shared_memory_limit)?;
     let forward = wy_smem_bytes(sh.dk, sh.dv) <= max_smem
         && scan_plan(&FWD_SCAN, sh, max_smem, sms, &cfg.tiles)?.is_some();
     Ok(forward && super::plan::split_backward_fits(dev, sh, cfg)?)
@@ -161,7 +160,7 @@ pub fn try_forward_bf16(
     if cfg.forward == KernelPath::Fused {
         return Ok(None);
     }
-    let (max_smem, sms) = smem_and_sms(dev)?;
+    let (max_smem, sms) = smem_and_sms(dev, cfg.shared_memory_limit)?;
     let wy_smem = wy_smem_bytes(sh.dk, sh.dv);
     let plan = scan_plan(&FWD_SCAN, sh, max_smem, sms, &cfg.tiles)?.filter(|_| wy_smem <= max_smem);
     match (plan, cfg.forward) {

@@ -5,14 +5,14 @@
 //! `dht = [dht | I_K]`).
 
 use super::device::{
-    allow_smem, check_inputs, check_states, device_attr, shape_i32, to_i32, view, In,
+    allow_smem, check_inputs, check_states, shape_i32, smem_and_sms, to_i32, view, In,
 };
 use super::fused_fwd::THREADS;
 use super::module::load_kernel;
 use super::plan::fused_tile;
 use crate::op::shape::{GdpShape, CHUNK};
+use crate::op::KernelConfig;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
 };
@@ -85,8 +85,8 @@ pub(super) struct Launch<'a> {
     pub(super) grad: Option<In<'a>>,
     /// Replaces the `dht` part of `grad`.
     pub(super) dht: Option<&'a CudaSlice<f32>>,
-    /// The value tile forced by [`KernelConfig`]'s `tiles.fused_backward`.
-    pub(super) forced_bv: Option<usize>,
+    /// The forced value tile (`tiles.fused_backward`) and the shared-memory limit.
+    pub(super) cfg: &'a KernelConfig,
 }
 
 impl Launch<'_> {
@@ -143,14 +143,7 @@ impl Launch<'_> {
         if rows == 0 {
             return Ok(());
         }
-        let max_smem = device_attr(
-            dev,
-            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-        )?;
-        let sms = device_attr(
-            dev,
-            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-        )?;
+        let (max_smem, sms) = smem_and_sms(dev, self.cfg.shared_memory_limit)?;
         let plan = BwdPlan::new(
             sh.dk,
             sh.dv + ext,
@@ -158,7 +151,7 @@ impl Launch<'_> {
             std::mem::size_of::<T>(),
             max_smem,
             sms,
-            self.forced_bv,
+            self.cfg.tiles.fused_backward,
         )?;
         let table = dev.clone_htod(&table)?;
         // Chunk start states [chunks, H, K, V] (FULL only); every element the kernel reads it
@@ -246,7 +239,7 @@ pub(super) fn summaries(
     mode: i32,
     h0: Option<&CudaSlice<f32>>,
     grad: Option<In>,
-    forced_bv: Option<usize>,
+    cfg: &KernelConfig,
 ) -> Result<Vec<f32>> {
     let len = frags.len() * sh.heads * sh.dk * (sh.dv + sh.dk);
     if len == 0 {
@@ -263,7 +256,7 @@ pub(super) fn summaries(
         h0,
         grad,
         dht: None,
-        forced_bv,
+        cfg,
     }
     .run(qk, v, aux, &mut out)?;
     dev.clone_dtoh(&out)

@@ -2,11 +2,11 @@
 //! every value tile on the sequential path; the fallback where the chunked bf16 kernels do not
 //! serve.
 
-use super::device::{allow_smem, check_states, device_attr, shape_i32, to_i32, view};
+use super::device::{allow_smem, check_states, shape_i32, smem_and_sms, to_i32, view};
 use super::module::load_kernel;
 use super::plan::fused_tile;
 use crate::op::shape::{GdpShape, CHUNK};
-use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+use crate::op::KernelConfig;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
 };
@@ -71,7 +71,7 @@ pub(super) fn launch<T: CudaDType + DeviceRepr>(
     scale: f32,
     has_h0: bool,
     h0_override: Option<&CudaSlice<f32>>,
-    forced_bv: Option<usize>,
+    cfg: &KernelConfig,
 ) -> Result<CudaStorage> {
     let qk_v = view::<T>(qk.0, qk.1, sh.qk_len(), "qk")?;
     let v_v = view::<T>(v.0, v.1, sh.v_len(), "v")?;
@@ -88,15 +88,9 @@ pub(super) fn launch<T: CudaDType + DeviceRepr>(
     }
     let seqs = dev.clone_htod(&seqs)?;
 
-    let max_smem = device_attr(
-        dev,
-        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-    )?;
-    let sms = device_attr(
-        dev,
-        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-    )?;
-    let plan = LaunchPlan::new(sh, std::mem::size_of::<T>(), max_smem, sms, forced_bv)?;
+    let (max_smem, sms) = smem_and_sms(dev, cfg.shared_memory_limit)?;
+    let forced = cfg.tiles.fused_forward;
+    let plan = LaunchPlan::new(sh, std::mem::size_of::<T>(), max_smem, sms, forced)?;
 
     let func = load_kernel(dev, kernel)?;
     allow_smem(&func, plan.smem)?;

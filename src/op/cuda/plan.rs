@@ -346,7 +346,7 @@ pub(super) fn split_plan(
         return Ok(None);
     }
     let forced = &cfg.tiles;
-    let (max_smem, sms) = smem_and_sms(dev)?;
+    let (max_smem, sms) = smem_and_sms(dev, cfg.shared_memory_limit)?;
     let qr = query_rows(sh.n);
     let tiles = grad_tile(sh.dk)
         .zip(grad_tile(sh.dv))
@@ -443,7 +443,8 @@ pub(super) fn fused_tile(
                 let Some(&narrowest) = fitting.last() else {
                     candle_core::bail!(
                     "gdp cuda: K = {dk} needs {} bytes of shared memory even with 8 value columns \
-                     per block, the device allows {max_smem}",
+                     per block, the limit is {max_smem} (the device's, or \
+                     KernelConfig::shared_memory_limit)",
                     smem(8)
                 );
                 };

@@ -73,7 +73,7 @@ pub fn forward_summaries_bf16(
     let Some(path) = wanted(qk, cfg) else {
         return Ok(None);
     };
-    let Some(widened) = Widened::plan(&dev, sh, frags, &STATES_SCAN, &cfg.tiles)? else {
+    let Some(widened) = Widened::plan(&dev, sh, frags, &STATES_SCAN, cfg)? else {
         return not_served(path, sh);
     };
     let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
@@ -116,8 +116,7 @@ pub fn backward_summaries_bf16(
     let Some(path) = wanted(qk, cfg) else {
         return Ok(None);
     };
-    let Some(Widened { sub, wide, plan }) = Widened::plan(&dev, sh, frags, &DH_SCAN, &cfg.tiles)?
-    else {
+    let Some(Widened { sub, wide, plan }) = Widened::plan(&dev, sh, frags, &DH_SCAN, cfg)? else {
         return not_served(path, sh);
     };
     let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
@@ -209,7 +208,7 @@ pub fn forward_summaries(
         MODE_FWD_SUM,
         Some(&h0),
         None,
-        cfg.tiles.fused_backward,
+        cfg,
     )
 }
 
@@ -256,7 +255,7 @@ pub fn backward_summaries(
         MODE_BWD_SUM,
         None,
         Some(grad),
-        cfg.tiles.fused_backward,
+        cfg,
     )
 }
 

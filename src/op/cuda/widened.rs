@@ -18,7 +18,7 @@ use super::inputs::{Bf16Inputs, ChunkTable, QkIn};
 use super::plan::{widened_scan_plan, wy_smem_bytes, ScanKind, ScanPlan, DH_SCAN, FWD_SCAN};
 use super::side::SideStream;
 use super::wy::WyFactors;
-use crate::op::config::{KernelConfig, KernelPath, TileConfig};
+use crate::op::config::{KernelConfig, KernelPath};
 use crate::op::pack::RowCopy;
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::backend::BackendStorage;
@@ -43,7 +43,7 @@ pub(crate) fn backward_summaries_served(
         return Ok(false);
     }
     let every: Vec<usize> = (0..sh.num_seqs()).collect();
-    Ok(Widened::plan(dev, sh, &every, &DH_SCAN, &cfg.tiles)?.is_some())
+    Ok(Widened::plan(dev, sh, &every, &DH_SCAN, cfg)?.is_some())
 }
 
 /// A summary's sub-problem: `sh` with only the sequences `frags` (in that order), the same with
@@ -61,7 +61,7 @@ impl Widened {
         sh: &GdpShape,
         frags: &[usize],
         kind: &ScanKind,
-        forced: &TileConfig,
+        cfg: &KernelConfig,
     ) -> Result<Option<Self>> {
         let sub = GdpShape {
             seqs: frags.iter().map(|&s| sh.seqs[s]).collect(),
@@ -71,11 +71,11 @@ impl Widened {
             dv: sh.dv + sh.dk,
             ..sub.clone()
         };
-        let (max_smem, sms) = smem_and_sms(dev)?;
+        let (max_smem, sms) = smem_and_sms(dev, cfg.shared_memory_limit)?;
         if wy_smem_bytes(sh.dk, sh.dv) > max_smem {
             return Ok(None);
         }
-        let plan = widened_scan_plan(kind, &wide, max_smem, sms, sms, forced)?;
+        let plan = widened_scan_plan(kind, &wide, max_smem, sms, sms, &cfg.tiles)?;
         Ok(plan.map(|plan| Self { sub, wide, plan }))
     }
 
@@ -225,7 +225,7 @@ pub(crate) fn widened_forward(
         return Ok(None);
     }
     let every: Vec<usize> = (0..sh.num_seqs()).collect();
-    let Some(widened) = Widened::plan(&dev, sh, &every, &FWD_SCAN, &cfg.tiles)? else {
+    let Some(widened) = Widened::plan(&dev, sh, &every, &FWD_SCAN, cfg)? else {
         return Ok(None);
     };
     let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
@@ -360,7 +360,7 @@ impl<'a> WidenedDh<'a> {
             dv: v + k,
             ..sh.clone()
         };
-        let (max_smem, sms) = smem_and_sms(dev)?;
+        let (max_smem, sms) = smem_and_sms(dev, self.cfg.shared_memory_limit)?;
         let budget = sms.saturating_sub(self.beside_blocks);
         let forced = &self.cfg.tiles;
         let Some(plan) =

@@ -178,7 +178,8 @@ pub(super) fn wy_smem_two_per_sm(dev: &CudaDevice, sh: &GdpShape) -> Result<usiz
         dev,
         CUdevice_attribute::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK,
     )?;
-    let (max_smem, _) = smem_and_sms(dev)?;
+    // Padding only: the plan checked the unpadded size against the configured limit.
+    let (max_smem, _) = smem_and_sms(dev, None)?;
     let two_per_sm = (per_sm / 2).saturating_sub(reserved).min(max_smem);
     Ok(wy_smem_bytes(sh.dk, sh.dv).max(two_per_sm))
 }
