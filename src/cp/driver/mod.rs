@@ -12,12 +12,12 @@
 //! in both directions, on the CPU in the forward; the CPU backward computes `γ` in a pass of
 //! its own and sends the forward's `M` transposed).
 
+use self::columns::{correct_rows, join_columns, run_columns, Columns};
 use super::comm::Communicator;
 use super::protocol::{backward_summary_with, compose_backward, compose_forward, Composition};
-use super::summary::{summary_len, Backward, Forward, Gathered};
+use super::summary::{summary_len, Backward, Direction, Forward, Gathered};
 use crate::error::GdpError;
 use crate::op::cpu::chunk::Dims;
-use crate::op::cpu::linalg::{matmul, MatRef};
 use crate::op::cpu::subnormal::FlushSubnormals;
 use crate::op::cpu::{self, PackedInputs};
 #[cfg(feature = "cuda")]
@@ -29,6 +29,7 @@ use rayon::prelude::*;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
+mod columns;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
@@ -134,18 +135,17 @@ impl CpLink {
         h0: &mut [f32],
     ) -> Result<()> {
         let seqs = self.continuing_in(sh.num_seqs());
-        let world = self.comm.world_size();
-        let all = Gathered::<Forward>::new(all, world, frags, sh.heads, (sh.dk, sh.dv))?;
-        let (kv, h) = (sh.dk * sh.dv, sh.heads);
-        let folded: Vec<Vec<f32>> = (0..seqs.len() * h)
-            .into_par_iter()
-            .map(|i| {
-                let _flush = FlushSubnormals::new();
-                let (f, hd) = (i / h, i % h);
+        let folded = self.fold_per_head(
+            all,
+            frags,
+            sh,
+            seqs.len(),
+            |all: Gathered<Forward>, f, hd| {
                 let from = self.fwd_slice.clone().map(|r| all.get(r, f, hd));
                 compose_forward(from, sh.dk, sh.dv, self.composition)
-            })
-            .collect();
+            },
+        )?;
+        let (kv, h) = (sh.dk * sh.dv, sh.heads);
         for (i, s_in) in folded.into_iter().enumerate() {
             let at = (seqs[i / h] * h + i % h) * kv;
             h0[at..at + kv].copy_from_slice(&s_in);
@@ -164,18 +164,17 @@ impl CpLink {
         dht: &mut [f32],
     ) -> Result<()> {
         let seqs = self.continuing_out(sh.num_seqs());
-        let world = self.comm.world_size();
-        let all = Gathered::<Backward>::new(all, world, frags, sh.heads, (sh.dk, sh.dv))?;
-        let (kv, h) = (sh.dk * sh.dv, sh.heads);
-        let folded: Vec<Vec<f32>> = (0..seqs.len() * h)
-            .into_par_iter()
-            .map(|i| {
-                let _flush = FlushSubnormals::new();
-                let (f, hd) = (i / h, i % h);
+        let folded = self.fold_per_head(
+            all,
+            frags,
+            sh,
+            seqs.len(),
+            |all: Gathered<Backward>, f, hd| {
                 let from = self.bwd_slice.clone().map(|r| all.get(r, f, hd));
                 compose_backward(from, sh.dk, sh.dv, self.composition)
-            })
-            .collect();
+            },
+        )?;
+        let (kv, h) = (sh.dk * sh.dv, sh.heads);
         for (i, ds_out) in folded.into_iter().enumerate() {
             let at = (seqs[i / h] * h + i % h) * kv;
             dht[at..at + kv]
@@ -184,6 +183,29 @@ impl CpLink {
                 .for_each(|(g, d)| *g += d);
         }
         Ok(())
+    }
+
+    /// `fold(all, fragment, head)` for each of the first `count` fragments and each head, in
+    /// (fragment, head) order, in parallel, over the gathered summaries `all`
+    /// (`[ranks, frags, H, K, V+K]`).
+    fn fold_per_head<D: Direction>(
+        &self,
+        all: &[f32],
+        frags: usize,
+        sh: &GdpShape,
+        count: usize,
+        fold: impl Fn(Gathered<'_, D>, usize, usize) -> Vec<f32> + Sync,
+    ) -> Result<Vec<Vec<f32>>> {
+        let world = self.comm.world_size();
+        let all = Gathered::<D>::new(all, world, frags, sh.heads, (sh.dk, sh.dv))?;
+        let h = sh.heads;
+        Ok((0..count * h)
+            .into_par_iter()
+            .map(|i| {
+                let _flush = FlushSubnormals::new();
+                fold(all, i / h, i % h)
+            })
+            .collect())
     }
 
     /// The initial states this rank's forward folded (what its backward runs from).
@@ -441,94 +463,6 @@ impl CpLink {
         }
         Ok(out)
     }
-}
-
-/// Which value columns a CPU forward task runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Columns {
-    /// The sequence as in the plain op, from its own initial state.
-    Plain,
-    /// `[v | 0_K]` from `[0 | I_K]`: `[o⁰ | Q̃]` and `[ΔS | M]` in one task.
-    Widened,
-    /// The `V` columns of [`Columns::Widened`] alone: `o⁰` and `ΔS`.
-    Values,
-    /// Its `K` columns alone: `Q̃` and `M`.
-    Transition,
-}
-
-/// Runs the forward of (sequence `s`, head `hd`) over the value columns `cols`: the token rows
-/// and the final state.
-fn run_columns<T: WithDType>(
-    x: &PackedInputs<T>,
-    sh: &GdpShape,
-    d: &Dims,
-    s: usize,
-    hd: usize,
-    cols: Columns,
-) -> (Vec<f32>, Vec<f32>) {
-    let (k, v) = (sh.dk, sh.dv);
-    let seq = &sh.seqs[s];
-    let mut inp = x.gather(sh, seq, hd);
-    let rows = inp.rows();
-    let (dv, state) = match cols {
-        Columns::Plain => (v, x.initial_state(sh, None, s, hd)),
-        Columns::Values => (v, vec![0.0f32; k * v]),
-        Columns::Widened => {
-            inp.v = widen(&inp.v, v, k);
-            (v + k, identity_columns(k, v))
-        }
-        Columns::Transition => {
-            inp.v = vec![0.0f32; rows * k];
-            (k, identity_columns(k, 0))
-        }
-    };
-    let dc = Dims { dv, ..*d };
-    let mut ws = cpu::forward::ForwardWorkspace::new(&dc);
-    let mut state = state;
-    let mut o = vec![0.0f32; seq.len * dv];
-    cpu::forward::forward_head(&inp, &dc, &mut state, &mut o, &mut ws);
-    (o, state)
-}
-
-/// `[0_V | I_K]`, `K` rows of `V + K`.
-fn identity_columns(k: usize, v: usize) -> Vec<f32> {
-    let mut m = vec![0.0f32; k * (v + k)];
-    (0..k).for_each(|r| m[r * (v + k) + v + r] = 1.0);
-    m
-}
-
-/// `rows` rows `[a | b]` from `a [rows, V]` and `b [rows, K]`.
-fn join_columns(a: &[f32], b: &[f32], rows: usize, v: usize, k: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(rows * (v + k));
-    for r in 0..rows {
-        out.extend_from_slice(&a[r * v..(r + 1) * v]);
-        out.extend_from_slice(&b[r * k..(r + 1) * k]);
-    }
-    out
-}
-
-/// `rows` rows of width `v` widened by `k` zero columns.
-fn widen(x: &[f32], v: usize, k: usize) -> Vec<f32> {
-    let rows = x.len() / v.max(1);
-    let mut out = vec![0.0f32; rows * (v + k)];
-    for (dst, src) in out.chunks_exact_mut(v + k).zip(x.chunks_exact(v.max(1))) {
-        dst[..v].copy_from_slice(src);
-    }
-    out
-}
-
-/// `y = y⁰ + ỹ S` for `rows` widened rows `[y⁰ | ỹ]` (width `V + K`) and `S [K, V]`.
-fn correct_rows(wide: &[f32], rows: usize, s: &[f32], k: usize, v: usize) -> Vec<f32> {
-    let w = v + k;
-    let mut out = vec![0.0f32; rows * v];
-    for (dst, src) in out.chunks_exact_mut(v.max(1)).zip(wide.chunks_exact(w)) {
-        dst.copy_from_slice(&src[..v]);
-    }
-    if rows > 0 && v > 0 {
-        let tilde = MatRef::strided(&wide[v.min(wide.len())..], rows, k, w);
-        matmul(&mut out, tilde, MatRef::new(s, k, v), true, 1.0, 1.0);
-    }
-    out
 }
 
 fn pairs(frags: &[usize], heads: usize) -> Vec<(usize, usize)> {
