@@ -99,21 +99,40 @@ static void forward(int B, int T, int H, int n) {
   CK(cudaMalloc(&ob, BTH * V * 2));
   const float scale = 1.f / sqrtf((float)K);
   const int KP = K, VP = V;
+  const int QR = 16 * (((C + n - 1) / n + 15) / 16);
+  // The kernels' parameters (cuda/params.cuh, passed with GDP_ARGS_OF) for these buffers: the WY
+  // kernel (with or without Ainv, the chunk order and the ready counters) and the forward scan
+  // or states-only kernel (outb: o in bf16; hs, dn: the backward's states and Delta; qr 0: no
+  // query rows).
+  auto wy_params = [&](__nv_bfloat16* ainv, const int* order, int* ready) {
+    GdpWyParams a{};
+    a.q = dq; a.k = dk; a.v = dv; a.aux = daux; a.table = dtab; a.w = w; a.u = u; a.p = p;
+    a.coef = cf; a.ainv = ainv; a.order = order; a.ready = ready; a.split = 1; a.batch = B;
+    a.tokens = T; a.heads = H; a.dk = K; a.dv = V; a.n = n; a.nseq = B; a.scale = scale;
+    return a;
+  };
+  auto scan_params = [&](__nv_bfloat16* outb, __nv_bfloat16* hs_out, __nv_bfloat16* dn_out,
+                         int qr, int ns, const int* ready) {
+    GdpScanParams a{};
+    a.q = dq; a.k = dk; a.aux = daux; a.table = dtab; a.w = w; a.u = u; a.p = p; a.coef = cf;
+    a.h0_override = daux; a.out = nullptr; a.outb = outb; a.fin = nullptr; a.hs = hs_out;
+    a.dn = dn_out; a.ready = ready; a.split = 1; a.use_h0_override = 0; a.batch = B;
+    a.tokens = T; a.heads = H; a.dk = K; a.dv = V; a.n = n; a.has_h0 = 0; a.qr = qr; a.ns = ns;
+    return a;
+  };
   const int wy_smem = 4 * (C * GDP_INV_LD + 6 * C) + 2 * C * ((KP + 8) + std::max(KP, VP) + 8);
   CK(cudaFuncSetAttribute(gdp_fwd_wy_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize, wy_smem));
   const float t_wy = median_ms([&] {
-    gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf, nullptr,
-                                                       B, T, H, K, V, n, B, scale, nullptr, nullptr);
+    const GdpWyParams wp = wy_params(nullptr, nullptr, nullptr);
+    gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(GDP_ARGS_OF(GDP_WY_FIELDS, wp));
   });
-  const int QR = 16 * (((C + n - 1) / n + 15) / 16);
   printf("B%d T%d H%d n%d: wy %.3f ms", B, T, H, n, t_wy);
   if (getenv("KB_ONLY_WY") != nullptr) {  // the WY kernel alone, also as the backward runs it
     __nv_bfloat16* ag;
     CK(cudaMalloc(&ag, slots * C * C * 2));
     const float t_ag = median_ms([&] {
-      gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf, ag,
-                                                         B, T, H, K, V, n, B, scale, nullptr,
-                                                         nullptr);
+      const GdpWyParams wp = wy_params(ag, nullptr, nullptr);
+      gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(GDP_ARGS_OF(GDP_WY_FIELDS, wp));
     });
     printf(" | storing Ainv too (the backward's) %.3f ms\n", t_ag);
     for (void* x : {(void*)ag, (void*)dq, (void*)dk, (void*)dv, (void*)daux, (void*)dtab, (void*)w,
@@ -134,9 +153,9 @@ static void forward(int B, int T, int H, int n) {
     const int smem = gdpc_scan_smem_bytes(KP, qr, bv, NS);
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return median_ms([&] {
+      const GdpScanParams sp = scan_params(o_out, hs_out, dn_out, qr, NS, nullptr);
       kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
-          dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, o_out, nullptr, hs_out, dn_out, B, T, H,
-          K, V, n, 0, qr, NS, nullptr);
+          GDP_ARGS_OF(GDP_SCAN_FIELDS, sp));
     });
   };
   auto scan = [&](auto kern, int bv) {
@@ -182,20 +201,18 @@ static void forward(int B, int T, int H, int n) {
     for (const int wy_pad : {wy_smem, 72 * 1024, 100 * 1024, 150 * 1024}) {
       if (wy_pad != wy_smem && (n < 2 || getenv("KB_WY_PAD") == nullptr)) continue;
       const float t_pad = median_ms([&] {
-        gdp_fwd_wy_bf16<<<total * H, 128, wy_pad, 0>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf,
-                                                        nullptr, B, T, H, K, V, n, B, scale,
-                                                        dorder, nullptr);
+        const GdpWyParams wp = wy_params(nullptr, dorder, nullptr);
+        gdp_fwd_wy_bf16<<<total * H, 128, wy_pad, 0>>>(GDP_ARGS_OF(GDP_WY_FIELDS, wp));
       });
       const float t = median_ms([&] {
         CK(cudaMemsetAsync(ready, 0, counters * sizeof(int), 0));
         CK(cudaEventRecord(zeroed, 0));
         CK(cudaStreamWaitEvent(urgent, zeroed, 0));
-        gdp_fwd_wy_bf16<<<total * H, 128, wy_pad, 0>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf,
-                                                        nullptr, B, T, H, K, V, n, B, scale,
-                                                        dorder, ready);
+        const GdpWyParams wp = wy_params(nullptr, dorder, ready);
+        gdp_fwd_wy_bf16<<<total * H, 128, wy_pad, 0>>>(GDP_ARGS_OF(GDP_WY_FIELDS, wp));
+        const GdpScanParams sp = scan_params(ob, nullptr, nullptr, QR, NS, ready);
         gdp_fwd_scan_bf16_32_128<<<dim3(B * H, V / 32), 256, smem, urgent>>>(
-            dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, ob, nullptr, nullptr, nullptr,
-            B, T, H, K, V, n, 0, QR, NS, ready);
+            GDP_ARGS_OF(GDP_SCAN_FIELDS, sp));
         CK(cudaEventRecord(done, urgent));
         CK(cudaStreamWaitEvent(0, done, 0));
       });
@@ -227,9 +244,31 @@ static void forward(int B, int T, int H, int n) {
   CK(cudaMalloc(&gk, BTH * n * K * 2));
   CK(cudaMalloc(&gv, BTH * n * V * 2));
   CK(cudaMalloc(&gout, BTH * (1 + n) * 4));
+  // The state-gradient scan's parameters (dht zero, no dh0; ready and signal may be null) and
+  // the gradient kernel's (into the op's parts; the pipe fields, GDP_PIPE_FIELDS, go only to
+  // the persistent kernel: the others get GDP_GRADS_FIELDS).
+  auto dh_params = [&](int ns, const int* ready, int* signal) {
+    GdpDhParams a{};
+    a.q = dq; a.k = dk; a.table = dtab; a.w = w; a.p = p; a.coef = cf; a.dob = dob; a.dht = dht;
+    a.dhs = dhs; a.ddn = ddn; a.dh0 = nullptr; a.ready = ready; a.signal = signal; a.split = 1;
+    a.has_dht = 1; a.write_dh0 = 0; a.batch = B; a.tokens = T; a.heads = H; a.dk = K; a.dv = V;
+    a.n = n; a.qr = QR; a.ns = ns;
+    return a;
+  };
+  auto grads_params = [&](int* pipe, const int* order, int items, int ready_count, int beside,
+                          int scan_blocks) {
+    GdpGradsPipeParams a{};
+    a.q = dq; a.k = dk; a.v = dv; a.aux = daux; a.table = dtab; a.ainv = ag; a.hs = hs;
+    a.dhs = dhs; a.dn = dn; a.ddn = ddn; a.dob = dob; a.out = nullptr; a.dq = gq; a.dk_out = gk;
+    a.dv_out = gv; a.dgates = gout; a.pipe = pipe; a.order = order; a.split = 1; a.batch = B;
+    a.tokens = T; a.heads = H; a.dk = K; a.dv = V; a.n = n; a.nseq = B; a.scale = scale;
+    a.qr = QR; a.items = items; a.ready_count = ready_count; a.beside = beside;
+    a.scan_blocks = scan_blocks;
+    return a;
+  };
   const float t_wya = median_ms([&] {
-    gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf, ag, B, T,
-                                                       H, K, V, n, B, scale, nullptr, nullptr);
+    const GdpWyParams wp = wy_params(ag, nullptr, nullptr);
+    gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem>>>(GDP_ARGS_OF(GDP_WY_FIELDS, wp));
   });
   printf("  bwd: wy+Ainv %.3f ms", t_wya);
   float best_states = 1e9, best_dh = 1e9;
@@ -274,9 +313,9 @@ static void forward(int B, int T, int H, int n) {
     const int NS = dh_stages(bv, smem);
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const float t = median_ms([&] {
+      const GdpDhParams dp = dh_params(NS, nullptr, nullptr);
       kern<<<dim3(B * H, V / bv), bv == 16 ? 128 : 256, smem>>>(
-          dq, dk, 1, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, NS,
-          nullptr, nullptr);
+          GDP_ARGS_OF(GDP_DH_FIELDS, dp));
     });
     best_dh = std::min(best_dh, t);
     printf(" | dh BV%d/%d %.3f", bv, NS, t);
@@ -301,12 +340,12 @@ static void forward(int B, int T, int H, int n) {
       CK(cudaEventRecord(go, 0));
       CK(cudaStreamWaitEvent(sa, go, 0));
       CK(cudaStreamWaitEvent(sb, go, 0));
+      const GdpScanParams sp = scan_params(nullptr, hs, dn, 0, 2, nullptr);
       gdp_fwd_states_bf16_32_128<<<dim3(B * H, V / 32), 256, ssmem, sa>>>(
-          dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, nullptr, nullptr, hs, dn, B, T, H,
-          K, V, n, 0, 0, 2, nullptr);
+          GDP_ARGS_OF(GDP_SCAN_FIELDS, sp));
+      const GdpDhParams dp = dh_params(dns, nullptr, nullptr);
       gdp_bwd_dh_bf16_32_128<<<dim3(B * H, V / 32), 256, dsmem, sb>>>(
-          dq, dk, 1, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, dns,
-          nullptr, nullptr);
+          GDP_ARGS_OF(GDP_DH_FIELDS, dp));
       CK(cudaEventRecord(da, sa));
       CK(cudaEventRecord(db, sb));
       CK(cudaStreamWaitEvent(0, da, 0));
@@ -322,9 +361,8 @@ static void forward(int B, int T, int H, int n) {
   const auto grads = n >= 2 ? gdp_bwd_grads_bf16_128_128_tiles : gdp_bwd_grads_bf16_128_128;
   CK(cudaFuncSetAttribute(grads, cudaFuncAttributeMaxDynamicSharedMemorySize, gsmem));
   const float t_gr = median_ms([&] {
-    grads<<<dim3(total, H), GDPG_THREADS, gsmem>>>(dq, dk, 1, dv, daux, dtab, ag, hs, dhs, dn, ddn,
-                                                   dob, nullptr, gq, gk, gv, gout, B, T, H, K, V,
-                                                   n, B, scale, QR);
+    const GdpGradsPipeParams gp = grads_params(nullptr, nullptr, 0, 0, 0, 0);
+    grads<<<dim3(total, H), GDPG_THREADS, gsmem>>>(GDP_ARGS_OF(GDP_GRADS_FIELDS, gp));
   });
   printf(" | grads %.3f ms (smem %d) | bwd total %.3f ms\n", t_gr, gsmem,
          t_wya + best_states + best_dh + t_gr);
@@ -341,9 +379,8 @@ static void forward(int B, int T, int H, int n) {
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, gsmem));
     const float t = median_ms([&] {
       CK(cudaMemsetAsync(counters, 0, GDPG_PIPE_COUNTERS * sizeof(int), 0));
-      kern<<<sms, GDPG_THREADS, gsmem>>>(dq, dk, 1, dv, daux, dtab, ag, hs, dhs, dn, ddn, dob,
-                                         nullptr, gq, gk, gv, gout, B, T, H, K, V, n, B, scale, QR,
-                                         counters, table_order, total * H, 1, 0, 0);
+      const GdpGradsPipeParams gp = grads_params(counters, table_order, total * H, 1, 0, 0);
+      kern<<<sms, GDPG_THREADS, gsmem>>>(GDP_ARGS_OF(GDP_GRADS_PIPE_FIELDS, gp));
     });
     printf("  grads persistent (%d blocks) %.3f ms\n", sms, t);
     CK(cudaFree(counters));
@@ -377,14 +414,11 @@ static void forward(int B, int T, int H, int n) {
     CK(cudaEventCreateWithFlags(&zeroed, cudaEventDisableTiming));
     CK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     auto wy = [&](int* order, int* rdy, __nv_bfloat16* ainv) {
+      const GdpWyParams wp = wy_params(ainv, order, rdy);
       if (order == nullptr)
-        gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem, 0>>>(dq, dk, 1, dv, daux, dtab, w, u, p,
-                                                             cf, ainv, B, T, H, K, V, n, B,
-                                                             scale, nullptr, nullptr);
+        gdp_fwd_wy_bf16<<<dim3(total, H), 128, wy_smem, 0>>>(GDP_ARGS_OF(GDP_WY_FIELDS, wp));
       else
-        gdp_fwd_wy_bf16<<<total * H, 128, wy_smem, 0>>>(dq, dk, 1, dv, daux, dtab, w, u, p, cf,
-                                                        ainv, B, T, H, K, V, n, B, scale, order,
-                                                        rdy);
+        gdp_fwd_wy_bf16<<<total * H, 128, wy_smem, 0>>>(GDP_ARGS_OF(GDP_WY_FIELDS, wp));
     };
     // `first` on the device's stream (the WY kernel), `second` on `st` once the counters are
     // zeroed, then `after` on the device's stream; joined.
@@ -400,9 +434,8 @@ static void forward(int B, int T, int H, int n) {
     };
     auto fscan = [&](auto kern, int bv, int ns, cudaStream_t st, int* rdy) {
       const int smem = gdpc_scan_smem_bytes(KP, QR, bv, ns);
-      kern<<<dim3(B * H, V / bv), 256, smem, st>>>(dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0,
-                                                   nullptr, ob, nullptr, nullptr, nullptr, B, T,
-                                                   H, K, V, n, 0, QR, ns, rdy);
+      const GdpScanParams sp = scan_params(ob, nullptr, nullptr, QR, ns, rdy);
+      kern<<<dim3(B * H, V / bv), 256, smem, st>>>(GDP_ARGS_OF(GDP_SCAN_FIELDS, sp));
     };
     auto nothing = [] {};
     printf("  co-resident (WY %d bytes beside a two-stage scan):", wy_smem);
@@ -423,15 +456,15 @@ static void forward(int B, int T, int H, int n) {
       const int LB = 64 + 8;
       const int smem = ns * gdpd_stage_bytes(KP, QR, 64) + 2 * (2 * KP * LB + C * LB + QR * LB) +
                        8 * ns * 3 * C + 12 * ns;
+      const GdpDhParams dp = dh_params(ns, rdy, nullptr);
       gdp_bwd_dh_bf16_64_128<<<dim3(B * H, V / 64), 256, smem, st>>>(
-          dq, dk, 1, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, ns,
-          rdy, nullptr);
+          GDP_ARGS_OF(GDP_DH_FIELDS, dp));
     };
     auto states64 = [&](cudaStream_t st, int* rdy) {
       const int smem = gdpc_scan_smem_bytes(KP, 0, 64, 2);
+      const GdpScanParams sp = scan_params(nullptr, hs, dn, 0, 2, rdy);
       gdp_fwd_states_bf16_64_128<<<dim3(B * H, V / 64), 256, smem, st>>>(
-          dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, nullptr, nullptr, hs, dn, B, T, H,
-          K, V, n, 0, 0, 2, rdy);
+          GDP_ARGS_OF(GDP_SCAN_FIELDS, sp));
     };
     // (Shared-memory limits set above, at least as large: three-stage dS and forward scans.)
     const float t_op = median_ms([&] {
@@ -466,14 +499,14 @@ static void forward(int B, int T, int H, int n) {
     CK(cudaFuncSetAttribute(gdp_fwd_states_bf16_128_128,
                             cudaFuncAttributeMaxDynamicSharedMemorySize, st128_smem));
     auto dh128 = [&](cudaStream_t st) {
+      const GdpDhParams dp = dh_params(2, nullptr, nullptr);
       gdp_bwd_dh_bf16_128_128<<<dim3(B * H, 1), 256, dh128_smem, st>>>(
-          dq, dk, 1, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, 2,
-          nullptr, nullptr);
+          GDP_ARGS_OF(GDP_DH_FIELDS, dp));
     };
     auto states128 = [&](cudaStream_t st) {
+      const GdpScanParams sp = scan_params(nullptr, hs, dn, 0, 2, nullptr);
       gdp_fwd_states_bf16_128_128<<<dim3(B * H, 1), 256, st128_smem, st>>>(
-          dq, dk, 1, daux, dtab, w, u, p, cf, daux, 0, nullptr, nullptr, nullptr, hs, dn, B, T, H,
-          K, V, n, 0, 0, 2, nullptr);
+          GDP_ARGS_OF(GDP_SCAN_FIELDS, sp));
     };
     auto pair = [&](auto a, auto b) {  // a on the device's stream, b on `side`
       return median_ms([&] {
@@ -551,20 +584,20 @@ static void forward(int B, int T, int H, int n) {
     CK(cudaFuncSetAttribute(pipe_kern, cudaFuncAttributeMaxDynamicSharedMemorySize, gsmem));
     const int items = total * H;
     auto dh32 = [&](cudaStream_t st, int* signal) {
+      const GdpDhParams dp = dh_params(NS, nullptr, signal);
       gdp_bwd_dh_bf16_32_128<<<dim3(B * H, V / 32), 256, dsmem, st>>>(
-          dq, dk, 1, dtab, w, p, cf, dob, dht, 1, dhs, ddn, nullptr, 0, B, T, H, K, V, n, QR, NS,
-          nullptr, signal);
+          GDP_ARGS_OF(GDP_DH_FIELDS, dp));
     };
     auto grads_pipe = [&](int blocks, int beside) {
+      const GdpGradsPipeParams gp =
+          grads_params(pipe, dorder, items, V / 32, beside, scan_blocks);
       pipe_kern<<<std::min(blocks, items), GDPG_THREADS, gsmem, 0>>>(
-          dq, dk, 1, dv, daux, dtab, ag, hs, dhs, dn, ddn, dob, nullptr, gq, gk, gv, gout, B, T, H,
-          K, V, n, B, scale, QR, pipe, dorder, items, V / 32, beside, scan_blocks);
+          GDP_ARGS_OF(GDP_GRADS_PIPE_FIELDS, gp));
     };
     const float t_seq = median_ms([&] {
       dh32(0, nullptr);
-      grads<<<dim3(total, H), GDPG_THREADS, gsmem>>>(dq, dk, 1, dv, daux, dtab, ag, hs, dhs, dn,
-                                                     ddn, dob, nullptr, gq, gk, gv, gout, B, T, H,
-                                                     K, V, n, B, scale, QR);
+      const GdpGradsPipeParams gp = grads_params(nullptr, nullptr, 0, 0, 0, 0);
+      grads<<<dim3(total, H), GDPG_THREADS, gsmem>>>(GDP_ARGS_OF(GDP_GRADS_FIELDS, gp));
     });
     const float t_pipe = median_ms([&] {
       CK(cudaMemsetAsync(pipe, 0, counters * sizeof(int), 0));
@@ -609,9 +642,11 @@ static void step() {
   for (int n = 1; n <= nmax; ++n) {
     const float t = median_ms([&] {
       const float *q = dsm, *k = q + BH * K, *v = k + BH * n * K, *g = v + BH * n * V;
+      GdpStepParams<float> a{};
+      a.state = ds; a.q = q; a.k = k; a.v = v; a.g = g; a.beta = g + BH; a.out = out;
+      a.batch = B; a.heads = H; a.dk = K; a.dv = V; a.n = n; a.scale = 0.1f;
       gdp_step_f32_k128<<<dim3(BH, (V + GDP_STEP_COLS - 1) / GDP_STEP_COLS), GDP_STEP_THREADS,
-                          4 * gdp_step_smem_floats(K, n)>>>(ds, q, k, v, g, g + BH, out, B, H,
-                                                            K, V, n, 0.1f);
+                          4 * gdp_step_smem_floats(K, n)>>>(GDP_ARGS_OF(GDP_STEP_FIELDS, a));
     }, 50);
     printf("step B%d H%d K%d V%d n%d: %.4f ms, %.0f GB/s (state read + written)\n", B, H, K, V,
            n, t, bytes / t / 1e6);

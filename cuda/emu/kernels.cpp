@@ -176,7 +176,12 @@ void run_case(const Case& c) {
     std::vector<int> s3; for (auto& s : P.seqs) s3.insert(s3.end(), {s.b, s.start, s.len});
     std::vector<float> out(BTH * V + sl, 0.f);
     float scale = 1.f / sqrtf((float)K);
-    launch(N * H, gy, 256, [&] { gdp_fwd_f32(P.qk.data(), P.v.data(), P.aux.data(), s3.data(), P.aux.data(), 0, out.data(), c.B, c.T, c.H, c.K, c.V, c.n, c.h0, scale, BV); });
+    GdpFusedFwdParams<float> fp{};
+    fp.qk = P.qk.data(); fp.v = P.v.data(); fp.aux = P.aux.data(); fp.seqs = s3.data();
+    fp.h0_override = P.aux.data(); fp.use_h0_override = 0; fp.out = out.data();
+    fp.batch = c.B; fp.tokens = c.T; fp.heads = c.H; fp.dk = c.K; fp.dv = c.V; fp.n = c.n;
+    fp.has_h0 = c.h0; fp.scale = scale; fp.bv = BV;
+    launch(N * H, gy, 256, [&] { gdp_fwd_f32(GDP_ARGS_OF(GDP_FUSED_FWD_FIELDS, fp)); });
     report(c.name, "fwd o", rel(out.data(), R.o.data(), BTH * V), 1e-4);
     report(c.name, "fwd ht", rel(out.data() + BTH * V, R.fin.data(), sl), 1e-4);
   }
@@ -184,10 +189,14 @@ void run_case(const Case& c) {
   long total = qk_len + v_len + BTH * (1 + n) + (c.h0 ? sl : 0);
   std::vector<float> out(total, 0.f);
   float scale = 1.f / sqrtf((float)K);
-  launch(N * H, gy, 256, [&] {
-    gdp_bwd_f32(P.qk.data(), P.v.data(), P.aux.data(), tab.data(), c.h0 ? P.aux.data() + BTH * (1 + n) : P.aux.data(), c.h0,
-                P.dout.data(), P.dht.data(), hs.data(), out.data(), c.B, c.T, c.H, c.K, c.V, c.n, 0, GDPB_FULL, c.h0, scale, BV);
-  });
+  // The backward's parameters (the summaries below change ext, mode and the buffers).
+  GdpFusedBwdParams<float> bp{};
+  bp.qk = P.qk.data(); bp.v = P.v.data(); bp.aux = P.aux.data(); bp.table = tab.data();
+  bp.h0 = c.h0 ? P.aux.data() + BTH * (1 + n) : P.aux.data(); bp.dout = P.dout.data();
+  bp.dht = P.dht.data(); bp.hs = hs.data(); bp.out = out.data(); bp.has_h0src = c.h0;
+  bp.batch = c.B; bp.tokens = c.T; bp.heads = c.H; bp.dk = c.K; bp.dv = c.V; bp.n = c.n;
+  bp.ext = 0; bp.mode = GDPB_FULL; bp.write_dh0 = c.h0; bp.scale = scale; bp.bv = BV;
+  launch(N * H, gy, 256, [&] { gdp_bwd_f32(GDP_ARGS_OF(GDP_FUSED_BWD_FIELDS, bp)); });
   // dq / dk separately
   std::vector<float> gq, gk; std::vector<double> rq, rk;
   for (long tk = 0; tk < BTH / H; ++tk) for (long s = 0; s <= n; ++s) for (long h = 0; h < H; ++h) for (long kk = 0; kk < K; ++kk) {
@@ -206,9 +215,10 @@ void run_case(const Case& c) {
   if (!g_bwd_only) {
     long Vw = V + K; unsigned gyw = (Vw + BV - 1) / BV;
     std::vector<float> sum(N * H * K * Vw, -7.f);
-    launch(N * H, gyw, 256, [&] {
-      gdp_bwd_f32(P.qk.data(), P.v.data(), P.aux.data(), tab.data(), P.aux.data(), 0, P.dout.data(), P.dht.data(), hs.data(), sum.data(), c.B, c.T, c.H, c.K, c.V, c.n, c.K, GDPB_FWD_SUM, 0, scale, BV);
-    });
+    GdpFusedBwdParams<float> fs = bp;
+    fs.h0 = P.aux.data(); fs.has_h0src = 0; fs.dht = P.dht.data(); fs.out = sum.data();
+    fs.ext = c.K; fs.mode = GDPB_FWD_SUM; fs.write_dh0 = 0;
+    launch(N * H, gyw, 256, [&] { gdp_bwd_f32(GDP_ARGS_OF(GDP_FUSED_BWD_FIELDS, fs)); });
     Ref R1; naive(P, dhtd.data(), nullptr, R1, false);
     std::vector<float> got(sl);
     for (long sh = 0; sh < N * H; ++sh) {
@@ -223,9 +233,9 @@ void run_case(const Case& c) {
     // backward summary with dht = 0 -> [γ | Mᵀ]; γ + Mᵀ dht == naive dh0 with dht (h0 irrelevant).
     std::vector<float> zeros(sl, 0.f);
     std::fill(sum.begin(), sum.end(), -7.f);
-    launch(N * H, gyw, 256, [&] {
-      gdp_bwd_f32(P.qk.data(), P.v.data(), P.aux.data(), tab.data(), P.aux.data(), 0, P.dout.data(), zeros.data(), hs.data(), sum.data(), c.B, c.T, c.H, c.K, c.V, c.n, c.K, GDPB_BWD_SUM, 0, scale, BV);
-    });
+    GdpFusedBwdParams<float> bs = fs;
+    bs.dht = zeros.data(); bs.mode = GDPB_BWD_SUM;
+    launch(N * H, gyw, 256, [&] { gdp_bwd_f32(GDP_ARGS_OF(GDP_FUSED_BWD_FIELDS, bs)); });
     for (long sh = 0; sh < N * H; ++sh) {
       const float* Pm = &sum[sh * K * Vw];
       for (long r = 0; r < K; ++r) for (long cc = 0; cc < V; ++cc) {
@@ -290,7 +300,7 @@ struct SplitQk {
   }
 };
 
-// The kernels' (qb, kb, split) arguments for the packed qk or for `sq`.
+// The kernels' (q, k, split) parameters for the packed qk or for `sq`.
 struct QkArgs {
   const __nv_bfloat16 *q, *k;
   int split;
@@ -298,6 +308,40 @@ struct QkArgs {
 static QkArgs qk_args(const std::vector<__nv_bfloat16>& qk, const SplitQk& sq, bool split,
                       long H, long K) {
   return split ? QkArgs{sq.q.data(), sq.k.data(), 1} : QkArgs{qk.data(), qk.data() + H * K, 0};
+}
+
+// The WY kernel's parameters (ainv, order, ready may be null).
+static GdpWyParams wy_params(const Prob& P, const QkArgs& a, const std::vector<__nv_bfloat16>& vb,
+                             const std::vector<int>& tab, std::vector<__nv_bfloat16>& wg,
+                             std::vector<__nv_bfloat16>& ug, std::vector<__nv_bfloat16>& pg,
+                             std::vector<float>& cg, __nv_bfloat16* ainv, float scale,
+                             const int* order, int* ready) {
+  const Case& c = P.c;
+  GdpWyParams p{};
+  p.q = a.q; p.k = a.k; p.v = vb.data(); p.aux = P.aux.data(); p.table = tab.data();
+  p.w = wg.data(); p.u = ug.data(); p.p = pg.data(); p.coef = cg.data(); p.ainv = ainv;
+  p.order = order; p.ready = ready; p.split = a.split; p.batch = c.B; p.tokens = c.T;
+  p.heads = c.H; p.dk = c.K; p.dv = c.V; p.n = c.n; p.nseq = P.N; p.scale = scale;
+  return p;
+}
+
+// The forward scan's (and the states-only kernel's) parameters: h0 from aux where the case has
+// one, no override.
+static GdpScanParams scan_params(const Prob& P, const QkArgs& a, const std::vector<int>& tab,
+                                 const std::vector<__nv_bfloat16>& wg,
+                                 const std::vector<__nv_bfloat16>& ug,
+                                 const std::vector<__nv_bfloat16>& pg,
+                                 const std::vector<float>& cg, float* out, __nv_bfloat16* outb,
+                                 float* fin, __nv_bfloat16* hs, __nv_bfloat16* dn, int qr, int ns,
+                                 const int* ready) {
+  const Case& c = P.c;
+  GdpScanParams p{};
+  p.q = a.q; p.k = a.k; p.aux = P.aux.data(); p.table = tab.data(); p.w = wg.data();
+  p.u = ug.data(); p.p = pg.data(); p.coef = cg.data(); p.h0_override = P.aux.data();
+  p.out = out; p.outb = outb; p.fin = fin; p.hs = hs; p.dn = dn; p.ready = ready;
+  p.split = a.split; p.use_h0_override = 0; p.batch = c.B; p.tokens = c.T; p.heads = c.H;
+  p.dk = c.K; p.dv = c.V; p.n = c.n; p.has_h0 = c.h0; p.qr = qr; p.ns = ns;
+  return p;
 }
 
 // The bf16 forwards: gdp_fwd_bf16 (one kernel) and gdp_fwd_wy_bf16 + gdp_fwd_scan_bf16 (two
@@ -315,10 +359,13 @@ void run_bf16(const Case& c) {
   std::vector<int> s3;
   for (auto& q : P.seqs) s3.insert(s3.end(), {q.b, q.start, q.len});
   std::vector<float> fused(BTH * V + sl, 0.f);
-  launch(N * H, (V + c.BV - 1) / c.BV, 256, [&] {
-    gdp_fwd_bf16(qkb.data(), vb.data(), P.aux.data(), s3.data(), P.aux.data(), 0, fused.data(),
-                 c.B, c.T, c.H, c.K, c.V, c.n, c.h0, scale, c.BV);
-  });
+  GdpFusedFwdParams<__nv_bfloat16> fp{};
+  fp.qk = qkb.data(); fp.v = vb.data(); fp.aux = P.aux.data(); fp.seqs = s3.data();
+  fp.h0_override = P.aux.data(); fp.use_h0_override = 0; fp.out = fused.data();
+  fp.batch = c.B; fp.tokens = c.T; fp.heads = c.H; fp.dk = c.K; fp.dv = c.V; fp.n = c.n;
+  fp.has_h0 = c.h0; fp.scale = scale; fp.bv = c.BV;
+  launch(N * H, (V + c.BV - 1) / c.BV, 256,
+         [&] { gdp_fwd_bf16(GDP_ARGS_OF(GDP_FUSED_FWD_FIELDS, fp)); });
   report(c.name, "bf16 1k o", rel(fused.data(), R.o.data(), BTH * V), 1e-2);
   report(c.name, "bf16 1k ht", rel(fused.data() + BTH * V, R.fin.data(), sl), 1e-2);
 
@@ -332,12 +379,10 @@ void run_bf16(const Case& c) {
   // The WY factors from the packed qk and from q, k in place: the same bits.
   auto wy_factors = [&](bool split) {
     const QkArgs a = qk_args(qkb, sq, split, H, K);
+    const GdpWyParams wp = wy_params(P, a, vb, tab, wg, ug, pg, cg, nullptr, scale, nullptr,
+                                     nullptr);
     if (total > 0)
-      launch(total, H, 128, [&] {
-        gdp_fwd_wy_bf16(a.q, a.k, a.split, vb.data(), P.aux.data(), tab.data(), wg.data(),
-                        ug.data(), pg.data(), cg.data(), nullptr, c.B, c.T, c.H, c.K, c.V, c.n,
-                        N, scale, nullptr, nullptr);
-      });
+      launch(total, H, 128, [&] { gdp_fwd_wy_bf16(GDP_ARGS_OF(GDP_WY_FIELDS, wp)); });
   };
   wy_factors(true);
   const auto wg1 = wg, ug1 = ug, pg1 = pg;
@@ -361,11 +406,12 @@ void run_bf16(const Case& c) {
     const QkArgs a = qk_args(qkb, sq, split, H, K);
     std::vector<float> out(BTH * V + sl, 0.f);
     std::vector<__nv_bfloat16> ob(plain ? BTH * V : 0, __nv_bfloat16{0x7f7f});
+    const GdpScanParams sp =
+        scan_params(P, a, tab, wg, ug, pg, cg, plain ? nullptr : out.data(),
+                    plain ? ob.data() : nullptr, out.data() + BTH * V, nullptr, nullptr, QR, NS,
+                    nullptr);
     launch(N * H, (V + bv - 1) / bv, bv == 16 ? 128 : 256, [&] {
-#define ARGS a.q, a.k, a.split, P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(), cg.data(), \
-             P.aux.data(), 0, plain ? nullptr : out.data(), plain ? ob.data() : nullptr,        \
-             out.data() + BTH * V, nullptr, nullptr, c.B, c.T, c.H, c.K, c.V, c.n, c.h0, QR, NS, \
-             nullptr
+#define ARGS GDP_ARGS_OF(GDP_SCAN_FIELDS, sp)
       if (bv == 16 && KPT == 64) gdp_fwd_scan_bf16_16_64(ARGS);
       if (bv == 16 && KPT == 128) gdp_fwd_scan_bf16_16_128(ARGS);
       if (bv == 16 && KPT == 256) gdp_fwd_scan_bf16_16_256(ARGS);
@@ -393,11 +439,11 @@ void run_bf16(const Case& c) {
     if (KPT == 256 || total == 0) return;
     const QkArgs a = qk_args(qkb, sq, true, H, K);
     auto scan = [&](std::vector<float>& out, const int* ready) {
+      const GdpScanParams sp = scan_params(P, a, tab, wg, ug, pg, cg, out.data(), nullptr,
+                                           out.data() + BTH * V, nullptr, nullptr, QR, 3, ready);
       launch(N * H, (V + 31) / 32, 256, [&] {
         (KPT == 64 ? gdp_fwd_scan_bf16_32_64 : gdp_fwd_scan_bf16_32_128)(
-            a.q, a.k, a.split, P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(),
-            cg.data(), P.aux.data(), 0, out.data(), nullptr, out.data() + BTH * V, nullptr,
-            nullptr, c.B, c.T, c.H, c.K, c.V, c.n, c.h0, QR, 3, ready);
+            GDP_ARGS_OF(GDP_SCAN_FIELDS, sp));
       });
     };
     wy_factors(true);
@@ -407,11 +453,10 @@ void run_bf16(const Case& c) {
     std::fill(wg.begin(), wg.end(), __nv_bfloat16{0x7f7f});
     std::fill(ug.begin(), ug.end(), __nv_bfloat16{0x7f7f});
     std::vector<int> ready((total / GDPC_READY_GROUP + N + 1) * H, 0);
-    launch((long)order.size() * H, 1, 128, [&] {
-      gdp_fwd_wy_bf16(a.q, a.k, a.split, vb.data(), P.aux.data(), tab.data(), wg.data(),
-                      ug.data(), pg.data(), cg.data(), nullptr, c.B, c.T, c.H, c.K, c.V, c.n, N,
-                      scale, order.data(), ready.data());
-    });
+    const GdpWyParams wp = wy_params(P, a, vb, tab, wg, ug, pg, cg, nullptr, scale,
+                                     order.data(), ready.data());
+    launch((long)order.size() * H, 1, 128,
+           [&] { gdp_fwd_wy_bf16(GDP_ARGS_OF(GDP_WY_FIELDS, wp)); });
     const bool all_set = (long)order.size() == total;
     scan(overlapped, ready.data());  // asserts each group's count
     const bool same = memcmp(plain.data(), overlapped.data(), plain.size() * sizeof(float)) == 0;
@@ -458,12 +503,11 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
   const bool parts = bv == 32;
   const SplitQk sq(qkb, BTH / H, n, H, K);
   const QkArgs a = qk_args(qkb, sq, parts, H, K);
-  if (total > 0)
-    launch(total, H, 128, [&] {
-      gdp_fwd_wy_bf16(a.q, a.k, a.split, vb.data(), P.aux.data(), tab.data(), wg.data(),
-                      ug.data(), pg.data(), cg.data(), ag.data(), c.B, c.T, c.H, c.K, c.V, c.n,
-                      N, scale, nullptr, nullptr);
-    });
+  if (total > 0) {
+    const GdpWyParams wp = wy_params(P, a, vb, tab, wg, ug, pg, cg, ag.data(), scale, nullptr,
+                                     nullptr);
+    launch(total, H, 128, [&] { gdp_fwd_wy_bf16(GDP_ARGS_OF(GDP_WY_FIELDS, wp)); });
+  }
   const int nthr = bv == 16 ? 128 : 256;
   // The states rerun as the op runs it: the states-only kernel (no query rows staged, QR = 0)
   // into hs, dn; then the forward scan with its output (as the forward of save_intermediates
@@ -473,11 +517,11 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
   std::vector<__nv_bfloat16> o_scan(BTH * V);
   auto rerun = [&](bool states_only, __nv_bfloat16* hs_to, __nv_bfloat16* dn_to) {
     const int lbv = states_only ? bv : std::min(bv, 64);
+    const GdpScanParams sp = scan_params(P, a, tab, wg, ug, pg, cg, nullptr,
+                                         states_only ? nullptr : o_scan.data(), nullptr, hs_to,
+                                         dn_to, states_only ? 0 : QR, NS, nullptr);
     launch(N * H, (V + lbv - 1) / lbv, nthr, [&] {
-#define ARGS a.q, a.k, a.split, P.aux.data(), tab.data(), wg.data(), ug.data(), pg.data(), cg.data(), \
-             P.aux.data(), 0, nullptr, states_only ? nullptr : o_scan.data(), nullptr, hs_to, dn_to, \
-             c.B, c.T, c.H, c.K, c.V, c.n, \
-             c.h0, states_only ? 0 : QR, NS, nullptr
+#define ARGS GDP_ARGS_OF(GDP_SCAN_FIELDS, sp)
 #define PICK(PREFIX)                                     \
   if (lbv == 16 && KPT == 64) PREFIX##_16_64(ARGS);      \
   if (lbv == 16 && KPT == 128) PREFIX##_16_128(ARGS);    \
@@ -518,9 +562,14 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
   float* dh0 = out.data() + qk_len + v_len + BTH * (1 + n);
   auto dh_scan = [&](__nv_bfloat16* dhs_to, __nv_bfloat16* ddn_to, float* dh0_to, const int* rdy,
                      int* signal) {
+    GdpDhParams dp{};
+    dp.q = a.q; dp.k = a.k; dp.table = tab.data(); dp.w = wg.data(); dp.p = pg.data();
+    dp.coef = cg.data(); dp.dob = dob_ptr; dp.dht = P.dht.data(); dp.dhs = dhs_to;
+    dp.ddn = ddn_to; dp.dh0 = dh0_to; dp.ready = rdy; dp.signal = signal; dp.split = a.split;
+    dp.has_dht = 1; dp.write_dh0 = c.h0; dp.batch = c.B; dp.tokens = c.T; dp.heads = c.H;
+    dp.dk = c.K; dp.dv = c.V; dp.n = c.n; dp.qr = QR; dp.ns = NS;
     launch(N * H, (V + bv - 1) / bv, nthr, [&] {
-#define ARGS a.q, a.k, a.split, tab.data(), wg.data(), pg.data(), cg.data(), dob_ptr, P.dht.data(), 1, \
-             dhs_to, ddn_to, dh0_to, c.h0, c.B, c.T, c.H, c.K, c.V, c.n, QR, NS, rdy, signal
+#define ARGS GDP_ARGS_OF(GDP_DH_FIELDS, dp)
       if (bv == 16 && KPT == 64) gdp_bwd_dh_bf16_16_64(ARGS);
       if (bv == 16 && KPT == 128) gdp_bwd_dh_bf16_16_128(ARGS);
       if (bv == 32 && KPT == 64) gdp_bwd_dh_bf16_32_64(ARGS);
@@ -547,11 +596,10 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
     std::fill(pg.begin(), pg.end(), poison);
     std::fill(cg.begin(), cg.end(), 3e38f);
     std::vector<int> ready((total / GDPC_READY_GROUP + N + 1) * H, 0);
-    launch((long)order.size() * H, 1, 128, [&] {
-      gdp_fwd_wy_bf16(a.q, a.k, a.split, vb.data(), P.aux.data(), tab.data(), wg.data(),
-                      ug.data(), pg.data(), cg.data(), nullptr, c.B, c.T, c.H, c.K, c.V, c.n, N,
-                      scale, order.data(), ready.data());
-    });
+    const GdpWyParams wp = wy_params(P, a, vb, tab, wg, ug, pg, cg, nullptr, scale,
+                                     order.data(), ready.data());
+    launch((long)order.size() * H, 1, 128,
+           [&] { gdp_fwd_wy_bf16(GDP_ARGS_OF(GDP_WY_FIELDS, wp)); });
     std::vector<__nv_bfloat16> dhs2(dhs.size(), poison), ddn2(ddn.size(), poison);
     std::vector<float> dh0b(c.h0 ? sl : 1, 0.f);
     dh_scan(dhs2.data(), ddn2.data(), dh0b.data(), ready.data(), pipe.data());
@@ -571,16 +619,23 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
   // per (chunk, head), or (pipe) `blocks` persistent blocks taking the pairs from `pipe`.
   auto grads = [&](float* o, __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
                    int* pp, int blocks, int beside, int done_at) {
+    GdpGradsPipeParams gp{};
+    gp.q = a.q; gp.k = a.k; gp.v = vb.data(); gp.aux = P.aux.data(); gp.table = tab.data();
+    gp.ainv = ag.data(); gp.hs = hs.data(); gp.dhs = dhs.data(); gp.dn = dn.data();
+    gp.ddn = ddn.data(); gp.dob = dob_ptr; gp.out = parts ? nullptr : o;
+    gp.dq = parts ? dq : nullptr; gp.dk_out = parts ? dk : nullptr;
+    gp.dv_out = parts ? dv : nullptr; gp.dgates = o + qk_len + v_len; gp.split = a.split;
+    gp.batch = c.B; gp.tokens = c.T; gp.heads = c.H; gp.dk = c.K; gp.dv = c.V; gp.n = c.n;
+    gp.nseq = N; gp.scale = scale; gp.qr = QR;
+    // The persistent kernel's fields (GDP_GRADS_FIELDS leaves them out for the others).
+    gp.pipe = pp; gp.order = order.data(); gp.items = (int)total * H;
+    gp.ready_count = (V + bv - 1) / bv; gp.beside = beside; gp.scan_blocks = done_at;
     launch(pp ? blocks : total, pp ? 1 : H, GDPG_THREADS, [&] {
-#define ARGS a.q, a.k, a.split, vb.data(), P.aux.data(), tab.data(), ag.data(), hs.data(),        \
-             dhs.data(), dn.data(), ddn.data(), dob_ptr, parts ? nullptr : o,                \
-             parts ? dq : nullptr, parts ? dk : nullptr, parts ? dv : nullptr,                  \
-             o + qk_len + v_len, c.B, c.T, c.H, c.K, c.V, c.n, N, scale, QR
       if (pp != nullptr) {  // only the `_tiles` kernel has persistent blocks
-        gdp_bwd_grads_bf16_128_128_tiles_pipe(ARGS, pp, order.data(), (int)total * H,
-                                              (V + bv - 1) / bv, beside, done_at);
+        gdp_bwd_grads_bf16_128_128_tiles_pipe(GDP_ARGS_OF(GDP_GRADS_PIPE_FIELDS, gp));
         return;
       }
+#define ARGS GDP_ARGS_OF(GDP_GRADS_FIELDS, gp)
       if (KPT == 64 && VPT == 64) gdp_bwd_grads_bf16_64_64(ARGS);
       if (KPT == 64 && VPT == 128) gdp_bwd_grads_bf16_64_128(ARGS);
       if (KPT == 128 && VPT == 64) gdp_bwd_grads_bf16_128_64(ARGS);
@@ -678,19 +733,21 @@ void run_step(int B, int H, int K, int V, int n) {
   auto run = [&](auto* x, float* dst) {
     std::fill(dst, dst + out.size(), -7.f);
     launch(BH, (V + GDP_STEP_COLS - 1) / GDP_STEP_COLS, GDP_STEP_THREADS, [&] {
-      const auto *q = x + at[0], *k = x + at[1], *v = x + at[2];
-      const float *gx = small.data() + at[3], *bx = small.data() + at[4];
-      const float* st = state.data();
-      if constexpr (std::is_same_v<std::remove_const_t<std::remove_pointer_t<decltype(x)>>, float>) {
-        if (K <= 32) gdp_step_f32_k32(st, q, k, v, gx, bx, dst, B, H, K, V, n, scale);
-        else if (K <= 64) gdp_step_f32_k64(st, q, k, v, gx, bx, dst, B, H, K, V, n, scale);
-        else if (K <= 128) gdp_step_f32_k128(st, q, k, v, gx, bx, dst, B, H, K, V, n, scale);
-        else gdp_step_f32_k256(st, q, k, v, gx, bx, dst, B, H, K, V, n, scale);
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(x)>>;
+      GdpStepParams<T> sp{};
+      sp.state = state.data(); sp.q = x + at[0]; sp.k = x + at[1]; sp.v = x + at[2];
+      sp.g = small.data() + at[3]; sp.beta = small.data() + at[4]; sp.out = dst;
+      sp.batch = B; sp.heads = H; sp.dk = K; sp.dv = V; sp.n = n; sp.scale = scale;
+      if constexpr (std::is_same_v<T, float>) {
+        if (K <= 32) gdp_step_f32_k32(GDP_ARGS_OF(GDP_STEP_FIELDS, sp));
+        else if (K <= 64) gdp_step_f32_k64(GDP_ARGS_OF(GDP_STEP_FIELDS, sp));
+        else if (K <= 128) gdp_step_f32_k128(GDP_ARGS_OF(GDP_STEP_FIELDS, sp));
+        else gdp_step_f32_k256(GDP_ARGS_OF(GDP_STEP_FIELDS, sp));
       } else {
-        if (K <= 32) gdp_step_bf16_k32(st, q, k, v, gx, bx, dst, B, H, K, V, n, scale);
-        else if (K <= 64) gdp_step_bf16_k64(st, q, k, v, gx, bx, dst, B, H, K, V, n, scale);
-        else if (K <= 128) gdp_step_bf16_k128(st, q, k, v, gx, bx, dst, B, H, K, V, n, scale);
-        else gdp_step_bf16_k256(st, q, k, v, gx, bx, dst, B, H, K, V, n, scale);
+        if (K <= 32) gdp_step_bf16_k32(GDP_ARGS_OF(GDP_STEP_FIELDS, sp));
+        else if (K <= 64) gdp_step_bf16_k64(GDP_ARGS_OF(GDP_STEP_FIELDS, sp));
+        else if (K <= 128) gdp_step_bf16_k128(GDP_ARGS_OF(GDP_STEP_FIELDS, sp));
+        else gdp_step_bf16_k256(GDP_ARGS_OF(GDP_STEP_FIELDS, sp));
       }
     });
   };
