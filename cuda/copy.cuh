@@ -3,9 +3,7 @@
 // pointers, the width and the strides allow it (else 4, else 1). Grid (x: columns, y: rows), so
 // that no thread divides an index; Candle's copy2d moves one element per thread and divides.
 
-extern "C" __global__ void gdp_copy_rows(const unsigned char* __restrict__ src,
-                                         unsigned char* __restrict__ dst, int64_t rows,
-                                         int64_t width, int64_t src_ld, int64_t dst_ld) {
+extern "C" __global__ void gdp_copy_rows(GDP_KERNEL_PARAMS(GDP_COPY_ROWS_FIELDS, _)) {
   const uintptr_t bits = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) |
                          (uintptr_t)width | (uintptr_t)src_ld | (uintptr_t)dst_ld;
   const int64_t x0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;

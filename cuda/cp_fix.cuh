@@ -135,21 +135,19 @@ __device__ __forceinline__ void gdp_cp_fix_impl(const __nv_bfloat16* __restrict_
 }
 
 extern "C" __global__ void __launch_bounds__(GDP_FIX_THREADS)
-    gdp_cp_fix_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, const float* s, int H, int K, int V,
-                    long long outer0, int outer_per_seq, int inner) {
-  gdp_cp_fix_impl(x, y, s, H, K, V, outer0, outer_per_seq, inner);
+    gdp_cp_fix_bf16(GDP_KERNEL_PARAMS(GDP_FIX_FIELDS, __nv_bfloat16)) {
+  gdp_cp_fix_impl(x, y, s, heads, dk, dv, outer0, outer_per_seq, inner);
 }
 
 extern "C" __global__ void __launch_bounds__(GDP_FIX_THREADS)
-    gdp_cp_fix_f32(const __nv_bfloat16* x, float* y, const float* s, int H, int K, int V,
-                   long long outer0, int outer_per_seq, int inner) {
-  gdp_cp_fix_impl(x, y, s, H, K, V, outer0, outer_per_seq, inner);
+    gdp_cp_fix_f32(GDP_KERNEL_PARAMS(GDP_FIX_FIELDS, float)) {
+  gdp_cp_fix_impl(x, y, s, heads, dk, dv, outer0, outer_per_seq, inner);
 }
 
 // [x | I_K] per (sequence, head): out [blocks, K, V + K] f32 from x [blocks, K, V] (or zeros
 // where x is null), the identity in the last K columns. One thread per element.
-extern "C" __global__ void gdp_cp_widen_states(const float* __restrict__ x, float* __restrict__ out,
-                                               long long blocks, int K, int V) {
+extern "C" __global__ void gdp_cp_widen_states(GDP_KERNEL_PARAMS(GDP_WIDEN_FIELDS, _)) {
+  const int K = dk, V = dv;
   const int W = V + K;
   const long long total = blocks * K * W;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;

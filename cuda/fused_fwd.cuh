@@ -258,13 +258,11 @@ __device__ void gdp_fwd(const T* __restrict__ qk, const T* __restrict__ vv,
   }
 }
 
-#define GDP_FWD_ENTRY(NAME, TYPE)                                                              \
-  extern "C" __global__ void __launch_bounds__(GDP_THREADS)                                    \
-      NAME(const TYPE* qk, const TYPE* v, const float* aux, const int* seqs,                   \
-           const float* h0_override, int use_h0_override, float* out, int B, int T, int H,     \
-           int K, int V, int n, int has_h0, float scale, int BV) {                             \
-    gdp_fwd<TYPE>(qk, v, aux, seqs, h0_override, use_h0_override, out, B, T, H, K, V, n,       \
-                  has_h0, scale, BV);                                                          \
+#define GDP_FWD_ENTRY(NAME, TYPE)                                                            \
+  extern "C" __global__ void __launch_bounds__(GDP_THREADS)                                  \
+      NAME(GDP_KERNEL_PARAMS(GDP_FUSED_FWD_FIELDS, TYPE)) {                                  \
+    gdp_fwd<TYPE>(qk, v, aux, seqs, h0_override, use_h0_override, out, batch, tokens, heads, \
+                  dk, dv, n, has_h0, scale, bv);                                             \
   }
 
 GDP_FWD_ENTRY(gdp_fwd_f32, float)

@@ -1,6 +1,7 @@
 // Gated DeltaProduct: every CUDA kernel of the crate in one translation unit. build.rs compiles
 // this file into one fat binary; the CPU emulator (cuda/emu) and the kernel benchmark
 // (cuda/bench) include it. The headers, in dependency order:
+//   params.cuh           the kernels' parameter lists (X-macros; src/op/kernel_params.rs mirrors)
 //   inverse.cuh          the triangular inverse (I + A)^-1 of a chunk, f32
 //   mma.cuh              block_mma: matrix products on tensor cores (bf16, split tf32)
 //   common.cuh           helpers several stages use: GDP_CHUNK, GDP_THREADS, to_f, KPad, load_rows
@@ -22,6 +23,7 @@
 
 #include <type_traits>
 
+#include "params.cuh"
 #include "inverse.cuh"
 #include "mma.cuh"
 #include "common.cuh"

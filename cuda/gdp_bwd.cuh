@@ -584,12 +584,9 @@ __device__ void gdp_bwd(const T* __restrict__ qk, const T* __restrict__ vv,
 
 #define GDP_BWD_ENTRY(NAME, TYPE)                                                              \
   extern "C" __global__ void __launch_bounds__(GDP_THREADS)                                    \
-      NAME(const TYPE* qk, const TYPE* v, const float* aux, const int* table, const float* h0, \
-           int has_h0src, const float* dout, const float* dht, float* hs, float* out, int B,   \
-           int T, int H, int K, int V, int n, int ext, int mode, int write_dh0, float scale,   \
-           int BV) {                                                                           \
-    gdp_bwd<TYPE>(qk, v, aux, table, h0, has_h0src, dout, dht, hs, out, B, T, H, K, V, n, ext, \
-                  mode, write_dh0, scale, BV);                                                 \
+      NAME(GDP_KERNEL_PARAMS(GDP_FUSED_BWD_FIELDS, TYPE)) {                                    \
+    gdp_bwd<TYPE>(qk, v, aux, table, h0, has_h0src, dout, dht, hs, out, batch, tokens, heads,  \
+                  dk, dv, n, ext, mode, write_dh0, scale, bv);                                 \
   }
 
 GDP_BWD_ENTRY(gdp_bwd_f32, float)

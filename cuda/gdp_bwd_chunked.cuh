@@ -117,8 +117,7 @@ __device__ __forceinline__ float gdpg_column_sum(float x) {
 #endif
 }
 
-extern "C" __global__ void gdp_f32_to_bf16(const float* __restrict__ src,
-                                           __nv_bfloat16* __restrict__ dst, int64_t len) {
+extern "C" __global__ void gdp_f32_to_bf16(GDP_KERNEL_PARAMS(GDP_CAST_FIELDS, _)) {
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < len; i += stride)
     dst[i] = __float2bfloat16_rn(src[i]);
@@ -410,15 +409,11 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
 }
 
 #define GDPD_SCAN_ENTRY(BV, KPT, NW)                                                          \
-  extern "C" __global__ void __launch_bounds__(NW * 32) gdp_bwd_dh_bf16_##BV##_##KPT(        \
-      const __nv_bfloat16* qb, const __nv_bfloat16* kb, int split, const int* table,          \
-      const __nv_bfloat16* wg,                                                                \
-      const __nv_bfloat16* pg, const float* cg, const __nv_bfloat16* dob, const float* dht,   \
-      int has_dht, __nv_bfloat16* dhs, __nv_bfloat16* ddn, float* dh0, int write_dh0, int B,  \
-      int TT, int H, int K, int V, int n, int QR, int NS, const int* ready, int* signal) {     \
-    gdp_bwd_dh_bf16_impl<BV, KPT, NW>(qb, kb, split, table, wg, pg, cg, dob, dht, has_dht, dhs,  \
-                                      ddn, dh0, write_dh0, B, TT, H, K, V, n, QR, NS, ready,  \
-                                      signal);                                                \
+  extern "C" __global__ void __launch_bounds__(NW * 32)                                     \
+      gdp_bwd_dh_bf16_##BV##_##KPT(GDP_KERNEL_PARAMS(GDP_DH_FIELDS, _)) {                    \
+    gdp_bwd_dh_bf16_impl<BV, KPT, NW>(q, k, split, table, w, p, coef, dob, dht, has_dht, dhs, \
+                                      ddn, dh0, write_dh0, batch, tokens, heads, dk, dv, n,  \
+                                      qr, ns, ready, signal);                                \
   }
 GDPD_SCAN_ENTRY(16, 64, 4)
 GDPD_SCAN_ENTRY(16, 128, 4)
@@ -962,20 +957,13 @@ __device__ __forceinline__ void gdpg_pipe(int* pipe, const int* order, const int
 // grid (chunks, H). gdp_bwd_grads_bf16_128_128_tiles_pipe: persistent blocks (gdpg_pipe), only
 // where they were measured (K = V = 128, n >= 2; `ptxas` gives the other shapes' persistent
 // kernels spills, and the 64 x 64 one twice its grid kernel's registers).
-#define GDPG_PARAMS                                                                            \
-  const __nv_bfloat16 *qb, const __nv_bfloat16 *kb, int split, const __nv_bfloat16 *v,         \
-      const float *aux, const int *table, const __nv_bfloat16 *ag, const __nv_bfloat16 *hs,    \
-      const __nv_bfloat16 *dhs, const __nv_bfloat16 *dn, const __nv_bfloat16 *ddn,             \
-      const __nv_bfloat16 *dob, float *out, __nv_bfloat16 *dqb, __nv_bfloat16 *dkb,            \
-      __nv_bfloat16 *dvb_out, float *dgates, int B, int TT, int H, int K, int V, int n, int N, \
-      float scale, int QR
 #define GDPG_ARGS(KP, VP, TILES, CHUNK, HEAD)                                                  \
-  gdp_bwd_grads_bf16_impl<KP, VP, TILES>(qb, kb, split, v, aux, table, ag, hs, dhs, dn, ddn,  \
-                                         dob, out, dqb, dkb, dvb_out, dgates, B, TT, H, K, V,  \
-                                         n, N, scale, QR, CHUNK, HEAD)
+  gdp_bwd_grads_bf16_impl<KP, VP, TILES>(q, k, split, v, aux, table, ainv, hs, dhs, dn, ddn,  \
+                                         dob, out, dq, dk_out, dv_out, dgates, batch, tokens,  \
+                                         heads, dk, dv, n, nseq, scale, qr, CHUNK, HEAD)
 #define GDPG_ENTRY(KP, VP, TILES, SUFFIX)                                                      \
   extern "C" __global__ void __launch_bounds__(GDPG_THREADS)                                   \
-      gdp_bwd_grads_bf16_##KP##_##VP##SUFFIX(GDPG_PARAMS) {                                    \
+      gdp_bwd_grads_bf16_##KP##_##VP##SUFFIX(GDP_KERNEL_PARAMS(GDP_GRADS_FIELDS, _)) {         \
     GDPG_ARGS(KP, VP, TILES, blockIdx.x, blockIdx.y);                                          \
   }
 GDPG_ENTRY(64, 64, false, )
@@ -985,8 +973,7 @@ GDPG_ENTRY(128, 128, false, )
 // Only where it was measured faster: K = V = 128 at n >= 2 (the launch picks it).
 GDPG_ENTRY(128, 128, true, _tiles)
 extern "C" __global__ void __launch_bounds__(GDPG_THREADS)
-    gdp_bwd_grads_bf16_128_128_tiles_pipe(GDPG_PARAMS, int* pipe, const int* order, int items,
-                                          int ready_count, int beside, int scan_blocks) {
-  gdpg_pipe(pipe, order, table, N, H, items, ready_count, beside, scan_blocks,
+    gdp_bwd_grads_bf16_128_128_tiles_pipe(GDP_KERNEL_PARAMS(GDP_GRADS_PIPE_FIELDS, _)) {
+  gdpg_pipe(pipe, order, table, nseq, heads, items, ready_count, beside, scan_blocks,
             [&](int chunk, int head) { GDPG_ARGS(128, 128, true, chunk, head); });
 }

@@ -372,14 +372,13 @@ __device__ __forceinline__ void gdpc_stage_wy(__nv_bfloat16* __restrict__ dst, i
   }
 }
 
-extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
-    gdp_fwd_wy_bf16(const __nv_bfloat16* __restrict__ qb, const __nv_bfloat16* __restrict__ kb,
-                    int split, const __nv_bfloat16* __restrict__ vv,
-                    const float* __restrict__ aux, const int* __restrict__ table,
-                    __nv_bfloat16* __restrict__ wg, __nv_bfloat16* __restrict__ ug,
-                    __nv_bfloat16* __restrict__ pg, float* __restrict__ cg,
-                    __nv_bfloat16* __restrict__ ag, int B, int TT, int H, int K, int V, int n,
-                    int N, float scale, const int* __restrict__ order, int* __restrict__ ready) {
+__device__ __forceinline__ void gdp_fwd_wy_bf16_impl(
+    const __nv_bfloat16* __restrict__ qb, const __nv_bfloat16* __restrict__ kb, int split,
+    const __nv_bfloat16* __restrict__ vv, const float* __restrict__ aux,
+    const int* __restrict__ table, __nv_bfloat16* __restrict__ wg, __nv_bfloat16* __restrict__ ug,
+    __nv_bfloat16* __restrict__ pg, float* __restrict__ cg, __nv_bfloat16* __restrict__ ag, int B,
+    int TT, int H, int K, int V, int n, int N, float scale, const int* __restrict__ order,
+    int* __restrict__ ready) {
   constexpr int C = GDP_CHUNK;
   const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31, warp = tid >> 5;
   // With an order: a 1-D grid, block x = (order[x / H], x mod H), so that the blocks (started in
@@ -619,6 +618,12 @@ extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
   }
   if (ready != nullptr)
     gdpc_signal_ready(ready + gdpc_ready_index(table[4 * sidx + 3], sidx, ci) * H + head, tid);
+}
+
+extern "C" __global__ void __launch_bounds__(GDPC_THREADS)
+    gdp_fwd_wy_bf16(GDP_KERNEL_PARAMS(GDP_WY_FIELDS, _)) {
+  gdp_fwd_wy_bf16_impl(q, k, split, v, aux, table, w, u, p, coef, ainv, batch, tokens, heads, dk,
+                       dv, n, nseq, scale, order, ready);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1032,16 +1037,12 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
 }
 
 #define GDPC_SCAN_ENTRY(NAME, BV, KPT, NW, OUT)                                                 \
-  extern "C" __global__ void __launch_bounds__(NW * 32) NAME##_##BV##_##KPT(                      \
-      const __nv_bfloat16* qb, const __nv_bfloat16* kb, int split, const float* aux,            \
-      const int* table, const __nv_bfloat16* wg, const __nv_bfloat16* ug,                       \
-      const __nv_bfloat16* pg, const float* cg,                                                 \
-      const float* h0_override, int use_h0_override, float* out, __nv_bfloat16* outb,            \
-      float* fin, __nv_bfloat16* hs, __nv_bfloat16* dn, int B, int TT, int H, int K, int V, int n, \
-      int has_h0, int QR, int NS, const int* ready) {                                            \
-    gdp_fwd_scan_bf16_impl<BV, KPT, NW, OUT>(qb, kb, split, aux, table, wg, ug, pg, cg,         \
+  extern "C" __global__ void __launch_bounds__(NW * 32)                                          \
+      NAME##_##BV##_##KPT(GDP_KERNEL_PARAMS(GDP_SCAN_FIELDS, _)) {                               \
+    gdp_fwd_scan_bf16_impl<BV, KPT, NW, OUT>(q, k, split, aux, table, w, u, p, coef,            \
                                              h0_override, use_h0_override, out, outb, fin, hs,  \
-                                             dn, B, TT, H, K, V, n, has_h0, QR, NS, ready);     \
+                                             dn, batch, tokens, heads, dk, dv, n, has_h0, qr,   \
+                                             ns, ready);                                        \
   }
 GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 64, 4, true)
 GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 128, 4, true)

@@ -162,9 +162,8 @@ __device__ __forceinline__ void gdp_step_impl(const float* __restrict__ state,
 // waits at each dot's barrier with no other block's loads to overlap.
 #define GDP_STEP_ENTRY(NAME, TYPE, ROWS, MIN_BLOCKS)                                            \
   extern "C" __global__ void __launch_bounds__(GDP_STEP_THREADS, MIN_BLOCKS)                    \
-      NAME(const float* state, const TYPE* q, const TYPE* k, const TYPE* v, const float* g,     \
-           const float* beta, float* out, int B, int H, int K, int V, int n, float scale) {     \
-    gdp_step_impl<ROWS, TYPE>(state, q, k, v, g, beta, out, B, H, K, V, n, scale);              \
+      NAME(GDP_KERNEL_PARAMS(GDP_STEP_FIELDS, TYPE)) {                                         \
+    gdp_step_impl<ROWS, TYPE>(state, q, k, v, g, beta, out, batch, heads, dk, dv, n, scale);    \
   }
 #define GDP_STEP_ENTRIES(T, TYPE)                           \
   GDP_STEP_ENTRY(gdp_step_##T##_k32, TYPE, 8, 2)            \

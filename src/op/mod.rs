@@ -7,6 +7,10 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod custom;
+// Without CUDA only the mirror test of `cuda/params.cuh` reads these structs.
+#[cfg(any(feature = "cuda", test))]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod kernel_params;
 pub(crate) mod link;
 pub mod naive;
 pub(crate) mod pack;

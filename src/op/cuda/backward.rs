@@ -19,7 +19,7 @@
 
 use super::cache::{ChunkStates, ForwardCache};
 use super::copy::to_bf16;
-use super::device::{check_inputs, check_states, smem_and_sms, to_i32, untracked, view, In};
+use super::device::{check_inputs, check_states, smem_and_sms, to_i32, view, In};
 use super::dh_scan::{run_dh_scan, DhDest};
 use super::fused_bwd::{backward_len, Launch, MODE_FULL};
 use super::fwd_scan::{run_scan, ScanDest, ScanOut};
@@ -457,8 +457,8 @@ pub fn try_backward_bf16(
         qr,
         ainv,
         states: &states,
-        dhs: untracked(dev, &dhs),
-        ddn: untracked(dev, &ddn),
+        dhs: &dhs,
+        ddn: &ddn,
         dob: &dob,
         scale,
     };
@@ -466,8 +466,8 @@ pub fn try_backward_bf16(
         (Side::Beside { .. }, Some(p), Some(pipe)) if table.chunks > 0 => {
             let scan_blocks = sh.num_seqs() * sh.heads * sh.dv.div_ceil(dh.bv);
             let pipe = PipeArgs {
-                pipe: untracked(dev, pipe),
-                order: untracked(dev, p.order()),
+                pipe,
+                order: p.order(),
                 ready_count: to_i32(sh.dv.div_ceil(dh.bv), "value tiles")?,
                 scan_blocks: to_i32(scan_blocks, "scan blocks")?,
             };

@@ -4,12 +4,11 @@
 //! over the whole of `q` and `k`.
 
 use super::module::load_kernel;
+use crate::op::kernel_params::{CastParams, CopyRowsParams};
 use crate::op::pack::RowCopy;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
-};
-use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::{CudaStorage, DType, Result};
 
 /// Copies `r` from `src` to `dst` (same dtype, same device): `gdp_copy_rows` for 2- and 4-byte
@@ -75,21 +74,23 @@ pub(crate) fn copy_rows_slice<T: DeviceRepr>(
         .div_ceil(16 * threads as usize)
         .clamp(1, 1024) as u32;
     let gy = r.rows.min(65_535) as u32;
-    let mut args = func.builder();
-    args.arg(&s);
-    args.arg(&mut d);
-    args.arg(&rows);
-    args.arg(&width);
-    args.arg(&src_ld);
-    args.arg(&dst_ld);
+    let mut args = func.args();
+    let params = CopyRowsParams {
+        src: args.read(&s),
+        dst: args.write(&mut d),
+        rows,
+        width,
+        src_ld,
+        dst_ld,
+    };
     let cfg = LaunchConfig {
         grid_dim: (gx, gy, 1),
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: `gdp_copy_rows(src, dst, rows, width, src_ld, dst_ld)` in bytes; every row read or
+    // SAFETY: `gdp_copy_rows` takes `GdpCopyRowsParams` (sizes in bytes); every row read or
     // written lies inside the slices (checked above).
-    unsafe { args.launch(cfg) }.w()?;
+    unsafe { args.launch(cfg, &params) }?;
     Ok(())
 }
 
@@ -105,18 +106,18 @@ pub(super) fn to_bf16(
         return Ok(dst);
     }
     let cvt = load_kernel(dev, "gdp_f32_to_bf16")?;
-    let len_i = len as i64;
-    let mut args = cvt.builder();
-    args.arg(src);
-    args.arg(&mut dst);
-    args.arg(&len_i);
+    let mut args = cvt.args();
+    let params = CastParams {
+        src: args.read(src),
+        dst: args.write(&mut dst),
+        len: len as i64,
+    };
     let cfg = LaunchConfig {
         grid_dim: (len.div_ceil(256).min(65_535) as u32, 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: `gdp_f32_to_bf16(src, dst, len)` with both buffers holding `len` elements.
-    unsafe { args.launch(cfg) }.w()?;
-    drop(args);
+    // SAFETY: `gdp_f32_to_bf16` takes `GdpCastParams`; both buffers hold `len` elements.
+    unsafe { args.launch(cfg, &params) }?;
     Ok(dst)
 }

@@ -5,10 +5,9 @@
 
 use super::device::{allow_smem, grid_dim, to_i32, GRID_YZ};
 use super::module::load_kernel;
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
-};
-use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use crate::op::kernel_params::FixParams;
+use candle_core::cuda_backend::cudarc::driver::{CudaView, CudaViewMut, DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::CudaDevice;
 use candle_core::Result;
 use half::bf16;
 use std::ops::Range;
@@ -95,26 +94,18 @@ fn fix_rows<T: FixOut>(
     let func = load_kernel(dev, T::KERNEL)?;
     let smem = smem_bytes(dk);
     allow_smem(&func, smem)?;
-    let null = 0u64;
-    let (h, k, v) = (to_i32(heads, "heads")?, to_i32(dk, "K")?, to_i32(dv, "V")?);
-    let outer0 = rows.outer0 as i64;
-    let (ops, inner) = (
-        to_i32(rows.outer_per_seq, "rows per sequence")?,
-        to_i32(rows.inner, "inner rows")?,
-    );
-    let mut args = func.builder();
-    args.arg(x);
-    args.arg(y);
-    match s {
-        Some(s) => args.arg(s),
-        None => args.arg(&null),
+    let mut args = func.args();
+    let params = FixParams {
+        x: args.read(x),
+        y: args.write(y),
+        s: args.read_opt(s),
+        outer0: rows.outer0 as i64,
+        heads: to_i32(heads, "heads")?,
+        dk: to_i32(dk, "K")?,
+        dv: to_i32(dv, "V")?,
+        outer_per_seq: to_i32(rows.outer_per_seq, "rows per sequence")?,
+        inner: to_i32(rows.inner, "inner rows")?,
     };
-    for a in [&h, &k, &v] {
-        args.arg(a);
-    }
-    args.arg(&outer0);
-    args.arg(&ops);
-    args.arg(&inner);
     // Four blocks per multiprocessor in all (S takes 35 KB of shared memory at K = 128), each
     // walking several row tiles of its (sequence, head), so that S is loaded and converted once
     // per block.
@@ -133,9 +124,9 @@ fn fix_rows<T: FixOut>(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: smem as u32,
     };
-    // SAFETY: the arguments match `gdp_cp_fix_impl`; every row it reads or writes lies below
+    // SAFETY: `gdp_cp_fix_*` takes `GdpFixParams`; every row it reads or writes lies below
     // `end_row`, checked against `x` and `y` above, and `s` holds a state per (sequence, head).
-    unsafe { args.launch(cfg) }.w()?;
+    unsafe { args.launch(cfg, &params) }?;
     Ok(())
 }
 

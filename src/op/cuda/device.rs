@@ -6,7 +6,7 @@ use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::cudarc::driver::sys::{
     CUdevice_attribute, CUfunction_attribute_enum,
 };
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaView, DevicePtr};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaView};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result};
 
@@ -107,20 +107,6 @@ pub(super) fn smem_and_sms(dev: &CudaDevice, limit: Option<usize>) -> Result<(us
         CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
     )?;
     Ok((limit.map_or(optin, |l| l.min(optin)), sms))
-}
-
-/// The device address of `s` as a kernel argument outside cudarc's event tracking, which is
-/// active where the context has several streams (context parallelism's ranks' devices) and
-/// keeps one pair of events per buffer: the WY factors and counters are written by the WY
-/// kernel while a scan beside it reads them on another stream (`pipeline.rs`), which those
-/// events would serialise. Every use of the WY buffers is ordered by the streams it is queued
-/// on instead (one stream, or the fork and join of `side.rs`).
-pub(super) fn untracked<T>(dev: &CudaDevice, s: &CudaSlice<T>) -> u64 {
-    // The pointer's guard records a read on the device's stream at once, after the work queued
-    // there so far: it orders nothing that the streams do not order already.
-    let main = dev.cuda_stream();
-    let (ptr, _sync) = s.device_ptr(&main);
-    ptr
 }
 
 /// A storage and its layout.

@@ -2,16 +2,17 @@
 //! chunk's end-state gradient and dDelta for the gradient kernel, and the initial-state
 //! gradients.
 
-use super::device::{allow_smem, grid_dim, shape_i32, untracked, GRID_X, GRID_YZ};
+use super::device::{allow_smem, grid_dim, shape_i32, GRID_X, GRID_YZ};
 use super::inputs::{Bf16Inputs, ChunkTable};
 use super::module::load_kernel;
 use super::plan::ScanPlan;
 use super::wy::WyFactors;
+use crate::op::kernel_params::DhParams;
 use crate::op::shape::GdpShape;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig,
 };
-use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::cuda_backend::CudaDevice;
 use candle_core::Result;
 use half::bf16;
 use std::sync::Arc;
@@ -47,54 +48,50 @@ pub(super) fn run_dh_scan(
     let [b, t, h, k, vd, n] = shape_i32(sh)?;
     let func = load_kernel(dev, &plan.kernel)?;
     allow_smem(&func, plan.smem)?;
-    let has_dht = i32::from(dht.is_some());
-    let write_dh0 = i32::from(dest.dh0.is_some());
-    let (qr, ns) = (plan.qr as i32, plan.stages as i32);
-    let null = 0u64;
-    // The WY factors and counters outside cudarc's event tracking (`untracked`): a WY kernel
-    // beside this scan writes them while it reads them.
-    let wy_in = [
-        untracked(dev, &wy.w),
-        untracked(dev, &wy.p),
-        untracked(dev, &wy.coef),
-    ];
-    let ready = ready.map_or(0, |r| untracked(dev, r));
-    let signal = signal.map_or(0, |r| untracked(dev, r));
-    let mut args = func.builder_on(stream);
-    args.arg(&inp.q);
-    args.arg(&inp.k);
-    args.arg(&inp.split);
-    args.arg(&table.table);
-    for x in &wy_in {
-        args.arg(x);
-    }
-    args.arg(dob);
-    match dht {
-        Some(d) => args.arg(d),
-        // Never read (`has_dht` is 0), but the kernel wants a valid pointer.
-        None => args.arg(&inp.aux),
+    let mut args = func.args_on(stream);
+    let (dhs, ddn) = match dest.chunks {
+        Some((dhs, ddn)) => (args.write(dhs), args.write(ddn)),
+        None => (0, 0),
     };
-    args.arg(&has_dht);
-    match dest.chunks {
-        Some((dhs, ddn)) => {
-            args.arg(dhs);
-            args.arg(ddn);
-        }
-        None => {
-            args.arg(&null);
-            args.arg(&null);
-        }
-    }
-    match dest.dh0 {
-        Some(d) => args.arg(d),
-        None => args.arg(&null),
+    let params = DhParams {
+        q: args.read(&inp.q),
+        k: args.read(&inp.k),
+        table: args.read(&table.table),
+        // The WY factors and counters outside cudarc's event tracking (`Launch::untracked`): a WY
+        // kernel beside this scan writes them while it reads them.
+        w: args.untracked(&wy.w),
+        p: args.untracked(&wy.p),
+        coef: args.untracked(&wy.coef),
+        dob: args.read(dob),
+        // Never read where `has_dht` is 0, but a valid address all the same.
+        dht: match dht {
+            Some(d) => args.read(d),
+            None => args.read(&inp.aux),
+        },
+        dhs,
+        ddn,
+        dh0: match dest.dh0 {
+            Some(d) => args.write(d),
+            None => 0,
+        },
+        ready: args.untracked_opt(ready),
+        signal: args.untracked_opt(signal),
+        split: inp.split,
+        has_dht: i32::from(dht.is_some()),
+        write_dh0: 0,
+        batch: b,
+        tokens: t,
+        heads: h,
+        dk: k,
+        dv: vd,
+        n,
+        qr: plan.qr as i32,
+        ns: plan.stages as i32,
     };
-    args.arg(&write_dh0);
-    for x in [&b, &t, &h, &k, &vd, &n, &qr, &ns] {
-        args.arg(x);
-    }
-    args.arg(&ready);
-    args.arg(&signal);
+    let params = DhParams {
+        write_dh0: i32::from(params.dh0 != 0),
+        ..params
+    };
     let cfg = LaunchConfig {
         grid_dim: (
             grid_dim(sh.num_seqs() * sh.heads, "sequences x heads", GRID_X)?,
@@ -104,7 +101,7 @@ pub(super) fn run_dh_scan(
         block_dim: (plan.threads, 1, 1),
         shared_mem_bytes: plan.smem as u32,
     };
-    // SAFETY: the arguments match `gdp_bwd_dh_bf16_impl`: the WY factors come from launches on
+    // SAFETY: `gdp_bwd_dh_bf16_*` takes `GdpDhParams`: the WY factors come from launches on
     // this stream (or on the device's stream, which it was forked from after them), or, with
     // `ready`, from a WY kernel beside it whose counters it waits for; the bf16 dO from before
     // the fork; all are sized from `sh` and `table`; dht (read only with `has_dht`) and dh0
@@ -112,6 +109,6 @@ pub(super) fn run_dh_scan(
     // dhs and ddn hold every slot of the table, or are null (not written); `ready` is null (no
     // wait) or holds `ready_counters` counters; the dynamic shared memory is the plan's
     // (`dh_smem_bytes`).
-    unsafe { args.launch(cfg) }.w()?;
+    unsafe { args.launch(cfg, &params) }?;
     Ok(())
 }

@@ -10,13 +10,12 @@ use super::device::{
 use super::fused_fwd::THREADS;
 use super::module::load_kernel;
 use super::plan::fused_tile;
+use crate::op::kernel_params::FusedBwdParams;
 use crate::op::shape::{GdpShape, CHUNK};
 use crate::op::KernelConfig;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
-};
-use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::{DType, Result};
 
 pub(super) const MODE_FULL: i32 = 0;
@@ -176,45 +175,51 @@ impl Launch<'_> {
         let write_dh0 = i32::from(self.mode == MODE_FULL && self.has_h0);
         let (ext_i, mode, bv) = (ext as i32, self.mode, plan.bv as i32);
         let scale = self.scale;
-        let mut args = func.builder();
-        args.arg(&qk_v);
-        args.arg(&v_v);
-        args.arg(&aux_v);
-        args.arg(&table);
-        match self.h0 {
-            Some(h0) => args.arg(h0),
-            None => args.arg(&aux_h0),
+        let mut args = func.args();
+        // Placeholders (valid, never read) where the mode has no gradient.
+        let params = FusedBwdParams {
+            qk: args.read(&qk_v),
+            v: args.read(&v_v),
+            aux: args.read(&aux_v),
+            table: args.read(&table),
+            h0: match self.h0 {
+                Some(h0) => args.read(h0),
+                None => args.read(&aux_h0),
+            },
+            dout: match &do_v {
+                Some(d) => args.read(d),
+                None => args.read(&aux_v),
+            },
+            dht: match (self.dht, &dht_v) {
+                (Some(d), _) => args.read(d),
+                (None, Some(d)) => args.read(d),
+                (None, None) => args.read(&aux_v),
+            },
+            hs: args.write(&mut hs),
+            out: args.write(out),
+            has_h0src,
+            batch: b,
+            tokens: t,
+            heads: h,
+            dk: k,
+            dv: vd,
+            n,
+            ext: ext_i,
+            mode,
+            write_dh0,
+            scale,
+            bv,
         };
-        args.arg(&has_h0src);
-        // Placeholders (never read) where the mode has no gradient.
-        match &do_v {
-            Some(d) => args.arg(d),
-            None => args.arg(&aux_v),
-        };
-        match (self.dht, &dht_v) {
-            (Some(d), _) => args.arg(d),
-            (None, Some(d)) => args.arg(d),
-            (None, None) => args.arg(&aux_v),
-        };
-        args.arg(&mut hs);
-        args.arg(out);
-        for x in [&b, &t, &h, &k, &vd, &n, &ext_i, &mode, &write_dh0] {
-            args.arg(x);
-        }
-        args.arg(&scale);
-        args.arg(&bv);
         let cfg = LaunchConfig {
             grid_dim: (plan.grid.0, plan.grid.1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: plan.smem as u32,
         };
-        // SAFETY: the argument list matches `gdp_bwd_*` in cuda/gdp_bwd.cuh: buffers whose
-        // lengths were checked above against the shape the kernel indexes with (the output
-        // was sized by the caller for this mode, the scratch for the table's chunks), then the
-        // i32 sizes and flags, the f32 scale and the tile width; the dynamic shared memory
-        // equals `bwd_smem_bytes`.
-        unsafe { args.launch(cfg) }.w()?;
-        drop(args);
+        // SAFETY: `gdp_bwd_*` takes `GdpFusedBwdParams`: buffers whose lengths were checked
+        // above against the shape the kernel indexes with (the output was sized by the caller
+        // for this mode, the scratch for the table's chunks); the dynamic shared memory equals
+        // `bwd_smem_bytes`.
+        unsafe { args.launch(cfg, &params) }?;
         Ok(())
     }
 }

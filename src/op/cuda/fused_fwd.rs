@@ -5,12 +5,11 @@
 use super::device::{allow_smem, check_states, shape_i32, smem_and_sms, to_i32, view};
 use super::module::load_kernel;
 use super::plan::fused_tile;
+use crate::op::kernel_params::FusedFwdParams;
 use crate::op::shape::{GdpShape, CHUNK};
 use crate::op::KernelConfig;
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
-};
-use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::{CudaStorage, Layout, Result};
 
 /// Threads per block of the forward kernel (`GDP_THREADS` in `cuda/gdp.cu`).
@@ -99,32 +98,36 @@ pub(super) fn launch<T: CudaDType + DeviceRepr>(
     let use_override = i32::from(h0_override.is_some());
     let has_h0 = i32::from(has_h0);
     let bv = plan.bv as i32;
-    let mut args = func.builder();
-    args.arg(&qk_v);
-    args.arg(&v_v);
-    args.arg(&aux_v);
-    args.arg(&seqs);
-    match h0_override {
-        Some(h0) => args.arg(h0),
-        // Never read (the flag is 0), but the kernel wants a valid pointer.
-        None => args.arg(&aux_v),
+    let mut args = func.args();
+    let params = FusedFwdParams {
+        qk: args.read(&qk_v),
+        v: args.read(&v_v),
+        aux: args.read(&aux_v),
+        seqs: args.read(&seqs),
+        // Never read where the flag is 0, but a valid address all the same.
+        h0_override: match h0_override {
+            Some(h0) => args.read(h0),
+            None => args.read(&aux_v),
+        },
+        out: args.write(&mut out),
+        use_h0_override: use_override,
+        batch: b,
+        tokens: t,
+        heads: h,
+        dk: k,
+        dv: vd,
+        n,
+        has_h0,
+        scale,
+        bv,
     };
-    args.arg(&use_override);
-    args.arg(&mut out);
-    for x in [&b, &t, &h, &k, &vd, &n, &has_h0] {
-        args.arg(x);
-    }
-    args.arg(&scale);
-    args.arg(&bv);
     let cfg = LaunchConfig {
         grid_dim: (plan.grid.0, plan.grid.1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: plan.smem as u32,
     };
-    // SAFETY: the argument list matches `gdp_fwd_*` in cuda/gdp.cu (pointers to buffers whose
-    // lengths were checked above against the shape the kernel indexes with, then the i32 sizes,
-    // the f32 scale and the tile width); the dynamic shared memory equals `smem_bytes`.
-    unsafe { args.launch(cfg) }.w()?;
-    drop(args);
+    // SAFETY: `gdp_fwd_*` takes `GdpFusedFwdParams`; the buffers' lengths were checked above
+    // against the shape the kernel indexes with; the dynamic shared memory equals `smem_bytes`.
+    unsafe { args.launch(cfg, &params) }?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }

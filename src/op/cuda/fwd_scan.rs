@@ -3,16 +3,15 @@
 //! the next chunk's operands copied with cp.async while the current one computes.
 
 use super::cache::ChunkStates;
-use super::device::{allow_smem, grid_dim, shape_i32, untracked, GRID_X, GRID_YZ};
+use super::device::{allow_smem, grid_dim, shape_i32, GRID_X, GRID_YZ};
 use super::inputs::{Bf16Inputs, ChunkTable};
 use super::module::load_kernel;
 use super::plan::ScanPlan;
 use super::wy::WyFactors;
+use crate::op::kernel_params::ScanParams;
 use crate::op::shape::GdpShape;
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
-};
-use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
+use candle_core::cuda_backend::CudaDevice;
 use candle_core::Result;
 use half::bf16;
 use std::sync::Arc;
@@ -66,80 +65,62 @@ pub(super) fn run_scan(
     }
     let scan = load_kernel(dev, &plan.kernel)?;
     allow_smem(&scan, plan.smem)?;
-    let use_override = i32::from(h0_override.is_some());
-    let has_h0 = i32::from(has_h0);
-    let qr = plan.qr as i32;
-    let stages = plan.stages as i32;
-    let null = 0u64;
-    let wy_in = [
-        untracked(dev, &wy.w),
-        untracked(dev, &wy.u),
-        untracked(dev, &wy.p),
-        untracked(dev, &wy.coef),
-    ];
-    let ready = beside.map_or(0, |b| untracked(dev, b.ready));
+    // The packed output's `o` and final-state parts.
+    let mut packed = None;
     let mut args = match beside {
-        Some(b) => scan.builder_on(b.stream),
-        None => scan.builder(),
+        Some(b) => scan.args_on(b.stream),
+        None => scan.args(),
     };
-    args.arg(&inp.q);
-    args.arg(&inp.k);
-    args.arg(&inp.split);
-    args.arg(&inp.aux);
-    args.arg(&table.table);
-    for x in &wy_in {
-        args.arg(x);
-    }
-    match h0_override {
-        Some(h0) => args.arg(h0),
-        // Never read (the flag is 0), but the kernel wants a valid pointer.
-        None => args.arg(&inp.aux),
-    };
-    args.arg(&use_override);
-    // The kernel's `out, outb, fin, hs, dn`: f32 o, bf16 o, final states, start states, Delta.
-    let mut parts;
+    // The kernel's `out, outb, fin, hs, dn`: f32 o, bf16 o, final states, start states, Delta
+    // (null where not wanted: it writes what is not null).
+    let (mut out, mut outb, mut fin) = (0, 0, 0);
     match dest.out {
-        ScanOut::Packed(out) => {
-            parts = out.split_at_mut(sh.o_len());
-            args.arg(&mut parts.0);
-            args.arg(&null);
-            args.arg(&mut parts.1);
+        ScanOut::Packed(o) => {
+            let (o, f) = packed.insert(o.split_at_mut(sh.o_len()));
+            (out, fin) = (args.write(o), args.write(f));
         }
-        ScanOut::Plain(o) => {
-            args.arg(&null);
-            args.arg(o);
-            args.arg(&null);
-        }
-        ScanOut::PlainFinal(o, fin) => {
-            args.arg(&null);
-            args.arg(o);
-            args.arg(fin);
-        }
-        ScanOut::Final(fin) => {
-            args.arg(&null);
-            args.arg(&null);
-            args.arg(fin);
-        }
-        ScanOut::None => {
-            for _ in 0..3 {
-                args.arg(&null);
-            }
-        }
+        ScanOut::Plain(o) => outb = args.write(o),
+        ScanOut::PlainFinal(o, f) => (outb, fin) = (args.write(o), args.write(f)),
+        ScanOut::Final(f) => fin = args.write(f),
+        ScanOut::None => {}
     }
-    match dest.states {
-        Some(st) => {
-            args.arg(&mut st.hs);
-            args.arg(&mut st.dn);
-        }
-        None => {
-            args.arg(&null);
-            args.arg(&null);
-        }
-    }
-    for x in [&b, &t, &h, &k, &vd, &n, &has_h0, &qr, &stages] {
-        args.arg(x);
-    }
-    args.arg(&ready);
+    let (hs, dn) = match dest.states {
+        Some(st) => (args.write(&mut st.hs), args.write(&mut st.dn)),
+        None => (0, 0),
+    };
+    let params = ScanParams {
+        q: args.read(&inp.q),
+        k: args.read(&inp.k),
+        aux: args.read(&inp.aux),
+        table: args.read(&table.table),
+        // The WY factors outside cudarc's event tracking (see `Launch::untracked`).
+        w: args.untracked(&wy.w),
+        u: args.untracked(&wy.u),
+        p: args.untracked(&wy.p),
+        coef: args.untracked(&wy.coef),
+        // Never read where the flag is 0, but a valid address all the same.
+        h0_override: match h0_override {
+            Some(h0) => args.read(h0),
+            None => args.read(&inp.aux),
+        },
+        out,
+        outb,
+        fin,
+        hs,
+        dn,
+        ready: args.untracked_opt(beside.map(|b| b.ready)),
+        split: inp.split,
+        use_h0_override: i32::from(h0_override.is_some()),
+        batch: b,
+        tokens: t,
+        heads: h,
+        dk: k,
+        dv: vd,
+        n,
+        has_h0: i32::from(has_h0),
+        qr: plan.qr as i32,
+        ns: plan.stages as i32,
+    };
     let rows = sh.num_seqs() * sh.heads;
     let cfg = LaunchConfig {
         grid_dim: (
@@ -150,12 +131,11 @@ pub(super) fn run_scan(
         block_dim: (plan.threads, 1, 1),
         shared_mem_bytes: plan.smem as u32,
     };
-    // SAFETY: the arguments match `gdp_fwd_scan_bf16_impl` (a null pointer for each output not
+    // SAFETY: `gdp_fwd_scan_bf16_*` takes `GdpScanParams` (a null pointer for each output not
     // wanted: it writes what is not null); the scratch buffers were filled by the WY launch
     // before this one on the same stream, or (`beside`) are filled by one running beside it,
     // whose readiness counters the kernel waits for before reading a chunk's; the dynamic
     // shared memory is the plan's.
-    unsafe { args.launch(cfg) }.w()?;
-    drop(args);
+    unsafe { args.launch(cfg, &params) }?;
     Ok(())
 }

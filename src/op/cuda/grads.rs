@@ -7,9 +7,10 @@ use super::device::{allow_smem, grid_dim, shape_i32, to_i32, GRID_X, GRID_YZ};
 use super::inputs::{Bf16Inputs, ChunkTable};
 use super::module::load_kernel;
 use super::plan::{grads_smem_bytes, grads_tiles};
+use crate::op::kernel_params::{GradsParams, PipeParams};
 use crate::op::shape::GdpShape;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
+use candle_core::cuda_backend::CudaDevice;
 use candle_core::Result;
 use half::bf16;
 
@@ -53,9 +54,9 @@ pub(super) const GRADS_PIPE_COUNTERS: usize = 2;
 /// (device addresses outside cudarc's tracking: the state-gradient scan writes the counters, dS
 /// and dDelta on its stream while the blocks beside it read them), the value tiles of the scan
 /// that count each group done, and the scan's blocks.
-pub(super) struct PipeArgs {
-    pub(super) pipe: u64,
-    pub(super) order: u64,
+pub(super) struct PipeArgs<'a> {
+    pub(super) pipe: &'a CudaSlice<i32>,
+    pub(super) order: &'a CudaSlice<i32>,
     pub(super) ready_count: i32,
     pub(super) scan_blocks: i32,
 }
@@ -70,8 +71,9 @@ pub(super) struct GradsLaunch<'a> {
     pub(super) qr: usize,
     pub(super) ainv: &'a CudaSlice<bf16>,
     pub(super) states: &'a ChunkStates,
-    pub(super) dhs: u64,
-    pub(super) ddn: u64,
+    /// dS and dDelta of every slot, outside cudarc's tracking (see [`PipeArgs`]).
+    pub(super) dhs: &'a CudaSlice<bf16>,
+    pub(super) ddn: &'a CudaSlice<bf16>,
     pub(super) dob: &'a CudaView<'a, bf16>,
     pub(super) scale: f32,
 }
@@ -84,7 +86,7 @@ impl GradsLaunch<'_> {
         &self,
         dev: &CudaDevice,
         out: &mut Grads,
-        pipe: Option<(&PipeArgs, bool, usize)>,
+        pipe: Option<(&PipeArgs<'_>, bool, usize)>,
     ) -> Result<()> {
         let (sh, inp) = (self.sh, self.inp);
         let [b, t, h, k, vd, n] = shape_i32(sh)?;
@@ -98,88 +100,89 @@ impl GradsLaunch<'_> {
         let smem = grads_smem_bytes(self.kp, self.vp, self.qr);
         let func = load_kernel(dev, &name)?;
         allow_smem(&func, smem)?;
-        let nseq = to_i32(sh.num_seqs(), "N")?;
-        let qr_i = self.qr as i32;
-        let null = 0u64;
-        let mut args = func.builder();
-        args.arg(&inp.q);
-        args.arg(&inp.k);
-        args.arg(&inp.split);
-        args.arg(&inp.v);
-        args.arg(&inp.aux);
-        args.arg(&self.table.table);
-        args.arg(self.ainv);
-        args.arg(&self.states.hs);
-        args.arg(&self.dhs);
-        args.arg(&self.states.dn);
-        args.arg(&self.ddn);
-        args.arg(self.dob);
-        // The kernel's `out, dqb, dkb, dvb_out, dgates` (a null `dkb` with a packed `dqk`).
-        match out {
-            Grads::Packed(p) => {
-                args.arg(p);
-                for _ in 0..4 {
-                    args.arg(&null);
-                }
-            }
-            Grads::Parts { dqk, dv, daux } => {
-                args.arg(&null);
-                match dqk {
-                    QkGrads::Packed(dqk) => {
-                        args.arg(dqk);
-                        args.arg(&null);
-                    }
-                    QkGrads::Split { dq, dk } => {
-                        args.arg(dq);
-                        args.arg(dk);
-                    }
-                }
-                args.arg(dv);
-                args.arg(daux);
-            }
-        }
-        for x in [&b, &t, &h, &k, &vd, &n, &nseq] {
-            args.arg(x);
-        }
-        args.arg(&self.scale);
-        args.arg(&qr_i);
         let pairs = self.table.chunks * sh.heads;
-        let items = to_i32(pairs, "chunk-head pairs")?;
-        let beside_i;
-        let grid_dim = match pipe {
-            None => (
-                grid_dim(self.table.chunks, "chunks", GRID_X)?,
-                grid_dim(sh.heads, "heads", GRID_YZ)?,
-                1,
-            ),
-            Some((p, beside, blocks)) => {
-                beside_i = i32::from(beside);
-                args.arg(&p.pipe);
-                args.arg(&p.order);
-                args.arg(&items);
-                args.arg(&p.ready_count);
-                args.arg(&beside_i);
-                args.arg(&p.scan_blocks);
-                (
-                    grid_dim(blocks.clamp(1, pairs), "chunk-head blocks", GRID_X)?,
-                    1,
-                    1,
-                )
+        let mut args = func.args();
+        // The kernel's `out, dq, dk_out, dv_out, dgates` (a null `dk_out` with a packed `dqk`).
+        let (mut packed, mut dq, mut dk, mut dv, mut dgates) = (0, 0, 0, 0, 0);
+        match out {
+            Grads::Packed(p) => packed = args.write(p),
+            Grads::Parts {
+                dqk,
+                dv: dv_out,
+                daux,
+            } => {
+                match dqk {
+                    QkGrads::Packed(dqk) => dq = args.write(dqk),
+                    QkGrads::Split { dq: q, dk: k } => (dq, dk) = (args.write(q), args.write(k)),
+                }
+                (dv, dgates) = (args.write(dv_out), args.write(daux));
             }
+        }
+        let params = GradsParams {
+            q: args.read(&inp.q),
+            k: args.read(&inp.k),
+            v: args.read(&inp.v),
+            aux: args.read(&inp.aux),
+            table: args.read(&self.table.table),
+            ainv: args.read(self.ainv),
+            hs: args.read(&self.states.hs),
+            dhs: args.untracked(self.dhs),
+            dn: args.read(&self.states.dn),
+            ddn: args.untracked(self.ddn),
+            dob: args.read(self.dob),
+            out: packed,
+            dq,
+            dk_out: dk,
+            dv_out: dv,
+            dgates,
+            split: inp.split,
+            batch: b,
+            tokens: t,
+            heads: h,
+            dk: k,
+            dv: vd,
+            n,
+            nseq: to_i32(sh.num_seqs(), "N")?,
+            scale: self.scale,
+            qr: self.qr as i32,
         };
-        let cfg = LaunchConfig {
+        let cfg = |grid_dim| LaunchConfig {
             grid_dim,
             block_dim: (GRAD_THREADS, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        // SAFETY: the arguments match `gdp_bwd_grads_bf16_impl` (and `gdpg_pipe` for the
-        // `_pipe` entries): every per-slot buffer was sized from the same table and filled
+        // SAFETY (both launches): `gdp_bwd_grads_bf16_*` takes `GDP_GRADS_FIELDS` (the `_pipe`
+        // entry `GDP_PIPE_FIELDS` after them): every per-slot buffer was sized from the same table and filled
         // above on this stream, or (dS and dDelta, beside the scan) is read only after the
         // scan's counter of its group says it is written; the gradients are either the packed
         // f32 layout (null part pointers) or the parts (a null packed pointer), sized above;
         // the pipe holds `GRADS_PIPE_COUNTERS` plus the pipeline's counters, the order every
         // chunk of the table; the dynamic shared memory is `grads_smem_bytes`.
-        unsafe { args.launch(cfg) }.w()?;
-        Ok(())
+        match pipe {
+            None => {
+                let grid = (
+                    grid_dim(self.table.chunks, "chunks", GRID_X)?,
+                    grid_dim(sh.heads, "heads", GRID_YZ)?,
+                    1,
+                );
+                unsafe { args.launch(cfg(grid), &params) }
+            }
+            Some((p, beside, blocks)) => {
+                let pipe = PipeParams {
+                    pipe: args.untracked(p.pipe),
+                    order: args.untracked(p.order),
+                    items: to_i32(pairs, "chunk-head pairs")?,
+                    ready_count: p.ready_count,
+                    beside: i32::from(beside),
+                    scan_blocks: p.scan_blocks,
+                };
+                let grid = (
+                    grid_dim(blocks.clamp(1, pairs), "chunk-head blocks", GRID_X)?,
+                    1,
+                    1,
+                );
+                unsafe { args.launch(cfg(grid), &(params, pipe)) }
+            }
+        }
     }
 }

@@ -12,7 +12,11 @@
 //! machine; the driver's JIT cache helps only where it persists), so the fat binary is loaded
 //! through cudarc (`Ptx::from_binary`) instead.
 
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchArgs};
+use crate::op::kernel_params::KernelArgs;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    SyncOnDrop,
+};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDevice, DeviceId, WrapErr};
 use candle_core::Result;
@@ -32,15 +36,89 @@ pub(super) struct GdpFunc {
 }
 
 impl GdpFunc {
-    /// Argument builder of one launch on the device's stream.
-    pub fn builder(&self) -> LaunchArgs<'_> {
-        self.stream.launch_builder(&self.func)
+    /// The arguments of one launch on the device's stream.
+    pub fn args(&self) -> Launch<'_> {
+        Launch::new(self, &self.stream)
     }
 
-    /// Argument builder of one launch on `stream`, a stream of the device's context (see
+    /// The arguments of one launch on `stream`, a stream of the device's context (see
     /// `side::SideStream`).
-    pub fn builder_on<'a>(&'a self, stream: &'a Arc<CudaStream>) -> LaunchArgs<'a> {
-        stream.launch_builder(&self.func)
+    pub fn args_on<'a>(&'a self, stream: &'a Arc<CudaStream>) -> Launch<'a> {
+        Launch::new(self, stream)
+    }
+}
+
+/// One launch of a kernel: the device addresses that go into its parameter struct
+/// (`cuda/params.cuh`), each taken from a buffer that stays borrowed until the launch is queued,
+/// with cudarc's stream-ordering guard (the stream waits for the buffer's earlier writes, and the
+/// launch is recorded as a read or a write of it), as cudarc's own argument builder does.
+pub(super) struct Launch<'a> {
+    func: &'a GdpFunc,
+    stream: &'a Arc<CudaStream>,
+    guards: Vec<SyncOnDrop<'a>>,
+}
+
+impl<'a> Launch<'a> {
+    fn new(func: &'a GdpFunc, stream: &'a Arc<CudaStream>) -> Self {
+        Self {
+            func,
+            stream,
+            guards: Vec::new(),
+        }
+    }
+
+    /// The address of a buffer the kernel reads.
+    pub fn read<T, S: DevicePtr<T>>(&mut self, s: &'a S) -> u64 {
+        let (ptr, guard) = s.device_ptr(self.stream);
+        self.guards.push(guard);
+        ptr
+    }
+
+    /// The address of a buffer the kernel writes.
+    pub fn write<T, S: DevicePtrMut<T>>(&mut self, s: &'a mut S) -> u64 {
+        let (ptr, guard) = s.device_ptr_mut(self.stream);
+        self.guards.push(guard);
+        ptr
+    }
+
+    /// The address of an optional buffer the kernel reads, 0 (null) for none.
+    pub fn read_opt<T, S: DevicePtr<T>>(&mut self, s: Option<&'a S>) -> u64 {
+        s.map_or(0, |s| self.read(s))
+    }
+
+    /// The address of a buffer outside cudarc's event tracking, which is active where the
+    /// context has several streams (context parallelism's ranks' devices) and keeps one pair of
+    /// events per buffer: the WY factors and counters are written by the WY kernel while a scan
+    /// beside it reads them on another stream (`pipeline.rs`), which those events would
+    /// serialise. Every use of these buffers is ordered by the streams it is queued on instead
+    /// (one stream, or the fork and join of `side.rs`); the buffer stays borrowed until the
+    /// launch is queued.
+    pub fn untracked<T>(&mut self, s: &'a CudaSlice<T>) -> u64 {
+        // The guard records a read on the device's stream at once, after the work queued there
+        // so far: it orders nothing that the streams do not order already.
+        let (ptr, _record_now) = s.device_ptr(&self.func.stream);
+        ptr
+    }
+
+    /// [`Launch::untracked`] for an optional buffer, 0 (null) for none.
+    pub fn untracked_opt<T>(&mut self, s: Option<&'a CudaSlice<T>>) -> u64 {
+        s.map_or(0, |s| self.untracked(s))
+    }
+
+    /// Queues the kernel with `params` (pushed field by field, in the kernel's parameter
+    /// order), then records the launch on every buffer's guard.
+    ///
+    /// # Safety
+    /// `params` must be the kernel's parameter list (`cuda/params.cuh`), every address in it
+    /// taken from this `Launch` (or null where the kernel allows it) and large enough for what
+    /// the kernel reads and writes at `cfg`'s grid.
+    pub unsafe fn launch(self, cfg: LaunchConfig, params: &impl KernelArgs) -> Result<()> {
+        let mut args = self.stream.launch_builder(&self.func.func);
+        params.push(&mut args);
+        // SAFETY: the caller's contract.
+        unsafe { args.launch(cfg) }.w()?;
+        drop(self.guards);
+        Ok(())
     }
 }
 

@@ -3,12 +3,11 @@
 
 use super::device::{grid_dim, to_i32, view, GRID_X, GRID_YZ};
 use super::module::{load_kernel, GdpFunc};
+use crate::op::kernel_params::StepParams;
 use crate::op::recurrent::{step_input_lens, STEP_INPUTS};
 use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
-};
-use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::CudaDType;
 use candle_core::{CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
@@ -151,22 +150,27 @@ impl Launch<'_> {
         );
         let g = view::<f32>(g.0, g.1, self.lens[3], STEP_INPUTS[3])?;
         let beta = view::<f32>(beta.0, beta.1, self.lens[4], STEP_INPUTS[4])?;
-        let mut args = self.func.builder();
-        args.arg(self.state);
-        args.arg(&q);
-        args.arg(&k);
-        args.arg(&v);
-        args.arg(&g);
-        args.arg(&beta);
-        args.arg(out);
-        for x in &self.sizes {
-            args.arg(x);
-        }
-        args.arg(&self.scale);
-        // SAFETY: the arguments match `gdp_step_impl` for `T` (the state's and inputs' lengths
-        // checked against the sizes passed; the output holds o and the new state); the dynamic
-        // shared memory is `smem_bytes`, within the default limit.
-        unsafe { args.launch(self.cfg) }.w()?;
+        let [batch, heads, dk, dv, n] = self.sizes;
+        let mut args = self.func.args();
+        let params = StepParams {
+            state: args.read(self.state),
+            q: args.read(&q),
+            k: args.read(&k),
+            v: args.read(&v),
+            g: args.read(&g),
+            beta: args.read(&beta),
+            out: args.write(out),
+            batch,
+            heads,
+            dk,
+            dv,
+            n,
+            scale: self.scale,
+        };
+        // SAFETY: `gdp_step_*` takes `GdpStepParams`, the inputs in the kernel's `T` (the
+        // state's and inputs' lengths checked against the sizes passed; the output holds o and
+        // the new state); the dynamic shared memory is `smem_bytes`, within the default limit.
+        unsafe { args.launch(self.cfg, &params) }?;
         Ok(())
     }
 }

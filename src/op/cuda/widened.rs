@@ -150,8 +150,8 @@ pub(crate) fn widened_states_dev(
     sh: &GdpShape,
 ) -> Result<CudaSlice<f32>> {
     use super::device::to_i32;
-    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::WrapErr;
+    use crate::op::kernel_params::WidenParams;
+    use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
     let blocks = sh.num_seqs() * sh.heads;
     let total = blocks * sh.dk * (sh.dv + sh.dk);
     // SAFETY: the kernel below writes every element.
@@ -169,27 +169,23 @@ pub(crate) fn widened_states_dev(
         }
     }
     let func = super::module::load_kernel(dev, "gdp_cp_widen_states")?;
-    let null = 0u64;
     let x = src.map(|(x, at)| x.slice(at..));
-    let (nb, k, v) = (blocks as i64, to_i32(sh.dk, "K")?, to_i32(sh.dv, "V")?);
-    let mut args = func.builder();
-    match &x {
-        Some(x) => args.arg(x),
-        None => args.arg(&null),
+    let mut args = func.args();
+    let params = WidenParams {
+        x: args.read_opt(x.as_ref()),
+        out: args.write(&mut out),
+        blocks: blocks as i64,
+        dk: to_i32(sh.dk, "K")?,
+        dv: to_i32(sh.dv, "V")?,
     };
-    args.arg(&mut out);
-    args.arg(&nb);
-    args.arg(&k);
-    args.arg(&v);
     let cfg = LaunchConfig {
         grid_dim: (total.div_ceil(256).min(65_535) as u32, 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: `gdp_cp_widen_states(x, out, blocks, K, V)`: `out` holds `blocks·K·(V+K)`
+    // SAFETY: `gdp_cp_widen_states` takes `GdpWidenParams`: `out` holds `blocks·K·(V+K)`
     // elements, `x` (when not null) `blocks·K·V` from its start, checked above.
-    unsafe { args.launch(cfg) }.w()?;
-    drop(args);
+    unsafe { args.launch(cfg, &params) }?;
     Ok(out)
 }
 

@@ -2,15 +2,16 @@
 //! counters through which a scan running beside it waits for them.
 
 use super::device::{
-    allow_smem, device_attr, grid_dim, shape_i32, smem_and_sms, to_i32, untracked, GRID_X, GRID_YZ,
+    allow_smem, device_attr, grid_dim, shape_i32, smem_and_sms, to_i32, GRID_X, GRID_YZ,
 };
 use super::inputs::{Bf16Inputs, ChunkTable};
 use super::module::load_kernel;
 use super::plan::wy_smem_bytes;
+use crate::op::kernel_params::WyParams;
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig};
+use candle_core::cuda_backend::CudaDevice;
 use candle_core::Result;
 use half::bf16;
 
@@ -71,7 +72,7 @@ impl WyFactors {
     /// Runs `gdp_fwd_wy_bf16` over every chunk of `table` on the device's stream; with
     /// `signal`, in its order of chunks (time-major across heads), counting each (chunk, head)
     /// in its readiness counters for a scan running beside it (`pipeline::Pipeline`).
-    /// The outputs and counters are [`untracked`].
+    /// The outputs and counters are untracked (`module::Launch::untracked`).
     pub fn launch(
         &mut self,
         dev: &CudaDevice,
@@ -86,7 +87,7 @@ impl WyFactors {
         if table.chunks == 0 {
             return Ok(());
         }
-        let (order, counters, two_per_sm) = match signal {
+        let (order, ready, two_per_sm) = match signal {
             Some(Signal {
                 order,
                 ready,
@@ -101,7 +102,7 @@ impl WyFactors {
                         sh.heads
                     );
                 }
-                (Some(order), Some(untracked(dev, ready)), two_per_sm)
+                (Some(order), Some(ready), two_per_sm)
             }
             None => (None, None, false),
         };
@@ -112,32 +113,32 @@ impl WyFactors {
         };
         let wy = load_kernel(dev, "gdp_fwd_wy_bf16")?;
         allow_smem(&wy, smem)?;
-        let [w, u, p] = [&self.w, &self.u, &self.p].map(|x| untracked(dev, x));
-        let coef = untracked(dev, &self.coef);
-        let ainv = self.ainv.as_ref().map_or(0, |a| untracked(dev, a));
-        let ready = counters.unwrap_or(0);
-        let null = 0u64;
-        let mut args = wy.builder();
-        args.arg(&inp.q);
-        args.arg(&inp.k);
-        args.arg(&inp.split);
-        args.arg(&inp.v);
-        args.arg(&inp.aux);
-        args.arg(&table.table);
-        for x in [&w, &u, &p, &coef, &ainv] {
-            args.arg(x);
-        }
-        for x in [&b, &t, &h, &k, &vd, &n, &nseq] {
-            args.arg(x);
-        }
-        args.arg(&scale);
-        match order {
-            Some(o) => args.arg(o),
-            None => args.arg(&null),
+        let mut args = wy.args();
+        let params = WyParams {
+            q: args.read(&inp.q),
+            k: args.read(&inp.k),
+            v: args.read(&inp.v),
+            aux: args.read(&inp.aux),
+            table: args.read(&table.table),
+            w: args.untracked(&self.w),
+            u: args.untracked(&self.u),
+            p: args.untracked(&self.p),
+            coef: args.untracked(&self.coef),
+            ainv: args.untracked_opt(self.ainv.as_ref()),
+            order: args.read_opt(order),
+            ready: args.untracked_opt(ready),
+            split: inp.split,
+            batch: b,
+            tokens: t,
+            heads: h,
+            dk: k,
+            dv: vd,
+            n,
+            nseq,
+            scale,
         };
-        args.arg(&ready);
         // With an order, a 1-D grid of (chunk, head) pairs (time-major across heads).
-        let grid_dim = if ready == 0 {
+        let grid_dim = if params.ready == 0 {
             (
                 grid_dim(table.chunks, "chunks", GRID_X)?,
                 grid_dim(sh.heads, "heads", GRID_YZ)?,
@@ -156,12 +157,12 @@ impl WyFactors {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        // SAFETY: the arguments match `gdp_fwd_wy_bf16` (buffers sized in `alloc` from the
+        // SAFETY: `gdp_fwd_wy_bf16` takes `GdpWyParams` (buffers sized in `alloc` from the
         // same shape and chunk table the kernel indexes with, alive for the call; a null `ag`
         // when Ainv is not wanted; with a signal, an order of the table's chunk ids, checked
         // to have one per chunk, and `ready_counters` counters); the dynamic shared memory is
         // at least `wy_smem_bytes`.
-        unsafe { args.launch(cfg) }.w()?;
+        unsafe { args.launch(cfg, &params) }?;
         Ok(())
     }
 }
