@@ -25,18 +25,24 @@
 #define GDP_FIX_THREADS 256
 #define GDP_FIX_COLS 128
 
-__device__ __forceinline__ void gdp_fix_store2(float* y, float v0, float v1, bool two) {
-  if (two) {
+// Stores v0 (and v1 after it, where `both`): as one pair where `paired` (aligned), else one by
+// one.
+__device__ __forceinline__ void gdp_fix_store2(float* y, float v0, float v1, bool both,
+                                               bool paired) {
+  if (both && paired) {
     *reinterpret_cast<float2*>(y) = make_float2(v0, v1);
   } else {
     y[0] = v0;
+    if (both) y[1] = v1;
   }
 }
-__device__ __forceinline__ void gdp_fix_store2(__nv_bfloat16* y, float v0, float v1, bool two) {
-  if (two) {
+__device__ __forceinline__ void gdp_fix_store2(__nv_bfloat16* y, float v0, float v1, bool both,
+                                               bool paired) {
+  if (both && paired) {
     *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(v0, v1);
   } else {
     y[0] = __float2bfloat16_rn(v0);
+    if (both) y[1] = __float2bfloat16_rn(v1);
   }
 }
 
@@ -128,8 +134,8 @@ __device__ __forceinline__ void gdp_cp_fix_impl(const __nv_bfloat16* __restrict_
       for (int h = 0; h < 2; ++h) {
         const int col = n0 + 8 * j + 2 * t;
         if (ra[h] >= 0 && col < V)
-          gdp_fix_store2(y + ra[h] * V + col, acc[j][2 * h], acc[j][2 * h + 1],
-                         pair_out && col + 1 < V);
+          gdp_fix_store2(y + ra[h] * V + col, acc[j][2 * h], acc[j][2 * h + 1], col + 1 < V,
+                         pair_out);
       }
   }
 }

@@ -901,13 +901,10 @@ static void run_cp_widen(long blocks, int K, int V, bool with_x, unsigned gx) {
 // Context parallelism's kernels on small odd shapes: K not a multiple of 16 (12, 40, 13),
 // V over one tile of GDP_FIX_COLS (136, 260), H 2 and 3, several sequences, o-like (inner 1),
 // chunk-state-like (inner K) and dDelta-like (inner 64) rows from a nonzero outer0, an odd row
-// width (K 13: unpaired loads), S null (the copies of the uncorrected sequences).
-// `unpaired` (the `cp` mode only): outputs the kernel must store one element at a time, odd V
-// and a y one element off its pair alignment. These FAIL at present: with pair_out false,
-// gdp_cp_fix_impl's store calls gdp_fix_store2(.., two = false), which writes the pair's first
-// column only, so every odd column of y keeps what it held (the second column needs its own
-// scalar store). Move them into the default run once cp_fix.cuh stores both.
-static void run_cp(bool unpaired) {
+// width (K 13: unpaired loads), S null (the copies of the uncorrected sequences), and outputs
+// the kernel must store one element at a time: odd V, and a y one element off its pair
+// alignment (these found that unpaired stores wrote only every other column).
+static void run_cp() {
   run_cp_fix(2, 12, 20, 3, 1, 3, 12, 2, true);   // inner K; the second row group idle
   run_cp_fix(3, 40, 136, 2, 2, 3, 64, 1, true);  // inner 64: 12 tiles on one block's 8 warps
   run_cp_fix(3, 40, 260, 2, 1, 37, 1, 1, true);  // inner 1, three value tiles
@@ -916,7 +913,6 @@ static void run_cp(bool unpaired) {
   run_cp_widen(6, 12, 20, true, 3);
   run_cp_widen(6, 40, 136, true, 8);
   run_cp_widen(6, 40, 136, false, 8);
-  if (!unpaired) return;
   run_cp_fix(2, 13, 21, 2, 3, 5, 4, 1, true);     // odd V
   run_cp_fix(3, 40, 260, 2, 1, 37, 1, 1, true, 1);  // y one element off
 }
@@ -958,7 +954,7 @@ int main(int argc, char** argv) {
     return fails != 0;
   }
   if (only_cp) {
-    run_cp(true);
+    run_cp();
     printf("fails: %d\n", fails);
     return fails != 0;
   }
@@ -969,7 +965,7 @@ int main(int argc, char** argv) {
     printf("fails: %d\n", fails);
     return fails != 0;
   }
-  if (!only_bwd) run_cp(false);
+  if (!only_bwd) run_cp();
   if (!only_bf16)
     for (auto& c : cases) run_case(c);
   cases.push_back({"n2 T90 K128 V128 h0", 1, 90, 2, 128, 128, 2, true, {}, 1.f, 64});
