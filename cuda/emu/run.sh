@@ -4,8 +4,7 @@
 #   out ordering assumptions; bf16: the decode step, context parallelism's kernels and the bf16
 #   kernels only; step: the decode step only; bf16 bwd: the decode step and the split bf16
 #   backward only; f32dg: the f32 backward at K = 256 with strong gates four times, whose gate
-#   gradient must not depend on thread timing; cp: context parallelism's kernels only, with the
-#   unpaired-output cases the default run leaves out, see run_cp in kernels.cpp)
+#   gradient must not depend on thread timing; cp: context parallelism's kernels only)
 set -e
 cd "$(dirname "$0")"
 out="${TMPDIR:-/tmp}/gdp-emu-kernels"
