@@ -118,20 +118,12 @@ impl NcclComm {
         Ok(t0.elapsed())
     }
 
-    /// Runs `op` (of `n` floats from this rank) after [`Self::check_peers`], and counts it.
-    fn checked_run(
-        &self,
-        inner: &mut Inner,
-        op: Collective,
-        n: usize,
-        issue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> sys::ncclResult_t,
-    ) -> Result<()> {
-        let checked = self.check_peers(inner, op, n)?;
-        let waited = self.run(inner, op, issue)?;
+    /// Counts one collective of `n` floats from this rank that took `waited` (its peer check
+    /// included).
+    fn count(inner: &mut Inner, n: usize, waited: Duration) {
         inner.stats.collectives += 1;
-        inner.stats.wait += checked + waited;
+        inner.stats.wait += waited;
         inner.stats.bytes += 4 * n as u64;
-        Ok(())
     }
 
     /// Scratch buffers of at least `send` and `recv` floats.
@@ -145,20 +137,20 @@ impl NcclComm {
         Ok(())
     }
 
-    /// A host collective through the scratch buffers: `local` in, `world · len` (gather) or
-    /// `len` (reduce) floats out.
-    pub(super) fn host_collective(&self, op: Collective, local: &[f32]) -> Result<Vec<f32>> {
+    /// `local` through the scratch buffers, one `op` without a peer check: `out_len` floats
+    /// back, and the time the collective took.
+    pub(super) fn transfer(
+        &self,
+        inner: &mut Inner,
+        op: Collective,
+        local: &[f32],
+        out_len: usize,
+    ) -> Result<(Vec<f32>, Duration)> {
         let n = local.len();
-        let out_len = match op {
-            Collective::AllGather => n * self.world_size,
-            _ => n,
-        };
-        let mut inner = self.lock();
-        self.scratch(&mut inner, n, out_len)?;
-        let inner = &mut *inner;
+        self.scratch(inner, n, out_len)?;
         let mut send = inner.send.take().expect("scratch");
         let mut recv = inner.recv.take().expect("scratch");
-        let res = (|| -> Result<Vec<f32>> {
+        let res = (|| -> Result<(Vec<f32>, Duration)> {
             if n > 0 {
                 self.stream
                     .memcpy_htod(local, &mut send.slice_mut(0..n))
@@ -169,24 +161,43 @@ impl NcclComm {
                         ))
                     })?;
             }
-            {
+            let waited = {
                 let stream = &self.nccl_stream;
                 let (src, _s) = send.device_ptr(stream);
                 let (dst, _d) = recv.device_ptr_mut(stream);
-                self.checked_run(inner, op, n, |comm, st| unsafe {
+                self.run(inner, op, |comm, st| unsafe {
                     enqueue(op, src, dst, n, comm, st)
-                })?;
-            }
+                })?
+            };
             if out_len == 0 {
-                return Ok(vec![]);
+                return Ok((vec![], waited));
             }
-            self.stream
+            let out = self
+                .stream
                 .clone_dtoh(&recv.slice(0..out_len))
-                .map_err(|e| comm_err(format!("rank {}: {op}: copy to the host: {e:?}", self.rank)))
+                .map_err(|e| {
+                    comm_err(format!("rank {}: {op}: copy to the host: {e:?}", self.rank))
+                })?;
+            Ok((out, waited))
         })();
         inner.send = Some(send);
         inner.recv = Some(recv);
         res
+    }
+
+    /// A host collective through the scratch buffers: `local` in, `world · len` (gather) or
+    /// `len` (reduce) floats out.
+    pub(super) fn host_collective(&self, op: Collective, local: &[f32]) -> Result<Vec<f32>> {
+        let n = local.len();
+        let out_len = match op {
+            Collective::AllGather => n * self.world_size,
+            _ => n,
+        };
+        let mut inner = self.lock();
+        let checked = self.check_peers(&mut inner, op, n)?;
+        let (out, waited) = self.transfer(&mut inner, op, local, out_len)?;
+        Self::count(&mut inner, n, checked + waited);
+        Ok(out)
     }
 
     /// A tensor collective on the device, for contiguous-able f32 tensors on this
@@ -235,12 +246,14 @@ impl NcclComm {
             })?;
             let src = cs.as_cuda_slice::<f32>()?.slice(start..end);
             let mut inner = self.lock();
+            let checked = self.check_peers(&mut inner, op, n)?;
             let stream = &self.nccl_stream;
             let (sp, _s) = src.device_ptr(stream);
             let (dp, _d) = out.device_ptr_mut(stream);
-            self.checked_run(&mut inner, op, n, |comm, st| unsafe {
+            let waited = self.run(&mut inner, op, |comm, st| unsafe {
                 enqueue(op, sp, dp, n, comm, st)
             })?;
+            Self::count(&mut inner, n, checked + waited);
         }
         let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(out, self.device.clone()));
         let t = Tensor::from_storage(storage, out_len, BackpropOp::none(), false);

@@ -69,9 +69,6 @@ struct Inner {
     comm: sys::ncclComm_t,
     send: Option<CudaSlice<f32>>,
     recv: Option<CudaSlice<f32>>,
-    /// The peer check's buffers: this rank's header and every rank's.
-    header_send: Option<CudaSlice<f32>>,
-    header_recv: Option<CudaSlice<f32>>,
     /// NCCL calls issued so far, peer checks included (numbers them in messages).
     seq: u64,
     stats: CommStats,
@@ -222,8 +219,6 @@ impl NcclComm {
                 comm,
                 send: None,
                 recv: None,
-                header_send: None,
-                header_recv: None,
                 seq: 0,
                 stats: CommStats::default(),
             }),
