@@ -152,13 +152,23 @@ impl CpLink {
     }
 
     /// All-gathers `local` on its device into `[world, *local.dims()]` (a group of one skips
-    /// the collective).
+    /// the collective); a result of another shape (a faulty transport) is an error, which
+    /// aborts the group like any other error of a rank's op.
     fn gather_tensor(&self, local: &candle_core::Tensor) -> Result<candle_core::Tensor> {
-        if self.comm.world_size() == 1 {
+        let world = self.comm.world_size();
+        if world == 1 {
             return local.unsqueeze(0);
         }
         let all = self.comm.all_gather_tensor(&local.contiguous()?)?;
-        self.check_gathered(all.elem_count(), local.elem_count())?;
+        let mut want = vec![world];
+        want.extend_from_slice(local.dims());
+        if all.dims() != want.as_slice() {
+            return Err(crate::error::GdpError::Comm(format!(
+                "summaries gathered on the device: expected shape {want:?}, got {:?}",
+                all.dims()
+            ))
+            .into());
+        }
         Ok(all)
     }
 

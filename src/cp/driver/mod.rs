@@ -220,32 +220,14 @@ impl CpLink {
         }
     }
 
-    /// All-gathers `local` (`frags · H` summaries); a group of one skips the collective.
-    /// A gathered buffer of the wrong length (a faulty transport) fails the group rather than
-    /// being folded.
+    /// All-gathers `local` (`frags · H` summaries); a group of one skips the collective. The
+    /// folds read the result through [`Gathered`], which rejects a buffer of the wrong length
+    /// (a faulty transport); the error aborts the group like any other error of a rank's op.
     fn gather(&self, local: Vec<f32>) -> Result<Vec<f32>> {
-        let world = self.comm.world_size();
-        if world == 1 {
+        if self.comm.world_size() == 1 {
             return Ok(local);
         }
-        let all = self.comm.all_gather(&local)?;
-        self.check_gathered(all.len(), local.len())?;
-        Ok(all)
-    }
-
-    /// Checks that an all-gather of `local` values per rank returned `got` values.
-    fn check_gathered(&self, got: usize, local: usize) -> Result<()> {
-        let want = local * self.comm.world_size();
-        if got == want {
-            return Ok(());
-        }
-        let reason = format!(
-            "rank {}: the summary all-gather returned {got} values, expected {want} ({local} \
-             per rank)",
-            self.comm.rank()
-        );
-        self.comm.abort(&reason);
-        Err(GdpError::Comm(reason).into())
+        self.comm.all_gather(&local)
     }
 
     /// The forward on this rank: returns `[o | final states]` like [`cpu::forward()`], in one
