@@ -10,7 +10,10 @@
 use anyhow::{ensure, Result};
 use candle_gdp::cp::comm::{DistEnv, Rendezvous};
 use std::process::{Command, Output};
+#[path = "common/workers.rs"]
+mod workers;
 use std::time::{Duration, Instant};
+use workers::{launch_workers, ONE_PASSED};
 
 const WORKER: &str = "GDP_RDV_TEST_WORKER";
 const GDP: &str = env!("CARGO_BIN_EXE_gdp");
@@ -60,41 +63,6 @@ fn rendezvous_worker() {
     assert!(waited < Duration::from_secs(5), "{waited:?}");
 }
 
-/// Starts `nproc` copies of this test binary running exactly the ignored test `name` through
-/// `gdp launch`, each rank's standard output redirected to `<dir>/rank<R>.out` (through `sh`,
-/// so that libtest's own summary is captured too). Returns the launcher's output and every
-/// rank's output.
-fn launch_workers(
-    nproc: usize,
-    name: &str,
-    env: (&str, &str),
-    dir: &std::path::Path,
-) -> Result<(Output, Vec<String>)> {
-    std::fs::create_dir_all(dir)?;
-    let launched = Command::new(GDP)
-        .args(["launch", "--nproc", &nproc.to_string(), "--", "sh", "-c"])
-        .arg(r#"exec "$0" "$@" > "$GDP_WORKER_OUT/rank$RANK.out""#)
-        .arg(std::env::current_exe()?)
-        .args([
-            "--ignored",
-            "--exact",
-            name,
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env(env.0, env.1)
-        .env("GDP_WORKER_OUT", dir)
-        .output()?;
-    let outs = (0..nproc)
-        .map(|r| std::fs::read_to_string(dir.join(format!("rank{r}.out"))).unwrap_or_default())
-        .collect();
-    let _ = std::fs::remove_dir_all(dir);
-    Ok((launched, outs))
-}
-
-/// libtest's summary for a worker that ran exactly one test, which passed.
-const ONE_PASSED: &str = "test result: ok. 1 passed; 0 failed;";
 /// libtest's header for a worker whose filter matched exactly one test.
 const ONE_RUNNING: &str = "running 1 test\n";
 

@@ -19,6 +19,8 @@
 #![cfg(feature = "nccl")]
 
 mod common;
+#[path = "common/workers.rs"]
+mod workers;
 
 use anyhow::{bail, ensure, Context as _, Result};
 use candle_core::{DType, Device, Tensor};
@@ -30,6 +32,7 @@ use candle_gdp::{Cotangents, GdpOptions};
 use common::{cp_pairs, inputs, rel_rms, run_op_on, Case, Inputs};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use workers::{launch_workers, ONE_PASSED};
 
 const WORKER: &str = "GDP_NCCL_TEST_WORKER";
 
@@ -55,37 +58,6 @@ fn worlds() -> Result<Vec<usize>> {
     Ok(worlds)
 }
 
-/// libtest's summary for a worker that ran exactly one test, which passed.
-const ONE_PASSED: &str = "test result: ok. 1 passed; 0 failed;";
-
-/// Starts `world` copies of this binary running exactly `nccl_worker` through `gdp launch`,
-/// each rank's standard output redirected (through `sh`) to a file; returns the launcher's
-/// output and every rank's output.
-fn launch_workers(world: usize) -> Result<(std::process::Output, Vec<String>)> {
-    let dir = std::env::temp_dir().join(format!("gdp-nccl-test-{}-w{world}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let launched = std::process::Command::new(env!("CARGO_BIN_EXE_gdp"))
-        .args(["launch", "--nproc", &world.to_string(), "--", "sh", "-c"])
-        .arg(r#"exec "$0" "$@" > "$GDP_WORKER_OUT/rank$RANK.out""#)
-        .arg(std::env::current_exe()?)
-        .args([
-            "--ignored",
-            "--exact",
-            "nccl_worker",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env(WORKER, "1")
-        .env("GDP_WORKER_OUT", &dir)
-        .output()?;
-    let outs = (0..world)
-        .map(|r| std::fs::read_to_string(dir.join(format!("rank{r}.out"))).unwrap_or_default())
-        .collect();
-    let _ = std::fs::remove_dir_all(&dir);
-    Ok((launched, outs))
-}
-
 /// Ignored by default: it needs GPUs, and a test that cannot run must be reported as skipped,
 /// not passed. Without this attribute a machine with no GPU (or fewer GPUs than every requested
 /// world size) would run nothing and still count a pass. Run explicitly (see the module docs),
@@ -104,7 +76,9 @@ fn cp_over_nccl_equals_single_gpu() -> Result<()> {
             continue;
         }
         let t0 = Instant::now();
-        let (launched, outs) = launch_workers(world)?;
+        let dir =
+            std::env::temp_dir().join(format!("gdp-nccl-test-{}-w{world}", std::process::id()));
+        let (launched, outs) = launch_workers(world, "nccl_worker", (WORKER, "1"), &dir)?;
         let passed = launched.status.success();
         println!(
             "world size {world}: {} in {:.1} s",
