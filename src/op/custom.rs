@@ -88,8 +88,6 @@ impl GdpForward {
         Tensor::cat(&[&grad.flatten_all()?.to_dtype(DType::F32)?, &zeros], 0)
     }
 
-    /// `(dqk, dv, d gate buffer)` from the gradient `grad_res` of the output: the direct bf16
-    /// backward where it applies, else the packed f32 one split back onto the inputs.
     /// `result`, after failing this rank's context-parallel group on an error (so that the
     /// peers waiting in a collective of their backward fail at once).
     fn aborting<T>(&self, result: Result<T>) -> Result<T> {
@@ -99,6 +97,8 @@ impl GdpForward {
         result
     }
 
+    /// `(dqk, dv, d gate buffer)` from the gradient `grad_res` of the output: the direct bf16
+    /// backward where it applies, else the packed f32 one split back onto the inputs.
     fn gradients(
         &self,
         qk: &Tensor,

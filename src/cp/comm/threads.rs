@@ -10,8 +10,8 @@
 //! [`Communicator::abort`], a collective that waits longer than the timeout, ranks that disagree
 //! on the collective or its length, a rank whose thread panics, and (under [`run_ranks`]) a rank
 //! that errors or returns while its peers still need it all make every pending and later
-//! collective return [`GdpError::Comm`]. Device tensors reach this transport as host copies (see the
-//! [`Communicator`] tensor methods).
+//! collective return [`GdpError::Comm`]. Device tensors reach this transport as host copies
+//! (see the [`Communicator`] tensor methods).
 
 use std::any::Any;
 use std::fmt;
