@@ -2,6 +2,7 @@
 //! `[v | 0_K]` from `[0 | I_K]` (one widened task, or its `V` and `K` columns as two tasks side
 //! by side), and its rows are corrected once the incoming state is known.
 
+use crate::cp::summary::{identity, ForwardSummary};
 use crate::op::cpu::chunk::Dims;
 use crate::op::cpu::linalg::{matmul, MatRef};
 use crate::op::cpu::{self, PackedInputs};
@@ -40,11 +41,12 @@ pub(super) fn run_columns<T: WithDType>(
         Columns::Values => (v, vec![0.0f32; k * v]),
         Columns::Widened => {
             inp.v = widen(&inp.v, v, k);
-            (v + k, identity_columns(k, v))
+            // `[0 | I_K]`: the state the widened run starts from is the empty summary's rows.
+            (v + k, ForwardSummary::identity(k, v).into_rows())
         }
         Columns::Transition => {
             inp.v = vec![0.0f32; rows * k];
-            (k, identity_columns(k, 0))
+            (k, identity(k))
         }
     };
     let dc = Dims { dv, ..*d };
@@ -53,13 +55,6 @@ pub(super) fn run_columns<T: WithDType>(
     let mut o = vec![0.0f32; seq.len * dv];
     cpu::forward::forward_head(&inp, &dc, &mut state, &mut o, &mut ws);
     (o, state)
-}
-
-/// `[0_V | I_K]`, `K` rows of `V + K`.
-fn identity_columns(k: usize, v: usize) -> Vec<f32> {
-    let mut m = vec![0.0f32; k * (v + k)];
-    (0..k).for_each(|r| m[r * (v + k) + v + r] = 1.0);
-    m
 }
 
 /// `rows` rows `[a | b]` from `a [rows, V]` and `b [rows, K]`.
