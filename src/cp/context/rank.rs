@@ -99,7 +99,14 @@ fn apply_on_rank(
     let scale = effective_scale(opts, sh.dk);
     agree(
         &*rank.comm,
-        ProblemRecord::new(&sh, dtype, packed, scale, rank.composition),
+        ProblemRecord::new(
+            rank.comm.world_size(),
+            &sh,
+            dtype,
+            packed,
+            scale,
+            rank.composition,
+        ),
     )?;
     let link = CpLink::new(
         rank.comm.clone(),
