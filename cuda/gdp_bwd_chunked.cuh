@@ -148,7 +148,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     const float* __restrict__ cg, const __nv_bfloat16* __restrict__ dob,
     const float* __restrict__ dht, int has_dht, __nv_bfloat16* __restrict__ dhs,
     __nv_bfloat16* __restrict__ ddn, float* __restrict__ dh0, int write_dh0, int B, int TT,
-    int H, int K, int V, int n, int QR, int NS, const int* __restrict__ ready,
+    int H, int K, int V, int VD, int n, int QR, int NS, const int* __restrict__ ready,
     int* __restrict__ signal) {
   constexpr int C = GDP_CHUNK, NT = BV / 8, LB = BV + 8, LC = C + 8, LK = KPT + 8;
   constexpr int NTW = NT * 4 / NW, NPW = NTW / 2;
@@ -171,8 +171,11 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
   const int64_t state_off = ((int64_t)sidx * H + head) * KV;
   const bool vk = gdpc_qk_vec(qb, kb, K);
   const bool vu = (V % 8 == 0) && (bv % 8 == 0);
-  // dO rows 16 bytes at a time also need a 16-byte aligned base (a view may start anywhere).
-  const bool vdo = vu && gdpc_aligned16(dob);
+  // dO holds the first VD value columns (rows of VD elements); the block's columns past them
+  // read as zero (a context-parallel rank's scan on [dO | 0_K]). Its rows 16 bytes at a time
+  // also need a 16-byte aligned base (a view may start anywhere).
+  const int bd = max(0, min(bv, VD - v0));
+  const bool vdo = (VD % 8 == 0) && (bd % 8 == 0) && gdpc_aligned16(dob);
   const bool ddn_rows = ddn != nullptr && vu && gdpc_aligned16(ddn);
 
   extern __shared__ __align__(16) unsigned char gdpcs_smem[];
@@ -211,11 +214,11 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     for (int i = tid; i < C; i += nthr) {
       koff[i] = i < ch.c ? rows.key(i) : -1;
       qoff[i] = i < ch.nq ? rows.query(i) : -1;
-      ooff[i] = i < ch.nq ? (rows.query_token(i) * H + head) * (int64_t)V : -1;
+      ooff[i] = i < ch.nq ? (rows.query_token(i) * H + head) * (int64_t)VD : -1;
     }
     if (tid == 0) meta[slot_of] = GdpcMeta{ch.c, ch.nq, ch.t0};
   };
-  const GdpcSplit sp_u(bv, tid, nthr);
+  const GdpcSplit sp_u(bd, tid, nthr);
   // Issues the copies of step `step`'s chunk into stage s (one cp.async group; its slot's row
   // table and geometry are ready).
   auto prefetch = [&](int step, int s) {
@@ -229,17 +232,18 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
     gdpc_stage_wkqp<KPT, NW * 32>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb, qb,
                                   pg + slot * C * C, koff, qoff, c, nq, QR, K, vk, tid);
-    if (vdo && bv == BV) {
+    // Columns [bd, BV) of the dO tiles were zeroed once (below) and are never written.
+    if (bd == 0) {
+    } else if (vdo && bd == BV) {
       gdpc_stage_tile<BV, LB, C, NW * 32>(st.DO, dob + v0, [&](int r) { return ooff[r]; }, nq, QR,
                                           tid);
     } else if (vdo) {
-      gdpc_stage_rows(st.DO, LB, dob + v0, [&](int r) { return ooff[r]; }, nq, QR, bv, true,
+      gdpc_stage_rows(st.DO, LB, dob + v0, [&](int r) { return ooff[r]; }, nq, QR, bd, true,
                       sp_u, tid, nthr);
     } else {
-      for (int idx = tid; idx < QR * BV; idx += nthr) {
-        const int r = idx / BV, col = idx - r * BV;
-        st.DO[r * LB + col] = (r < nq && col < bv) ? dob[ooff[r] + v0 + col]
-                                                   : __float2bfloat16_rn(0.f);
+      for (int idx = tid; idx < QR * bd; idx += nthr) {
+        const int r = idx / bd, col = idx - r * bd;
+        st.DO[r * LB + col] = r < nq ? dob[ooff[r] + v0 + col] : __float2bfloat16_rn(0.f);
       }
     }
     for (int i = tid; i < 3 * C / 4; i += nthr)
@@ -265,7 +269,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     gdpc_zero_cols(st.W, LK, C, K, KPT, tid, nthr);
     gdpc_zero_cols(st.Kr, LK, C, K, KPT, tid, nthr);
     gdpc_zero_cols(st.Q, LK, QR, K, KPT, tid, nthr);
-    gdpc_zero_cols(st.DO, LB, QR, bv, BV, tid, nthr);
+    gdpc_zero_cols(st.DO, LB, QR, bd, BV, tid, nthr);
   }
   auto store_sb = [&](__nv_bfloat16* sb) {
 #pragma unroll
@@ -412,8 +416,8 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
   extern "C" __global__ void __launch_bounds__(NW * 32)                                     \
       gdp_bwd_dh_bf16_##BV##_##KPT(GDP_KERNEL_PARAMS(GDP_DH_FIELDS, _)) {                    \
     gdp_bwd_dh_bf16_impl<BV, KPT, NW>(q, k, split, table, w, p, coef, dob, dht, has_dht, dhs, \
-                                      ddn, dh0, write_dh0, batch, tokens, heads, dk, dv, n,  \
-                                      qr, ns, ready, signal);                                \
+                                      ddn, dh0, write_dh0, batch, tokens, heads, dk, dv,     \
+                                      dv_in, n, qr, ns, ready, signal);                      \
   }
 GDPD_SCAN_ENTRY(16, 64, 4)
 GDPD_SCAN_ENTRY(16, 128, 4)

@@ -732,7 +732,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const float* __restrict__ cg, const float* __restrict__ h0_override, int use_h0_override,
     float* __restrict__ out, __nv_bfloat16* __restrict__ outb, float* __restrict__ fin,
     __nv_bfloat16* __restrict__ hs, __nv_bfloat16* __restrict__ dn, int B, int TT, int H, int K,
-    int V, int n, int has_h0, int QR, int NS, const int* __restrict__ ready) {
+    int V, int VU, int n, int has_h0, int QR, int NS, const int* __restrict__ ready) {
   constexpr int C = GDP_CHUNK, NT = BV / 8, LB = BV + 8, LC = C + 8, LK = KPT + 8;
   constexpr int NTW = NT * 4 / NW, NPW = NTW / 2;  // n8 tiles / pairs of a warp's column half
   constexpr int MT = KPT / 16, STW = (MT + NW - 1) / NW;  // state tiles, per warp
@@ -747,6 +747,9 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
   // and slowed the states-only kernels and the state-gradient scan.)
   if constexpr (OUT) gdp_assume_tid(tid, NW * 32);
   const int bv = min(BV, V - v0);
+  // U holds the first VU value columns (rows of VU elements); the block's columns past them
+  // read as zero (a context-parallel rank's scan on [U | 0_K]).
+  const int bu = max(0, min(bv, VU - v0));
   const int seq_b = table[4 * sidx], seq_start = table[4 * sidx + 1], seq_len = table[4 * sidx + 2];
   const int cbase = table[4 * sidx + 3];
   const int64_t tok0 = (int64_t)seq_b * TT + seq_start;
@@ -759,6 +762,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
   const int64_t state_off = ((int64_t)sidx * H + head) * KV;
   const bool vk = gdpc_qk_vec(qb, kb, K);
   const bool vu = (V % 8 == 0) && (bv % 8 == 0);
+  const bool vuu = (VU % 8 == 0) && (bu % 8 == 0);  // U's rows 16 bytes at a time
   // Delta and the output leave through shared memory as 16-byte row pieces.
   const bool dn_rows = dn != nullptr && vu && gdpc_aligned16(dn);
   const bool o_rows = OUT && outb != nullptr && vu && gdpc_aligned16(outb);
@@ -792,7 +796,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     }
     if (tid == 0) meta[slot_of] = GdpcMeta{ch.c, ch.nq, ch.t0};
   };
-  const GdpcSplit sp_u(bv, tid, nthr);
+  const GdpcSplit sp_u(bu, tid, nthr);
   // Issues the copies of chunk ci into stage s (one cp.async group; its slot's row table and
   // geometry are ready).
   auto prefetch = [&](int ci, int s) {
@@ -802,18 +806,23 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const int64_t* koff = tables + s * 2 * C;
     const int64_t* qoff = koff + C;
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
-    const __nv_bfloat16* u = ug + slot * C * V + v0;
+    const __nv_bfloat16* u = ug + slot * C * VU + v0;
     gdpc_stage_wkqp<KPT, NW * 32, OUT, OUT>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb, qb,
                                             pg + slot * C * C, koff, qoff, c, nq, QR, K, vk, tid);
-    if (vu && bv == BV) {
-      gdpc_stage_tile_strided<BV, LB, C, NW * 32>(st.U, u, V, C, tid);
-    } else if (vu) {
-      gdpc_stage_rows(st.U, LB, u, [&](int r) { return (int64_t)r * V; }, C, C, bv, true, sp_u,
+    // Columns [bu, bv) of the block's own are zero: the output, staged through the U tile,
+    // wrote them at the previous chunk of this stage (past bv nothing is read into a column
+    // below bv: the columns are independent).
+    if (bu < bv) gdpc_zero_cols(st.U, LB, C, bu, bv, tid, nthr);
+    if (bu == 0) {
+    } else if (vuu && bu == BV) {
+      gdpc_stage_tile_strided<BV, LB, C, NW * 32>(st.U, u, VU, C, tid);
+    } else if (vuu) {
+      gdpc_stage_rows(st.U, LB, u, [&](int r) { return (int64_t)r * VU; }, C, C, bu, true, sp_u,
                       tid, nthr);
     } else {
-      for (int idx = tid; idx < C * BV; idx += nthr) {
-        const int r = idx / BV, col = idx - r * BV;
-        st.U[r * LB + col] = col < bv ? u[(int64_t)r * V + col] : __float2bfloat16_rn(0.f);
+      for (int idx = tid; idx < C * bu; idx += nthr) {
+        const int r = idx / bu, col = idx - r * bu;
+        st.U[r * LB + col] = u[(int64_t)r * VU + col];
       }
     }
     for (int i = tid; i < 3 * C / 4; i += nthr) cp_async16(st.cf + 4 * i, cg + slot * 3 * C + 4 * i);
@@ -1041,8 +1050,8 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
       NAME##_##BV##_##KPT(GDP_KERNEL_PARAMS(GDP_SCAN_FIELDS, _)) {                               \
     gdp_fwd_scan_bf16_impl<BV, KPT, NW, OUT>(q, k, split, aux, table, w, u, p, coef,            \
                                              h0_override, use_h0_override, out, outb, fin, hs,  \
-                                             dn, batch, tokens, heads, dk, dv, n, has_h0, qr,   \
-                                             ns, ready);                                        \
+                                             dn, batch, tokens, heads, dk, dv, dv_in, n,        \
+                                             has_h0, qr, ns, ready);                            \
   }
 GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 64, 4, true)
 GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 128, 4, true)

@@ -117,6 +117,7 @@
   X(C, int, heads)                  \
   X(C, int, dk)                     \
   X(C, int, dv)                     \
+  X(C, int, dv_in)                  \
   X(C, int, n)                      \
   X(C, int, has_h0)                 \
   X(C, int, qr)                     \
@@ -144,6 +145,7 @@
   X(C, int, heads)                  \
   X(C, int, dk)                     \
   X(C, int, dv)                     \
+  X(C, int, dv_in)                  \
   X(C, int, n)                      \
   X(C, int, qr)                     \
   X(C, int, ns)                     \

@@ -117,7 +117,8 @@ static void forward(int B, int T, int H, int n) {
     a.q = dq; a.k = dk; a.aux = daux; a.table = dtab; a.w = w; a.u = u; a.p = p; a.coef = cf;
     a.h0_override = daux; a.out = nullptr; a.outb = outb; a.fin = nullptr; a.hs = hs_out;
     a.dn = dn_out; a.ready = ready; a.split = 1; a.use_h0_override = 0; a.batch = B;
-    a.tokens = T; a.heads = H; a.dk = K; a.dv = V; a.n = n; a.has_h0 = 0; a.qr = qr; a.ns = ns;
+    a.tokens = T; a.heads = H; a.dk = K; a.dv = V; a.dv_in = V; a.n = n; a.has_h0 = 0; a.qr = qr;
+    a.ns = ns;
     return a;
   };
   const int wy_smem = 4 * (C * GDP_INV_LD + 6 * C) + 2 * C * ((KP + 8) + std::max(KP, VP) + 8);
@@ -252,7 +253,7 @@ static void forward(int B, int T, int H, int n) {
     a.q = dq; a.k = dk; a.table = dtab; a.w = w; a.p = p; a.coef = cf; a.dob = dob; a.dht = dht;
     a.dhs = dhs; a.ddn = ddn; a.dh0 = nullptr; a.ready = ready; a.signal = signal; a.split = 1;
     a.has_dht = 1; a.write_dh0 = 0; a.batch = B; a.tokens = T; a.heads = H; a.dk = K; a.dv = V;
-    a.n = n; a.qr = QR; a.ns = ns;
+    a.dv_in = V; a.n = n; a.qr = QR; a.ns = ns;
     return a;
   };
   auto grads_params = [&](int* pipe, const int* order, int items, int ready_count, int beside,

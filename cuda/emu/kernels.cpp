@@ -347,7 +347,7 @@ static GdpScanParams scan_params(const Prob& P, const QkArgs& a, const std::vect
   p.u = ug.data(); p.p = pg.data(); p.coef = cg.data(); p.h0_override = P.aux.data();
   p.out = out; p.outb = outb; p.fin = fin; p.hs = hs; p.dn = dn; p.ready = ready;
   p.split = a.split; p.use_h0_override = 0; p.batch = c.B; p.tokens = c.T; p.heads = c.H;
-  p.dk = c.K; p.dv = c.V; p.n = c.n; p.has_h0 = c.h0; p.qr = qr; p.ns = ns;
+  p.dk = c.K; p.dv = c.V; p.dv_in = c.V; p.n = c.n; p.has_h0 = c.h0; p.qr = qr; p.ns = ns;
   return p;
 }
 
@@ -522,11 +522,14 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
   // dn2, which must be bit-identical (the same products on the same staged values; there is no
   // forward scan of 128 columns, so at BV 128 the one of 64, on twice as many blocks).
   std::vector<__nv_bfloat16> o_scan(BTH * V);
-  auto rerun = [&](bool states_only, __nv_bfloat16* hs_to, __nv_bfloat16* dn_to) {
+  // (u_in, vin: U read from u_in with rows of vin elements instead of ug's V.)
+  auto rerun = [&](bool states_only, __nv_bfloat16* hs_to, __nv_bfloat16* dn_to,
+                   const __nv_bfloat16* u_in = nullptr, int vin = 0) {
     const int lbv = states_only ? bv : std::min(bv, 64);
-    const GdpScanParams sp = scan_params(P, a, tab, wg, ug, pg, cg, nullptr,
-                                         states_only ? nullptr : o_scan.data(), nullptr, hs_to,
-                                         dn_to, states_only ? 0 : QR, NS, nullptr);
+    GdpScanParams sp = scan_params(P, a, tab, wg, ug, pg, cg, nullptr,
+                                   states_only ? nullptr : o_scan.data(), nullptr, hs_to, dn_to,
+                                   states_only ? 0 : QR, NS, nullptr);
+    if (u_in != nullptr) sp.u = u_in, sp.dv_in = vin;
     launch(N * H, (V + lbv - 1) / lbv, nthr, [&] {
 #define ARGS GDP_ARGS_OF(GDP_SCAN_FIELDS, sp)
 #define PICK(PREFIX)                                     \
@@ -567,14 +570,16 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
   }
   std::vector<float> out(qk_len + v_len + BTH * (1 + n) + (c.h0 ? sl : 0), 0.f);
   float* dh0 = out.data() + qk_len + v_len + BTH * (1 + n);
+  // (do_in, vin: dO read from do_in with rows of vin elements instead of V.)
   auto dh_scan = [&](__nv_bfloat16* dhs_to, __nv_bfloat16* ddn_to, float* dh0_to, const int* rdy,
-                     int* signal) {
+                     int* signal, const __nv_bfloat16* do_in = nullptr, int vin = 0) {
     GdpDhParams dp{};
     dp.q = a.q; dp.k = a.k; dp.table = tab.data(); dp.w = wg.data(); dp.p = pg.data();
     dp.coef = cg.data(); dp.dob = dob_ptr; dp.dht = P.dht.data(); dp.dhs = dhs_to;
     dp.ddn = ddn_to; dp.dh0 = dh0_to; dp.ready = rdy; dp.signal = signal; dp.split = a.split;
     dp.has_dht = 1; dp.write_dh0 = c.h0; dp.batch = c.B; dp.tokens = c.T; dp.heads = c.H;
-    dp.dk = c.K; dp.dv = c.V; dp.n = c.n; dp.qr = QR; dp.ns = NS;
+    dp.dk = c.K; dp.dv = c.V; dp.dv_in = c.V; dp.n = c.n; dp.qr = QR; dp.ns = NS;
+    if (do_in != nullptr) dp.dob = do_in, dp.dv_in = vin;
     launch(N * H, (V + bv - 1) / bv, nthr, [&] {
 #define ARGS GDP_ARGS_OF(GDP_DH_FIELDS, dp)
       if (bv == 16 && KPT == 64) gdp_bwd_dh_bf16_16_64(ARGS);
@@ -589,6 +594,46 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
     });
   };
   dh_scan(dhs.data(), ddn.data(), dh0, nullptr, nullptr);
+  // The value-side inputs narrower than the scans' columns (a context-parallel rank's [U | 0_K]
+  // and [dO | 0_K] read in place: dv_in < V, the columns past it zero): bit-identical to the
+  // scans on the inputs with those columns zeroed, for a width in the middle of a value tile,
+  // an odd one (no 16-byte rows) and none.
+  for (const long vin : {V / 2, V - 3, 0L}) {
+    if (vin < 0 || vin >= V) continue;
+    // x's rows [rows, V] with the columns from vin on zeroed, and its first vin columns alone.
+    auto narrow = [&](const std::vector<__nv_bfloat16>& x, long rows) {
+      std::vector<__nv_bfloat16> pad(x.begin(), x.begin() + rows * V), thin(rows * vin + 1);
+      for (long r = 0; r < rows; ++r)
+        for (long j = 0; j < V; ++j) {
+          if (j < vin) thin[r * vin + j] = x[r * V + j];
+          else pad[r * V + j] = __float2bfloat16_rn(0.f);
+        }
+      return std::make_pair(pad, thin);
+    };
+    const auto [u_pad, u_thin] = narrow(ug, slots * 64);
+    std::vector<__nv_bfloat16> hs_a(hs.size(), poison), dn_a(dn.size(), poison);
+    std::vector<__nv_bfloat16> hs_b(hs.size(), poison), dn_b(dn.size(), poison);
+    rerun(false, hs_a.data(), dn_a.data(), u_pad.data(), (int)V);
+    const std::vector<__nv_bfloat16> o_a = o_scan;
+    rerun(false, hs_b.data(), dn_b.data(), u_thin.data(), (int)vin);
+    auto bits = [](const auto& x, const auto& y) {
+      return x.size() == y.size() && memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
+    };
+    const bool same_fwd = bits(o_a, o_scan) && bits(hs_a, hs_b) && bits(dn_a, dn_b);
+    const auto [do_pad, do_thin] = narrow(dob_at, BTH);
+    std::vector<__nv_bfloat16> dhs_a(dhs.size(), poison), ddn_a(ddn.size(), poison);
+    std::vector<__nv_bfloat16> dhs_b(dhs.size(), poison), ddn_b(ddn.size(), poison);
+    std::vector<float> dh0_a(sl, 0.f), dh0_b(sl, 0.f);
+    dh_scan(dhs_a.data(), ddn_a.data(), dh0_a.data(), nullptr, nullptr, do_pad.data(), (int)V);
+    dh_scan(dhs_b.data(), ddn_b.data(), dh0_b.data(), nullptr, nullptr, do_thin.data(), (int)vin);
+    const bool same_dh = bits(dhs_a, dhs_b) && bits(ddn_a, ddn_b) && bits(dh0_a, dh0_b);
+    char what[64];
+    snprintf(what, sizeof what, "narrow %ld", vin);
+    printf("%-26s %-8s %s\n", c.name, what,
+           same_fwd && same_dh ? "U, dO narrower: identical"
+                               : (same_fwd ? "dO narrower: DIFFERENT" : "U narrower: DIFFERENT"));
+    if (!same_fwd || !same_dh) ++fails;
+  }
   // The gradient kernel's pipe (GDPG_PIPE_COUNTERS, then a counter per group and head), filled
   // by the scan beside the WY kernel below.
   const int scan_blocks = N * H * ((V + bv - 1) / bv);

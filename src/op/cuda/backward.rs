@@ -395,6 +395,7 @@ pub fn try_backward_bf16(
             &table,
             &wy,
             &dob,
+            sh.dv,
             dht,
             sh,
             &dh,

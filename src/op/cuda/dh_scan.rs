@@ -2,7 +2,7 @@
 //! chunk's end-state gradient and dDelta for the gradient kernel, and the initial-state
 //! gradients.
 
-use super::device::{allow_smem, grid_dim, shape_i32, GRID_X, GRID_YZ};
+use super::device::{allow_smem, grid_dim, shape_i32, to_i32, GRID_X, GRID_YZ};
 use super::inputs::{Bf16Inputs, ChunkTable};
 use super::module::load_kernel;
 use super::plan::ScanPlan;
@@ -27,7 +27,9 @@ pub(super) struct DhDest<'a, 'b> {
 
 /// Runs the state-gradient scan `plan.kernel` (`gdp_bwd_dh_bf16_<BV>_<KPT>`) over `table`'s
 /// chunks with the WY factors `wy` (W, P and the gate coefficients), the bf16 output gradient
-/// `dob [B, T, H, V]` and the end-state gradients `dht [N, H, K, V]` (zero when `None`), on
+/// `dob [B, T, H, V']` (`V' = do_width <= V`; the scan's columns past it read as zero: a
+/// context-parallel rank's `[dO | 0_K]`) and the end-state gradients `dht [N, H, K, V]` (zero
+/// when `None`), on
 /// `stream` (the device's, or a [`SideStream`]'s); with `ready`, waiting for the readiness
 /// counters of a WY kernel running beside it (`pipeline::Pipeline`).
 #[allow(clippy::too_many_arguments)]
@@ -38,6 +40,7 @@ pub(super) fn run_dh_scan(
     table: &ChunkTable,
     wy: &WyFactors,
     dob: &CudaView<bf16>,
+    do_width: usize,
     dht: Option<&CudaView<f32>>,
     sh: &GdpShape,
     plan: &ScanPlan,
@@ -46,6 +49,13 @@ pub(super) fn run_dh_scan(
     signal: Option<&CudaSlice<i32>>,
 ) -> Result<()> {
     let [b, t, h, k, vd, n] = shape_i32(sh)?;
+    if do_width > sh.dv || dob.len() < sh.batch * sh.tokens * sh.heads * do_width {
+        candle_core::bail!(
+            "gdp cuda: dO of {} elements in rows of {do_width} for a scan of {} columns",
+            dob.len(),
+            sh.dv
+        );
+    }
     let func = load_kernel(dev, &plan.kernel)?;
     allow_smem(&func, plan.smem)?;
     let mut args = func.args_on(stream);
@@ -84,6 +94,7 @@ pub(super) fn run_dh_scan(
         heads: h,
         dk: k,
         dv: vd,
+        dv_in: to_i32(do_width, "V")?,
         n,
         qr: plan.qr as i32,
         ns: plan.stages as i32,

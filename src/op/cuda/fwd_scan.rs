@@ -3,7 +3,7 @@
 //! the next chunk's operands copied with cp.async while the current one computes.
 
 use super::cache::ChunkStates;
-use super::device::{allow_smem, grid_dim, shape_i32, GRID_X, GRID_YZ};
+use super::device::{allow_smem, grid_dim, shape_i32, to_i32, GRID_X, GRID_YZ};
 use super::inputs::{Bf16Inputs, ChunkTable};
 use super::module::load_kernel;
 use super::plan::ScanPlan;
@@ -41,7 +41,9 @@ pub(super) struct ScanDest<'a> {
     pub states: Option<&'a mut ChunkStates>,
 }
 
-/// Runs the forward scan `plan.kernel` on the WY factors of `table`'s chunks.
+/// Runs the forward scan `plan.kernel` on the WY factors of `table`'s chunks, over the value
+/// columns of `sh` (U's `wy.dv` columns and, past them, zeros: a context-parallel rank's
+/// `[U | 0_K]`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run_scan(
     dev: &CudaDevice,
@@ -62,6 +64,13 @@ pub(super) fn run_scan(
     );
     if with_output && plan.qr == 0 {
         candle_core::bail!("gdp cuda: {} writes no output", plan.kernel);
+    }
+    if wy.dv > sh.dv {
+        candle_core::bail!(
+            "gdp cuda: U has {} value columns, the scan {}",
+            wy.dv,
+            sh.dv
+        );
     }
     let scan = load_kernel(dev, &plan.kernel)?;
     allow_smem(&scan, plan.smem)?;
@@ -116,6 +125,7 @@ pub(super) fn run_scan(
         heads: h,
         dk: k,
         dv: vd,
+        dv_in: to_i32(wy.dv, "V")?,
         n,
         has_h0: i32::from(has_h0),
         qr: plan.qr as i32,

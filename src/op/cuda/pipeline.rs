@@ -113,10 +113,12 @@ impl Pipeline {
     }
 }
 
-/// Computes `wy` (allocated for `table`) and runs the scan `plan` into `dest`: side by side
-/// with `pipeline` where there is one and this GPU's previous overlapped forward was queued on
-/// the same stream (stream order keeps the two apart: the next one's scan starts after the
-/// previous one's join) or has finished; else one after the other on the device's stream.
+/// Computes `wy` (allocated for `table`) and runs the scan `plan` over the value columns of
+/// `sh` into `dest` (more than `wy.dv` for a context-parallel rank's widened scan, the WY
+/// kernel computing U at its own width): side by side with `pipeline` where there is one and
+/// this GPU's previous overlapped forward was queued on the same stream (stream order keeps the
+/// two apart: the next one's scan starts after the previous one's join) or has finished; else
+/// one after the other on the device's stream.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn wy_then_scan(
     pipeline: Option<&Pipeline>,
@@ -137,11 +139,21 @@ pub(super) fn wy_then_scan(
         Some(p) => p.start(dev)?.map(|run| (p, run)),
         None => None,
     };
+    let widened;
+    let wy_sh = if wy.dv == sh.dv {
+        sh
+    } else {
+        widened = GdpShape {
+            dv: wy.dv,
+            ..sh.clone()
+        };
+        &widened
+    };
     wy.launch(
         dev,
         inp,
         table,
-        sh,
+        wy_sh,
         scale,
         overlap.as_ref().map(|(p, run)| p.signal(run, true)),
     )?;

@@ -11,7 +11,7 @@ use super::fused_bwd::{summaries, MODE_BWD_SUM, MODE_FWD_SUM};
 use super::fwd_scan::ScanOut;
 use super::inputs::{Bf16Inputs, ChunkTable, Cotangent, QkIn};
 use super::plan::{DH_SCAN, STATES_SCAN};
-use super::widened::{wanted, widen_rows, Widened};
+use super::widened::{wanted, Widened};
 use super::wy::WyFactors;
 use crate::op::config::{KernelConfig, KernelPath};
 use crate::op::shape::GdpShape;
@@ -73,7 +73,7 @@ pub fn forward_summaries_bf16(
     let Some(path) = wanted(qk, cfg) else {
         return Ok(None);
     };
-    let Some(widened) = Widened::plan(&dev, sh, frags, &STATES_SCAN, cfg)? else {
+    let Some(widened) = Widened::plan(&dev, sh, frags, &STATES_SCAN, true, cfg)? else {
         return not_served(path, sh);
     };
     let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
@@ -88,6 +88,7 @@ pub fn forward_summaries_bf16(
         &h0w,
         ScanOut::Final(&mut fin),
         false,
+        cfg,
     )?;
     let mut all = dev.clone_dtoh(&fin)?;
     all.truncate(wide.state_len());
@@ -116,13 +117,16 @@ pub fn backward_summaries_bf16(
     let Some(path) = wanted(qk, cfg) else {
         return Ok(None);
     };
-    let Some(Widened { sub, wide, plan }) = Widened::plan(&dev, sh, frags, &DH_SCAN, cfg)? else {
+    let Some(Widened {
+        sub, wide, plan, ..
+    }) = Widened::plan(&dev, sh, frags, &DH_SCAN, false, cfg)?
+    else {
         return not_served(path, sh);
     };
     let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
     let table = ChunkTable::new(&dev, &sub)?;
     let wy = WyFactors::compute(&dev, &inp, &table, &sub, scale, false)?;
-    // [do | 0] in bf16, the scan's operand type.
+    // do in bf16, the scan's operand type (read as [do | 0_K]).
     let o_len = sh.o_len();
     let converted;
     let (dob, at) = match cot {
@@ -136,8 +140,6 @@ pub fn backward_summaries_bf16(
             (d.0.as_cuda_slice::<bf16>()?, d.1.start_offset())
         }
     };
-    let rows = sh.batch * sh.tokens * sh.heads;
-    let dow = widen_rows(&dev, dob, at, rows, sh.dv, sh.dk)?;
     let dhtw = dev.clone_htod(&widened_states(dht, sh, frags))?;
     let mut out = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
     {
@@ -146,14 +148,15 @@ pub fn backward_summaries_bf16(
             chunks: None,
             dh0: Some(&mut dh0),
         };
-        let (dow, dhtw) = (dow.slice(..), dhtw.slice(..));
+        let (dob, dhtw) = (dob.slice(at..), dhtw.slice(..));
         run_dh_scan(
             &dev,
             &dev.cuda_stream(),
             &inp,
             &table,
             &wy,
-            &dow,
+            &dob,
+            sh.dv,
             Some(&dhtw),
             &wide,
             &plan,

@@ -13,8 +13,9 @@
 use super::copy::copy_rows_slice;
 use super::device::{smem_and_sms, In};
 use super::dh_scan::{run_dh_scan, DhDest};
-use super::fwd_scan::{run_scan, ScanDest, ScanOut};
+use super::fwd_scan::{ScanDest, ScanOut};
 use super::inputs::{Bf16Inputs, ChunkTable, QkIn};
+use super::pipeline::{wy_then_scan, Pipeline};
 use super::plan::{widened_scan_plan, wy_smem_bytes, ScanKind, ScanPlan, DH_SCAN, FWD_SCAN};
 use super::side::SideStream;
 use super::wy::WyFactors;
@@ -43,7 +44,7 @@ pub(crate) fn backward_summaries_served(
         return Ok(false);
     }
     let every: Vec<usize> = (0..sh.num_seqs()).collect();
-    Ok(Widened::plan(dev, sh, &every, &DH_SCAN, cfg)?.is_some())
+    Ok(Widened::plan(dev, sh, &every, &DH_SCAN, false, cfg)?.is_some())
 }
 
 /// A summary's sub-problem: `sh` with only the sequences `frags` (in that order), the same with
@@ -52,15 +53,21 @@ pub(super) struct Widened {
     pub(super) sub: GdpShape,
     pub(super) wide: GdpShape,
     pub(super) plan: ScanPlan,
+    /// The device's multiprocessors.
+    sms: usize,
 }
 
 impl Widened {
-    /// `None` where the widened scan or the WY kernel does not fit.
+    /// `None` where the widened scan or the WY kernel does not fit. With `beside_wy` (a forward
+    /// scan, which [`Widened::forward_scan`] runs beside the WY kernel where
+    /// [`KernelConfig::overlap`] and the shape allow), the scan's tile leaves the WY kernel
+    /// more than half the multiprocessors where one wave of blocks can.
     pub(super) fn plan(
         dev: &CudaDevice,
         sh: &GdpShape,
         frags: &[usize],
         kind: &ScanKind,
+        beside_wy: bool,
         cfg: &KernelConfig,
     ) -> Result<Option<Self>> {
         let sub = GdpShape {
@@ -75,14 +82,27 @@ impl Widened {
         if wy_smem_bytes(sh.dk, sh.dv) > max_smem {
             return Ok(None);
         }
-        let plan = widened_scan_plan(kind, &wide, max_smem, sms, sms, &cfg.tiles)?;
-        Ok(plan.map(|plan| Self { sub, wide, plan }))
+        // A forward scan beside the WY kernel ([`Pipeline`]) must leave it more than half the
+        // multiprocessors.
+        let budget = if cfg.overlap && beside_wy {
+            sms.saturating_sub(1) / 2
+        } else {
+            sms
+        };
+        let plan = widened_scan_plan(kind, &wide, max_smem, sms, budget, &cfg.tiles)?;
+        Ok(plan.map(|plan| Self {
+            sub,
+            wide,
+            plan,
+            sms,
+        }))
     }
 
-    /// Runs the WY kernel over the sub-problem's chunks (keeping `Ainv` with `keep`), then the
-    /// forward scan on the values widened to `[U | 0_K]` from the initial states `h0w`
-    /// (`[h0 | I_K]` per fragment and head, f32 `[N, H, K, V + K]`) into `out`. Returns the WY
-    /// factors with `U` at its own width, as the backward reads them.
+    /// Runs the WY kernel over the sub-problem's chunks (keeping `Ainv` with `keep`) and the
+    /// forward scan on the values widened to `[U | 0_K]` (U read in place) from the initial
+    /// states `h0w` (`[h0 | I_K]` per fragment and head, f32 `[N, H, K, V + K]`) into `out`:
+    /// side by side where the plan leaves the WY kernel room ([`Pipeline`]), else one after
+    /// the other. Returns the WY factors, as the backward reads them.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn forward_scan(
         &self,
@@ -93,52 +113,29 @@ impl Widened {
         h0w: &CudaSlice<f32>,
         out: ScanOut,
         keep: bool,
+        cfg: &KernelConfig,
     ) -> Result<WyFactors> {
         let (sub, wide) = (&self.sub, &self.wide);
         let table = ChunkTable::new(dev, sub)?;
-        let mut wy = WyFactors::compute(dev, inp, &table, sub, scale, keep)?;
-        let rows = table.slots(sub) * CHUNK;
-        let u_wide = widen_rows(dev, &wy.u, 0, rows, sub.dv, sub.dk)?;
-        let u = std::mem::replace(&mut wy.u, u_wide);
+        let order = sub.chunks_time_major();
+        let pipeline = Pipeline::plan(dev, wide, &table, &self.plan, self.sms, order, cfg)?;
+        let mut wy = WyFactors::alloc(dev, &table, sub, keep)?;
         let dest = ScanDest { out, states: None };
-        run_scan(
+        wy_then_scan(
+            pipeline.as_ref(),
             dev,
             inp,
             &table,
-            &wy,
+            &mut wy,
             wide,
+            scale,
             has_h0,
             Some(h0w),
             &self.plan,
             dest,
-            None,
         )?;
-        wy.u = u;
         Ok(wy)
     }
-}
-
-/// `rows` rows of `width` elements of `src` from element `at` on, copied into a zeroed buffer
-/// with rows of `width + extra`.
-pub(crate) fn widen_rows(
-    dev: &CudaDevice,
-    src: &CudaSlice<bf16>,
-    at: usize,
-    rows: usize,
-    width: usize,
-    extra: usize,
-) -> Result<CudaSlice<bf16>> {
-    let mut dst = dev.alloc_zeros::<bf16>((rows * (width + extra)).max(1))?;
-    let r = RowCopy {
-        rows,
-        width,
-        src_stride: width,
-        dst_stride: width + extra,
-        src_off: at,
-        dst_off: 0,
-    };
-    copy_rows_slice(dev, src, &mut dst, r)?;
-    Ok(dst)
 }
 
 /// `[x | I_K]` per (sequence, head) on the device, `[N, H, K, V + K]` f32: the rows of `x`
@@ -221,7 +218,7 @@ pub(crate) fn widened_forward(
         return Ok(None);
     }
     let every: Vec<usize> = (0..sh.num_seqs()).collect();
-    let Some(widened) = Widened::plan(&dev, sh, &every, &FWD_SCAN, cfg)? else {
+    let Some(widened) = Widened::plan(&dev, sh, &every, &FWD_SCAN, true, cfg)? else {
         return Ok(None);
     };
     let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
@@ -235,7 +232,7 @@ pub(crate) fn widened_forward(
     let mut o = unsafe { dev.alloc::<bf16>(wide.o_len().max(1))? };
     let mut fin = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
     let out = ScanOut::PlainFinal(&mut o, &mut fin);
-    let wy = widened.forward_scan(&dev, &inp, scale, has_h0, &h0w, out, keep.is_some())?;
+    let wy = widened.forward_scan(&dev, &inp, scale, has_h0, &h0w, out, keep.is_some(), cfg)?;
     if let Some(slot) = keep {
         slot.put(super::cache::ForwardCache::wy_only(wy));
     }
@@ -351,7 +348,7 @@ impl<'a> WidenedDh<'a> {
     /// device's stream until [`WidenedRun::finish`] runs beside it).
     pub(super) fn launch(self, dev: &CudaDevice) -> Result<WidenedRun<'a>> {
         let sh = self.sh;
-        let (h, k, v) = (sh.heads, sh.dk, sh.dv);
+        let (k, v) = (sh.dk, sh.dv);
         let wide = GdpShape {
             dv: v + k,
             ..sh.clone()
@@ -367,14 +364,6 @@ impl<'a> WidenedDh<'a> {
                 sh.n
             );
         };
-        let dow = widen_rows(
-            dev,
-            self.do_src.0,
-            self.do_src.1,
-            sh.batch * sh.tokens * h,
-            v,
-            k,
-        )?;
         let dhtw = widened_states_dev(dev, self.dht_src, sh)?;
         let slots = self.table.slots(sh);
         // SAFETY: the scan writes every element of every slot of the table's chunks; slots of
@@ -393,14 +382,15 @@ impl<'a> WidenedDh<'a> {
                 chunks: Some((&mut dhs_w, &mut ddn_w)),
                 dh0: Some(&mut d0),
             };
-            let (dow, dhtw) = (dow.slice(..), dhtw.slice(..));
+            let (dob, dhtw) = (self.do_src.0.slice(self.do_src.1..), dhtw.slice(..));
             run_dh_scan(
                 dev,
                 side.stream(),
                 self.inp,
                 self.table,
                 self.wy,
-                &dow,
+                &dob,
+                v,
                 Some(&dhtw),
                 &wide,
                 &plan,
@@ -416,7 +406,7 @@ impl<'a> WidenedDh<'a> {
             dhs_w,
             ddn_w,
             dh0w,
-            _inputs: (dow, dhtw),
+            _dhtw: dhtw,
         })
     }
 }
@@ -429,8 +419,8 @@ pub(super) struct WidenedRun<'a> {
     pub(super) dhs_w: CudaSlice<bf16>,
     pub(super) ddn_w: CudaSlice<bf16>,
     pub(super) dh0w: CudaSlice<f32>,
-    /// `[do | 0]` and `[dht | I]`, alive until the scan that reads them is joined.
-    pub(super) _inputs: (CudaSlice<bf16>, CudaSlice<f32>),
+    /// `[dht | I]`, alive until the scan that reads it is joined.
+    pub(super) _dhtw: CudaSlice<f32>,
 }
 
 impl WidenedRun<'_> {

@@ -21,6 +21,8 @@ pub(super) const THREADS: u32 = 128;
 /// The WY kernel's per-chunk outputs, slot `(chunk · H + head)`: W `[64, K]`, U `[64, V]`,
 /// P `[64, 64]` (bf16), coef `[3, 64]` (f32), and for the backward bf16(Ainv) `[64, 64]`.
 pub(super) struct WyFactors {
+    /// V, the value columns of U's rows (a scan over more columns reads the rest as zeros).
+    pub dv: usize,
     pub w: CudaSlice<bf16>,
     pub u: CudaSlice<bf16>,
     pub p: CudaSlice<bf16>,
@@ -56,6 +58,7 @@ impl WyFactors {
         // scans read it (rows past a chunk's end as zeros).
         unsafe {
             Ok(Self {
+                dv: sh.dv,
                 w: dev.alloc::<bf16>(slots * CHUNK * sh.dk)?,
                 u: dev.alloc::<bf16>(slots * CHUNK * sh.dv)?,
                 p: dev.alloc::<bf16>(slots * CHUNK * CHUNK)?,
