@@ -46,12 +46,36 @@ __device__ __forceinline__ void gdp_fix_store2(__nv_bfloat16* y, float v0, float
   }
 }
 
+// Stores the 8 values v[0..8) at y (16-byte aligned).
+__device__ __forceinline__ void gdp_fix_store8(float* y, const float (&v)[8]) {
+  reinterpret_cast<float4*>(y)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(y)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+__device__ __forceinline__ void gdp_fix_store8(__nv_bfloat16* y, const float (&v)[8]) {
+  uint4 p;
+  p.x = MmaBf16::pack(v[0], v[1]);
+  p.y = MmaBf16::pack(v[2], v[3]);
+  p.z = MmaBf16::pack(v[4], v[5]);
+  p.w = MmaBf16::pack(v[6], v[7]);
+  *reinterpret_cast<uint4*>(y) = p;
+}
+
 // Grid: (row groups, ceil(V / 128), nseq * H). Each block keeps S's 128 columns in shared
 // memory (as bf16 pairs, converted once); each warp then walks 16-row tiles of its
-// (sequence, head) on its own, reading its A fragments and X's first columns straight from
-// global memory (no block barrier in the loop, so many warps keep loads in flight: measured
-// faster than staging each warp's rows through shared memory with 16-byte copies, which
-// leaves room for one block per multiprocessor).
+// (sequence, head) on its own, reading X straight from global memory (no block barrier in the
+// loop, so many warps keep loads in flight; staging each warp's rows through shared memory left
+// room for one block per multiprocessor and was slower).
+//
+// Where the rows allow it (V and K multiples of 8, X and Y 16-byte aligned: `vec`), every lane
+// reads and writes 16-byte pieces of its rows: lane (g, t) holds columns 8t .. 8t + 7 of each
+// 32-column group of rows g and g + 8. The mma's k and n indices are then permutations of the
+// columns (a product does not depend on the order of its k terms, and S's columns are laid out
+// to match): in k step s of k group c, slots 2t, 2t + 1 hold X~ columns 32c + 8t + 4s + {0, 1}
+// and slots 2t + 8, 2t + 9 columns 32c + 8t + 4s + {2, 3}; in n8 tile 4q + i, slot n stands for
+// output column 32q + 8 (n / 2) + 2i + n % 2, so that lane t's accumulators of the four tiles
+// of group q are the 8 consecutive columns 32q + 8t .. + 7. S's bf16 pairs sit in shared memory
+// in the order the lanes read them (32 consecutive words per fragment: no bank conflicts).
+// Otherwise each lane reads 4-byte pairs in the mma's own layout.
 template <typename TO>
 __device__ __forceinline__ void gdp_cp_fix_impl(const __nv_bfloat16* __restrict__ x,
                                                 TO* __restrict__ y, const float* __restrict__ s,
@@ -59,8 +83,8 @@ __device__ __forceinline__ void gdp_cp_fix_impl(const __nv_bfloat16* __restrict_
                                                 int outer_per_seq, int inner) {
   extern __shared__ __align__(16) unsigned char gdp_fix_smem[];
   const int W = V + K;
-  const int KP = (K + 15) & ~15;    // k padded to the mma's 16
-  const int LB = GDP_FIX_COLS + 8;  // B row stride (32-bit pairs)
+  const int KP = (K + 31) & ~31;    // k padded to the 32 columns of a group
+  const int LB = GDP_FIX_COLS + 8;  // B row stride (32-bit pairs) of the pair-wise layout
   uint32_t* bs = reinterpret_cast<uint32_t*>(gdp_fix_smem);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -70,6 +94,9 @@ __device__ __forceinline__ void gdp_cp_fix_impl(const __nv_bfloat16* __restrict_
   const int rows = outer_per_seq * inner;
   const int n0 = blockIdx.y * GDP_FIX_COLS;
   const long long seq_outer = outer0 + (long long)seq * outer_per_seq;
+  const bool vec = V % 8 == 0 && K % 8 == 0 &&
+                   (reinterpret_cast<uintptr_t>(x) & 15) == 0 &&
+                   (reinterpret_cast<uintptr_t>(y) & 15) == 0;
   const bool pair_in = (W % 2 == 0) && (V % 2 == 0) && (K % 2 == 0);
   const bool pair_out =
       (V % 2 == 0) && ((reinterpret_cast<uintptr_t>(y) & (2 * sizeof(TO) - 1)) == 0);
@@ -81,9 +108,78 @@ __device__ __forceinline__ void gdp_cp_fix_impl(const __nv_bfloat16* __restrict_
       const int k0 = 2 * kk, k1 = k0 + 1;
       const float s0 = (k0 < K && col < V) ? sh[(long long)k0 * V + col] : 0.f;
       const float s1 = (k1 < K && col < V) ? sh[(long long)k1 * V + col] : 0.f;
-      bs[kk * LB + n] = MmaBf16::pack(s0, s1);
+      int at = kk * LB + n;
+      if (vec) {
+        // kk = 16 c + 4 t' + 2 s' + half (half: the fragment's b[0] or b[1]); column
+        // n = 32 q + 8 (g' / 2) + 2 i + g' % 2; the word of lane 4 g' + t'.
+        const int c = kk >> 4, tk = (kk >> 2) & 3, sk = (kk >> 1) & 1, half = kk & 1;
+        const int q = n >> 5, gn = 2 * ((n & 31) >> 3) + (n & 1), i = (n & 7) >> 1;
+        at = ((((c * 2 + sk) * 2 + half) * 4 + q) * 4 + i) * 32 + 4 * gn + tk;
+      }
+      bs[at] = MmaBf16::pack(s0, s1);
     }
     __syncthreads();
+  }
+  const int mtiles = (rows + 15) / 16;
+  if (vec) {
+    for (int tile = blockIdx.x * nwarps + warp; tile < mtiles; tile += gridDim.x * nwarps) {
+      long long ra[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 16 * tile + g + 8 * h;
+        ra[h] = i < rows ? ((seq_outer + i / inner) * H + head) * inner + i % inner : -1;
+      }
+      // acc[q][h][e]: row g + 8 h, column n0 + 32 q + 8 t + e.
+      float acc[GDP_FIX_COLS / 32][2][8];
+#pragma unroll
+      for (int q = 0; q < GDP_FIX_COLS / 32; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int col = n0 + 32 * q + 8 * t;
+          uint4 p = make_uint4(0, 0, 0, 0);
+          if (ra[h] >= 0 && col < V) p = *reinterpret_cast<const uint4*>(x + ra[h] * W + col);
+          const uint32_t w[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
+            acc[q][h][2 * e] = f.x, acc[q][h][2 * e + 1] = f.y;
+          }
+        }
+      if (s != nullptr) {
+        for (int c = 0; c < KP / 32; ++c) {
+          const int col = V + 32 * c + 8 * t;
+          uint4 p[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            if (ra[h] >= 0 && col < W) p[h] = *reinterpret_cast<const uint4*>(x + ra[h] * W + col);
+#pragma unroll
+          for (int sk = 0; sk < 2; ++sk) {
+            const uint32_t a[4] = {sk ? p[0].z : p[0].x, sk ? p[1].z : p[1].x,
+                                   sk ? p[0].w : p[0].y, sk ? p[1].w : p[1].y};
+            const uint32_t* frag = bs + (c * 2 + sk) * 2 * 4 * 4 * 32 + lane;
+#pragma unroll
+            for (int q = 0; q < GDP_FIX_COLS / 32; ++q)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const uint32_t b[2] = {frag[(q * 4 + i) * 32], frag[((4 + q) * 4 + i) * 32]};
+                float d[4] = {acc[q][0][2 * i], acc[q][0][2 * i + 1], acc[q][1][2 * i],
+                              acc[q][1][2 * i + 1]};
+                MmaBf16::mma(d, a, b);
+                acc[q][0][2 * i] = d[0], acc[q][0][2 * i + 1] = d[1];
+                acc[q][1][2 * i] = d[2], acc[q][1][2 * i + 1] = d[3];
+              }
+          }
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < GDP_FIX_COLS / 32; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int col = n0 + 32 * q + 8 * t;
+          if (ra[h] >= 0 && col < V) gdp_fix_store8(y + ra[h] * V + col, acc[q][h]);
+        }
+    }
+    return;
   }
   // A pair of bf16 of X's row at element offset `r` (or -1: zeros) at column `c` below `lim`.
   auto pair_at = [&](long long r, int c, int lim) -> uint32_t {
@@ -95,8 +191,6 @@ __device__ __forceinline__ void gdp_cp_fix_impl(const __nv_bfloat16* __restrict_
     v.y = c + 1 < lim ? p[1] : __float2bfloat16_rn(0.f);
     return *reinterpret_cast<const uint32_t*>(&v);
   };
-
-  const int mtiles = (rows + 15) / 16;
   for (int tile = blockIdx.x * nwarps + warp; tile < mtiles; tile += gridDim.x * nwarps) {
     long long ra[2];
 #pragma unroll

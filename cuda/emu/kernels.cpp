@@ -960,6 +960,8 @@ static void run_cp() {
   run_cp_widen(6, 40, 136, false, 8);
   run_cp_fix(2, 13, 21, 2, 3, 5, 4, 1, true);     // odd V
   run_cp_fix(3, 40, 260, 2, 1, 37, 1, 1, true, 1);  // y one element off
+  run_cp_fix(2, 128, 128, 2, 1, 21, 1, 2, true);   // K = V = 128: 16-byte rows, 4 k groups
+  run_cp_fix(2, 64, 40, 1, 2, 3, 64, 1, false);    // a copy in 16-byte rows
 }
 
 int main(int argc, char** argv) {

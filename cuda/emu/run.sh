@@ -8,6 +8,8 @@
 set -e
 cd "$(dirname "$0")"
 out="${TMPDIR:-/tmp}/gdp-emu-kernels"
-${CXX:-g++} -std=c++20 -O2 -DGDP_EMU -Wno-unknown-pragmas -Wno-unused-result -I inc -I .. \
+# -fno-strict-aliasing: the kernels read bf16 rows as 32-bit pairs and 16-byte vectors through
+# reinterpret_cast, as CUDA code does; at -O2 g++ may assume such reads alias nothing.
+${CXX:-g++} -std=c++20 -O2 -fno-strict-aliasing -DGDP_EMU -Wno-unknown-pragmas -Wno-unused-result -I inc -I .. \
   -include emu.h kernels.cpp -o "$out" -lpthread
 exec "$out" "$@"

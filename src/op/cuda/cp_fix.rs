@@ -43,9 +43,9 @@ impl FixOut for f32 {
     const KERNEL: &'static str = "gdp_cp_fix_f32";
 }
 
-/// Shared memory of `gdp_cp_fix_*`: `S`'s 128 columns as bf16 pairs.
+/// Shared memory of `gdp_cp_fix_*`: `S`'s 128 columns as bf16 pairs, `K` padded to 32.
 fn smem_bytes(dk: usize) -> usize {
-    let kp = dk.next_multiple_of(16);
+    let kp = dk.next_multiple_of(32);
     (kp / 2) * (COLS + 8) * 4
 }
 
