@@ -148,8 +148,8 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     const float* __restrict__ cg, const __nv_bfloat16* __restrict__ dob,
     const float* __restrict__ dht, int has_dht, __nv_bfloat16* __restrict__ dhs,
     __nv_bfloat16* __restrict__ ddn, float* __restrict__ dh0, int write_dh0, int B, int TT,
-    int H, int K, int V, int VD, int n, int QR, int NS, const int* __restrict__ ready,
-    int* __restrict__ signal) {
+    int H, int K, int V, int VD, int wide_from, int wide_to, int n, int QR, int NS,
+    const int* __restrict__ ready, int* __restrict__ signal) {
   constexpr int C = GDP_CHUNK, NT = BV / 8, LB = BV + 8, LC = C + 8, LK = KPT + 8;
   constexpr int NTW = NT * 4 / NW, NPW = NTW / 2;
   constexpr int MT = KPT / 16, STW = (MT + NW - 1) / NW;
@@ -172,9 +172,11 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
   const bool vk = gdpc_qk_vec(qb, kb, K);
   const bool vu = (V % 8 == 0) && (bv % 8 == 0);
   // dO holds the first VD value columns (rows of VD elements); the block's columns past them
-  // read as zero (a context-parallel rank's scan on [dO | 0_K]). Its rows 16 bytes at a time
+  // read as zero (a context-parallel rank's scan on [dO | 0_K]). dO's rows 16 bytes at a time
   // also need a 16-byte aligned base (a view may start anywhere).
   const int bd = max(0, min(bv, VD - v0));
+  // Only the sequences [wide_from, wide_to) want the columns past VD.
+  if (bd == 0 && (sidx < wide_from || sidx >= wide_to)) return;
   const bool vdo = (VD % 8 == 0) && (bd % 8 == 0) && gdpc_aligned16(dob);
   const bool ddn_rows = ddn != nullptr && vu && gdpc_aligned16(ddn);
 
@@ -417,7 +419,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
       gdp_bwd_dh_bf16_##BV##_##KPT(GDP_KERNEL_PARAMS(GDP_DH_FIELDS, _)) {                    \
     gdp_bwd_dh_bf16_impl<BV, KPT, NW>(q, k, split, table, w, p, coef, dob, dht, has_dht, dhs, \
                                       ddn, dh0, write_dh0, batch, tokens, heads, dk, dv,     \
-                                      dv_in, n, qr, ns, ready, signal);                      \
+                                      dv_in, wide_from, wide_to, n, qr, ns, ready, signal);  \
   }
 GDPD_SCAN_ENTRY(16, 64, 4)
 GDPD_SCAN_ENTRY(16, 128, 4)

@@ -732,7 +732,8 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const float* __restrict__ cg, const float* __restrict__ h0_override, int use_h0_override,
     float* __restrict__ out, __nv_bfloat16* __restrict__ outb, float* __restrict__ fin,
     __nv_bfloat16* __restrict__ hs, __nv_bfloat16* __restrict__ dn, int B, int TT, int H, int K,
-    int V, int VU, int n, int has_h0, int QR, int NS, const int* __restrict__ ready) {
+    int V, int VU, int wide_from, int wide_to, int n, int has_h0, int QR, int NS,
+    const int* __restrict__ ready) {
   constexpr int C = GDP_CHUNK, NT = BV / 8, LB = BV + 8, LC = C + 8, LK = KPT + 8;
   constexpr int NTW = NT * 4 / NW, NPW = NTW / 2;  // n8 tiles / pairs of a warp's column half
   constexpr int MT = KPT / 16, STW = (MT + NW - 1) / NW;  // state tiles, per warp
@@ -748,8 +749,10 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
   if constexpr (OUT) gdp_assume_tid(tid, NW * 32);
   const int bv = min(BV, V - v0);
   // U holds the first VU value columns (rows of VU elements); the block's columns past them
-  // read as zero (a context-parallel rank's scan on [U | 0_K]).
+  // read as zero (a context-parallel rank's scan on [U | 0_K]), and only the sequences
+  // [wide_from, wide_to) want them: the others' blocks there have nothing to do.
   const int bu = max(0, min(bv, VU - v0));
+  if (bu == 0 && (sidx < wide_from || sidx >= wide_to)) return;
   const int seq_b = table[4 * sidx], seq_start = table[4 * sidx + 1], seq_len = table[4 * sidx + 2];
   const int cbase = table[4 * sidx + 3];
   const int64_t tok0 = (int64_t)seq_b * TT + seq_start;
@@ -1050,8 +1053,8 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
       NAME##_##BV##_##KPT(GDP_KERNEL_PARAMS(GDP_SCAN_FIELDS, _)) {                               \
     gdp_fwd_scan_bf16_impl<BV, KPT, NW, OUT>(q, k, split, aux, table, w, u, p, coef,            \
                                              h0_override, use_h0_override, out, outb, fin, hs,  \
-                                             dn, batch, tokens, heads, dk, dv, dv_in, n,        \
-                                             has_h0, qr, ns, ready);                            \
+                                             dn, batch, tokens, heads, dk, dv, dv_in, wide_from, \
+                                             wide_to, n, has_h0, qr, ns, ready);                \
   }
 GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 64, 4, true)
 GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 128, 4, true)

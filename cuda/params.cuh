@@ -118,6 +118,8 @@
   X(C, int, dk)                     \
   X(C, int, dv)                     \
   X(C, int, dv_in)                  \
+  X(C, int, wide_from)              \
+  X(C, int, wide_to)                \
   X(C, int, n)                      \
   X(C, int, has_h0)                 \
   X(C, int, qr)                     \
@@ -146,6 +148,8 @@
   X(C, int, dk)                     \
   X(C, int, dv)                     \
   X(C, int, dv_in)                  \
+  X(C, int, wide_from)              \
+  X(C, int, wide_to)                \
   X(C, int, n)                      \
   X(C, int, qr)                     \
   X(C, int, ns)                     \

@@ -79,7 +79,8 @@ kernel_params! {
     ScanParams = "GDP_SCAN_FIELDS" {
         q: u64, k: u64, split: i32, aux: u64, table: u64, w: u64, u: u64, p: u64, coef: u64,
         h0_override: u64, use_h0_override: i32, out: u64, outb: u64, fin: u64, hs: u64, dn: u64,
-        batch: i32, tokens: i32, heads: i32, dk: i32, dv: i32, dv_in: i32, n: i32, has_h0: i32,
+        batch: i32, tokens: i32, heads: i32, dk: i32, dv: i32, dv_in: i32, wide_from: i32, wide_to: i32, n: i32,
+        has_h0: i32,
         qr: i32,
         ns: i32, ready: u64,
     }
@@ -87,7 +88,8 @@ kernel_params! {
     DhParams = "GDP_DH_FIELDS" {
         q: u64, k: u64, split: i32, table: u64, w: u64, p: u64, coef: u64, dob: u64, dht: u64,
         has_dht: i32, dhs: u64, ddn: u64, dh0: u64, write_dh0: i32, batch: i32, tokens: i32,
-        heads: i32, dk: i32, dv: i32, dv_in: i32, n: i32, qr: i32, ns: i32, ready: u64,
+        heads: i32, dk: i32, dv: i32, dv_in: i32, wide_from: i32, wide_to: i32, n: i32, qr: i32,
+        ns: i32, ready: u64,
         signal: u64,
     }
     /// `gdp_bwd_grads_bf16_*`: every gradient of a (chunk, head).

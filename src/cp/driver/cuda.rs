@@ -121,7 +121,8 @@ impl CpLink {
                 .memset_zeros(&mut part)
                 .map_err(candle_core::Error::wrap)?;
         }
-        let Some(wf) = cuda::widened_forward(qk, v, aux, sh, scale, has_h0, &h0, cache, cfg)?
+        let start = (&h0, incoming.clone());
+        let Some(wf) = cuda::widened_forward(qk, v, aux, sh, scale, has_h0, start, cache, cfg)?
         else {
             return Ok(None);
         };
@@ -233,7 +234,8 @@ impl CpLink {
         let leading = seq_range(&self.fragments(ns, false));
         let outgoing = seq_range(&self.continuing_out(ns));
         let dev2 = dev.clone();
-        let fold = move |dh0w: &candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>| {
+        let wide = outgoing.clone();
+        let exchange = move |dh0w: &candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>| {
             let t = cuda::tensor_of(&dev2, dh0w, &[ns, h, k, v + k])?;
             let part = t.narrow(0, leading.start, leading.len())?;
             let local = if self.fwd_slice.is_empty() {
@@ -250,7 +252,10 @@ impl CpLink {
         };
         Ok(CpOverrides {
             h0: self.saved_initial_states_device(dev)?,
-            dht: CpFinalGrads::Widened(Box::new(fold)),
+            dht: CpFinalGrads::Widened(cuda::WidenedFold {
+                outgoing: wide,
+                exchange: Box::new(exchange),
+            }),
             zero_dh0: if has_h0 {
                 self.continuing_in(ns)
             } else {

@@ -336,6 +336,7 @@ pub fn try_backward_bf16(
             sh,
             do_src,
             dht_src,
+            widened: fold.outgoing.clone(),
             beside_blocks: if rerun {
                 sh.num_seqs() * sh.heads * sh.dv.div_ceil(rerun_plan.bv)
             } else {
@@ -356,6 +357,7 @@ pub fn try_backward_bf16(
         let dest = DhDest {
             chunks: Some((&mut dhs, &mut ddn)),
             dh0: has_h0.then_some(&mut dh0),
+            widened: None,
         };
         let dht = dht.as_ref();
         // With a pipeline: the side stream forked before the WY kernel where the scan runs
@@ -409,6 +411,7 @@ pub fn try_backward_bf16(
         let dest = ScanDest {
             out: ScanOut::None,
             states: Some(&mut states),
+            widened: None,
         };
         run_scan(
             dev,

@@ -15,6 +15,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::Result;
 use half::bf16;
+use std::ops::Range;
 use std::sync::Arc;
 
 /// Where the state-gradient scan writes: every chunk's end-state gradient `dhs [slots, K, V]` and
@@ -23,6 +24,9 @@ use std::sync::Arc;
 pub(super) struct DhDest<'a, 'b> {
     pub chunks: Option<(&'a mut CudaSlice<bf16>, &'a mut CudaSlice<bf16>)>,
     pub dh0: Option<&'a mut CudaViewMut<'b, f32>>,
+    /// The sequences whose value columns past dO's width are scanned (a context-parallel
+    /// rank's fragments that need them); `None`: all (the others' rows there are not written).
+    pub widened: Option<Range<usize>>,
 }
 
 /// Runs the state-gradient scan `plan.kernel` (`gdp_bwd_dh_bf16_<BV>_<KPT>`) over `table`'s
@@ -59,6 +63,7 @@ pub(super) fn run_dh_scan(
     let func = load_kernel(dev, &plan.kernel)?;
     allow_smem(&func, plan.smem)?;
     let mut args = func.args_on(stream);
+    let widened = dest.widened.unwrap_or(0..sh.num_seqs());
     let (dhs, ddn) = match dest.chunks {
         Some((dhs, ddn)) => (args.write(dhs), args.write(ddn)),
         None => (0, 0),
@@ -95,6 +100,8 @@ pub(super) fn run_dh_scan(
         dk: k,
         dv: vd,
         dv_in: to_i32(do_width, "V")?,
+        wide_from: to_i32(widened.start, "N")?,
+        wide_to: to_i32(widened.end, "N")?,
         n,
         qr: plan.qr as i32,
         ns: plan.stages as i32,

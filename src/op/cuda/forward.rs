@@ -181,7 +181,11 @@ pub fn try_forward_bf16(
                 .map(|_| ChunkStates::alloc(dev, &table, sh))
                 .transpose()?;
             let mut scan = |out: ScanOut, states: Option<&mut ChunkStates>| {
-                let dest = ScanDest { out, states };
+                let dest = ScanDest {
+                    out,
+                    states,
+                    widened: None,
+                };
                 let (pipe, h0o) = (pipeline.as_ref(), h0_override);
                 wy_then_scan(
                     pipe, dev, &inp, &table, &mut wy, sh, scale, has_h0, h0o, &plan, dest,

@@ -14,6 +14,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, LaunchCon
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::Result;
 use half::bf16;
+use std::ops::Range;
 use std::sync::Arc;
 
 /// Where a scan runs beside the WY kernel (`pipeline::Pipeline`): its stream and the
@@ -39,6 +40,9 @@ pub(super) enum ScanOut<'a> {
 pub(super) struct ScanDest<'a> {
     pub out: ScanOut<'a>,
     pub states: Option<&'a mut ChunkStates>,
+    /// The sequences whose value columns past U's width are scanned (a context-parallel rank's
+    /// fragments that need them); `None`: all (the others' rows there are not written).
+    pub widened: Option<Range<usize>>,
 }
 
 /// Runs the forward scan `plan.kernel` on the WY factors of `table`'s chunks, over the value
@@ -97,6 +101,7 @@ pub(super) fn run_scan(
         Some(st) => (args.write(&mut st.hs), args.write(&mut st.dn)),
         None => (0, 0),
     };
+    let widened = dest.widened.unwrap_or(0..sh.num_seqs());
     let params = ScanParams {
         q: args.read(&inp.q),
         k: args.read(&inp.k),
@@ -126,6 +131,8 @@ pub(super) fn run_scan(
         dk: k,
         dv: vd,
         dv_in: to_i32(wy.dv, "V")?,
+        wide_from: to_i32(widened.start, "N")?,
+        wide_to: to_i32(widened.end, "N")?,
         n,
         has_h0: i32::from(has_h0),
         qr: plan.qr as i32,

@@ -48,4 +48,6 @@ pub use memory::retain_freed_memory;
 pub(crate) use plan::split_backward_fits;
 pub use step::{step, step_fits};
 pub use summary::{backward_summaries, dht_to_host, forward_summaries, initial_states_to_host};
-pub(crate) use widened::{backward_summaries_served, finish_widened_forward, widened_forward};
+pub(crate) use widened::{
+    backward_summaries_served, finish_widened_forward, widened_forward, WidenedFold,
+};

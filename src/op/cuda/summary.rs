@@ -86,7 +86,7 @@ pub fn forward_summaries_bf16(
         scale,
         has_h0,
         &h0w,
-        ScanOut::Final(&mut fin),
+        (ScanOut::Final(&mut fin), None),
         false,
         cfg,
     )?;
@@ -147,6 +147,7 @@ pub fn backward_summaries_bf16(
         let dest = DhDest {
             chunks: None,
             dh0: Some(&mut dh0),
+            widened: None,
         };
         let (dob, dhtw) = (dob.slice(at..), dhtw.slice(..));
         run_dh_scan(

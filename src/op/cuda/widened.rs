@@ -27,6 +27,7 @@ use candle_core::cuda_backend::cudarc::driver::CudaSlice;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Result, Tensor};
 use half::bf16;
+use std::ops::Range;
 
 /// [`KernelConfig::summaries`] for bf16 inputs (`None`: the per-value-tile kernel's summaries).
 pub(super) fn wanted(qk: In, cfg: &KernelConfig) -> Option<KernelPath> {
@@ -102,7 +103,8 @@ impl Widened {
     /// forward scan on the values widened to `[U | 0_K]` (U read in place) from the initial
     /// states `h0w` (`[h0 | I_K]` per fragment and head, f32 `[N, H, K, V + K]`) into `out`:
     /// side by side where the plan leaves the WY kernel room ([`Pipeline`]), else one after
-    /// the other. Returns the WY factors, as the backward reads them.
+    /// the other; `widened`: the sequences whose scan runs widened (`None`: all). Returns the
+    /// WY factors, as the backward reads them.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn forward_scan(
         &self,
@@ -111,7 +113,7 @@ impl Widened {
         scale: f32,
         has_h0: bool,
         h0w: &CudaSlice<f32>,
-        out: ScanOut,
+        (out, widened): (ScanOut, Option<Range<usize>>),
         keep: bool,
         cfg: &KernelConfig,
     ) -> Result<WyFactors> {
@@ -120,7 +122,11 @@ impl Widened {
         let order = sub.chunks_time_major();
         let pipeline = Pipeline::plan(dev, wide, &table, &self.plan, self.sms, order, cfg)?;
         let mut wy = WyFactors::alloc(dev, &table, sub, keep)?;
-        let dest = ScanDest { out, states: None };
+        let dest = ScanDest {
+            out,
+            states: None,
+            widened,
+        };
         wy_then_scan(
             pipeline.as_ref(),
             dev,
@@ -197,10 +203,13 @@ pub(crate) struct WidenedForward {
 }
 
 /// Runs the forward of a context-parallel rank in one widened pass on the bf16 chunked kernels,
-/// from the initial states `h0` (f32 `[N, H, K, V]` on the device: zeros for the sequences that
-/// continue from an earlier rank); with `cache`, the WY factors stay for the backward (which
-/// reruns the state scan from the folded states). `Ok(None)` where these kernels do not serve
-/// (not bf16, `KernelConfig::summaries` = `Fused`, or the shape).
+/// from the initial states `h0` (f32 `[N, H, K, V]` on the device: zeros for the sequences
+/// `incoming`, which continue from an earlier rank and are the only ones whose scan runs
+/// widened: their `Q̃` corrects their output, their `M` goes to the later ranks; the transition
+/// of a fragment that starts on this rank multiplies nothing); with `cache`, the WY factors
+/// stay for the backward (which reruns the state scan from the folded states). `Ok(None)`
+/// where these kernels do not serve (not bf16, `KernelConfig::summaries` = `Fused`, or the
+/// shape).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn widened_forward(
     qk: In,
@@ -209,7 +218,7 @@ pub(crate) fn widened_forward(
     sh: &GdpShape,
     scale: f32,
     has_h0: bool,
-    h0: &CudaSlice<f32>,
+    (h0, incoming): (&CudaSlice<f32>, Range<usize>),
     cache: Option<&super::cache::CacheSlot>,
     cfg: &KernelConfig,
 ) -> Result<Option<WidenedForward>> {
@@ -231,7 +240,7 @@ pub(crate) fn widened_forward(
     // SAFETY: the scan writes o for every query row (`cu_seqlens` covers every token).
     let mut o = unsafe { dev.alloc::<bf16>(wide.o_len().max(1))? };
     let mut fin = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
-    let out = ScanOut::PlainFinal(&mut o, &mut fin);
+    let out = (ScanOut::PlainFinal(&mut o, &mut fin), Some(incoming));
     let wy = widened.forward_scan(&dev, &inp, scale, has_h0, &h0w, out, keep.is_some(), cfg)?;
     if let Some(slot) = keep {
         slot.put(super::cache::ForwardCache::wy_only(wy));
@@ -267,7 +276,7 @@ pub(crate) fn finish_widened_forward(
     dev: &CudaDevice,
     wf: &WidenedForward,
     sh: &GdpShape,
-    fixed: std::ops::Range<usize>,
+    fixed: Range<usize>,
     s_in: Option<&CudaSlice<f32>>,
     plain: bool,
 ) -> Result<candle_core::CudaStorage> {
@@ -320,13 +329,23 @@ pub(crate) fn finish_widened_forward(
 
 /// A context-parallel rank's backward in one widened pass: the state-gradient scan runs from
 /// `[dht | I_K]` on `[do | 0_K]`, so its initial-state gradients are the rank's `[γ | Mᵀ]` (f32
-/// `[N, H, K, V + K]`) and every chunk row it writes is `[x⁰ | x̃]`. The function exchanges
+/// `[N, H, K, V + K]`) and every chunk row it writes is `[x⁰ | x̃]`. `exchange` exchanges
 /// those and returns what the following ranks send into the final states of the sequences
 /// `range` (f32 `[range.len(), H, K, V]`), or `None`; the chunk rows are then corrected with
 /// it (`x = x⁰ + x̃ dS`, [`super::cp_fix`]) and no second state-gradient scan runs.
-pub(crate) type WidenedFold<'a> = Box<
-    dyn FnOnce(&CudaSlice<f32>) -> Result<Option<(CudaSlice<f32>, std::ops::Range<usize>)>> + 'a,
->;
+pub(crate) struct WidenedFold<'a> {
+    /// The sequences that continue on a later rank: the only ones whose scan runs widened
+    /// (their `x̃` corrects their chunk rows, their `Mᵀ` goes to the earlier ranks; the
+    /// transition of a fragment that ends on this rank multiplies nothing).
+    pub outgoing: Range<usize>,
+    /// The exchange and the fold, given `[γ | Mᵀ]`.
+    pub exchange: Box<FoldFn<'a>>,
+}
+
+/// [`WidenedFold::exchange`]: `[γ | Mᵀ]` in, the folded final-state gradients and the
+/// sequences they belong to out.
+pub(crate) type FoldFn<'a> =
+    dyn FnOnce(&CudaSlice<f32>) -> Result<Option<(CudaSlice<f32>, Range<usize>)>> + 'a;
 
 /// The widened state-gradient scan of a context-parallel rank ([`WidenedFold`]).
 pub(super) struct WidenedDh<'a> {
@@ -340,6 +359,8 @@ pub(super) struct WidenedDh<'a> {
     pub(super) dht_src: Option<(&'a CudaSlice<f32>, usize)>,
     /// Blocks of the states rerun beside the scan (0: none): the scan's tile leaves them room.
     pub(super) beside_blocks: usize,
+    /// The sequences whose scan runs widened ([`WidenedFold::outgoing`]).
+    pub(super) widened: Range<usize>,
     pub(super) cfg: &'a KernelConfig,
 }
 
@@ -381,6 +402,7 @@ impl<'a> WidenedDh<'a> {
             let dest = DhDest {
                 chunks: Some((&mut dhs_w, &mut ddn_w)),
                 dh0: Some(&mut d0),
+                widened: Some(self.widened.clone()),
             };
             let (dob, dhtw) = (self.do_src.0.slice(self.do_src.1..), dhtw.slice(..));
             run_dh_scan(
@@ -438,7 +460,7 @@ impl WidenedRun<'_> {
         let sh = self.sh;
         let (ns, h, k, v) = (sh.num_seqs(), sh.heads, sh.dk, sh.dv);
         self.side.join()?;
-        let folded = fold(&self.dh0w)?;
+        let folded = (fold.exchange)(&self.dh0w)?;
         let (s, fixed) = match &folded {
             Some((s, r)) => (Some(s.slice(..)), r.clone()),
             None => (None, 0..0),
@@ -477,7 +499,7 @@ impl WidenedRun<'_> {
 /// `x⁰ + x̃ S` for the sequences `fixed` of a widened scan's per-sequence rows `t = [x⁰ | x̃]`
 /// (f32 `[N, H, K, V + K]`), given the state `s` they lacked (f32 `[fixed.len(), H, K, V]`):
 /// `ΔS + M S_in` forward, `γ⁰ + Mᵀ dS_out` backward. f32 `[fixed.len(), H, K, V]`.
-fn corrected_summary(t: &Tensor, fixed: std::ops::Range<usize>, s: &Tensor) -> Result<Tensor> {
+fn corrected_summary(t: &Tensor, fixed: Range<usize>, s: &Tensor) -> Result<Tensor> {
     let (k, v) = (t.dim(2)?, s.dim(3)?);
     let part = t.narrow(0, fixed.start, fixed.len())?;
     part.narrow(3, 0, v)? + part.narrow(3, v, k)?.contiguous()?.matmul(s)?
