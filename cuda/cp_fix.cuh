@@ -121,14 +121,18 @@ __device__ __forceinline__ void gdp_cp_fix_impl(const __nv_bfloat16* __restrict_
     __syncthreads();
   }
   const int mtiles = (rows + 15) / 16;
+  // The rows g and g + 8 of a 16-row tile: their element offsets over rows (-1 past the rows).
+  auto tile_rows = [&](int tile, long long (&ra)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = 16 * tile + g + 8 * h;
+      ra[h] = i < rows ? ((seq_outer + i / inner) * H + head) * inner + i % inner : -1;
+    }
+  };
   if (vec) {
     for (int tile = blockIdx.x * nwarps + warp; tile < mtiles; tile += gridDim.x * nwarps) {
       long long ra[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = 16 * tile + g + 8 * h;
-        ra[h] = i < rows ? ((seq_outer + i / inner) * H + head) * inner + i % inner : -1;
-      }
+      tile_rows(tile, ra);
       // acc[q][h][e]: row g + 8 h, column n0 + 32 q + 8 t + e.
       float acc[GDP_FIX_COLS / 32][2][8];
 #pragma unroll
@@ -193,11 +197,7 @@ __device__ __forceinline__ void gdp_cp_fix_impl(const __nv_bfloat16* __restrict_
   };
   for (int tile = blockIdx.x * nwarps + warp; tile < mtiles; tile += gridDim.x * nwarps) {
     long long ra[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int i = 16 * tile + g + 8 * h;
-      ra[h] = i < rows ? ((seq_outer + i / inner) * H + head) * inner + i % inner : -1;
-    }
+    tile_rows(tile, ra);
     float acc[GDP_FIX_COLS / 8][4];
 #pragma unroll
     for (int j = 0; j < GDP_FIX_COLS / 8; ++j)
