@@ -121,8 +121,8 @@ impl CpLink {
                 .memset_zeros(&mut part)
                 .map_err(candle_core::Error::wrap)?;
         }
-        let start = (&h0, incoming.clone());
-        let Some(wf) = cuda::widened_forward(qk, v, aux, sh, scale, has_h0, start, cache, cfg)?
+        let from = incoming.clone();
+        let Some(wf) = cuda::widened_forward(qk, v, aux, sh, scale, has_h0, &h0, from, cache, cfg)?
         else {
             return Ok(None);
         };

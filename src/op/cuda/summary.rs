@@ -86,7 +86,8 @@ pub fn forward_summaries_bf16(
         scale,
         has_h0,
         &h0w,
-        (ScanOut::Final(&mut fin), None),
+        ScanOut::Final(&mut fin),
+        None,
         false,
         cfg,
     )?;

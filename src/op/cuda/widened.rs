@@ -113,7 +113,8 @@ impl Widened {
         scale: f32,
         has_h0: bool,
         h0w: &CudaSlice<f32>,
-        (out, widened): (ScanOut, Option<Range<usize>>),
+        out: ScanOut,
+        widened: Option<Range<usize>>,
         keep: bool,
         cfg: &KernelConfig,
     ) -> Result<WyFactors> {
@@ -218,7 +219,8 @@ pub(crate) fn widened_forward(
     sh: &GdpShape,
     scale: f32,
     has_h0: bool,
-    (h0, incoming): (&CudaSlice<f32>, Range<usize>),
+    h0: &CudaSlice<f32>,
+    incoming: Range<usize>,
     cache: Option<&super::cache::CacheSlot>,
     cfg: &KernelConfig,
 ) -> Result<Option<WidenedForward>> {
@@ -240,8 +242,19 @@ pub(crate) fn widened_forward(
     // SAFETY: the scan writes o for every query row (`cu_seqlens` covers every token).
     let mut o = unsafe { dev.alloc::<bf16>(wide.o_len().max(1))? };
     let mut fin = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
-    let out = (ScanOut::PlainFinal(&mut o, &mut fin), Some(incoming));
-    let wy = widened.forward_scan(&dev, &inp, scale, has_h0, &h0w, out, keep.is_some(), cfg)?;
+    let out = ScanOut::PlainFinal(&mut o, &mut fin);
+    let wide = Some(incoming);
+    let wy = widened.forward_scan(
+        &dev,
+        &inp,
+        scale,
+        has_h0,
+        &h0w,
+        out,
+        wide,
+        keep.is_some(),
+        cfg,
+    )?;
     if let Some(slot) = keep {
         slot.put(super::cache::ForwardCache::wy_only(wy));
     }
