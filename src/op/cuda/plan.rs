@@ -147,7 +147,7 @@ pub(super) fn scan_plan(
 /// or those a scan beside it leaves), one per multiprocessor, else [`scan_plan`]'s. The widened
 /// columns are what a rank adds to the plain op's scan, and at small `B·H` they fit beside it on
 /// the multiprocessors it leaves idle: at B1 H16 K = V = 128 (H200) 128 blocks of 32 columns ran
-/// the widened forward scan in the plain scan's time, 64 of 64 took 1.28x; the widened
+/// the widened forward scan in the plain scan's time, 64 of 64 took 1.68x; the widened
 /// state-gradient scan, which shares the GPU with the states rerun's 64 blocks, runs at 64 columns
 /// so that both fit at once (`docs/cp.md`).
 pub(super) fn widened_scan_plan(

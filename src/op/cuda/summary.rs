@@ -73,7 +73,7 @@ pub fn forward_summaries_bf16(
     let Some(path) = wanted(qk, cfg) else {
         return Ok(None);
     };
-    let Some(widened) = Widened::plan(&dev, sh, frags, &STATES_SCAN, true, cfg)? else {
+    let Some(widened) = Widened::plan(&dev, sh, frags, &STATES_SCAN, cfg)? else {
         return not_served(path, sh);
     };
     let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
@@ -120,7 +120,7 @@ pub fn backward_summaries_bf16(
     };
     let Some(Widened {
         sub, wide, plan, ..
-    }) = Widened::plan(&dev, sh, frags, &DH_SCAN, false, cfg)?
+    }) = Widened::plan(&dev, sh, frags, &DH_SCAN, cfg)?
     else {
         return not_served(path, sh);
     };

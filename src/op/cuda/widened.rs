@@ -45,7 +45,7 @@ pub(crate) fn backward_summaries_served(
         return Ok(false);
     }
     let every: Vec<usize> = (0..sh.num_seqs()).collect();
-    Ok(Widened::plan(dev, sh, &every, &DH_SCAN, false, cfg)?.is_some())
+    Ok(Widened::plan(dev, sh, &every, &DH_SCAN, cfg)?.is_some())
 }
 
 /// A summary's sub-problem: `sh` with only the sequences `frags` (in that order), the same with
@@ -59,16 +59,17 @@ pub(super) struct Widened {
 }
 
 impl Widened {
-    /// `None` where the widened scan or the WY kernel does not fit. With `beside_wy` (a forward
-    /// scan, which [`Widened::forward_scan`] runs beside the WY kernel where
-    /// [`KernelConfig::overlap`] and the shape allow), the scan's tile leaves the WY kernel
-    /// more than half the multiprocessors where one wave of blocks can.
+    /// `None` where the widened scan or the WY kernel does not fit. The tile is the one wave
+    /// of blocks that fills the GPU where there is one ([`widened_scan_plan`]); where the
+    /// blocks still leave more than half the multiprocessors idle, [`Widened::forward_scan`]
+    /// runs the scan beside the WY kernel. (Narrowing the blocks to make room for the WY kernel
+    /// does not pay: at B1 H16 K = V = 128 on the H200 the widened scan of 64-column tiles took
+    /// 1.68x the 32-column one, more than the WY kernel it hid; `docs/cp.md`.)
     pub(super) fn plan(
         dev: &CudaDevice,
         sh: &GdpShape,
         frags: &[usize],
         kind: &ScanKind,
-        beside_wy: bool,
         cfg: &KernelConfig,
     ) -> Result<Option<Self>> {
         let sub = GdpShape {
@@ -83,14 +84,7 @@ impl Widened {
         if wy_smem_bytes(sh.dk, sh.dv) > max_smem {
             return Ok(None);
         }
-        // A forward scan beside the WY kernel ([`Pipeline`]) must leave it more than half the
-        // multiprocessors.
-        let budget = if cfg.overlap && beside_wy {
-            sms.saturating_sub(1) / 2
-        } else {
-            sms
-        };
-        let plan = widened_scan_plan(kind, &wide, max_smem, sms, budget, &cfg.tiles)?;
+        let plan = widened_scan_plan(kind, &wide, max_smem, sms, sms, &cfg.tiles)?;
         Ok(plan.map(|plan| Self {
             sub,
             wide,
@@ -229,7 +223,7 @@ pub(crate) fn widened_forward(
         return Ok(None);
     }
     let every: Vec<usize> = (0..sh.num_seqs()).collect();
-    let Some(widened) = Widened::plan(&dev, sh, &every, &FWD_SCAN, true, cfg)? else {
+    let Some(widened) = Widened::plan(&dev, sh, &every, &FWD_SCAN, cfg)? else {
         return Ok(None);
     };
     let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
