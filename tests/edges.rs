@@ -190,18 +190,23 @@ fn minus_infinity_gates_reset_the_state_exactly() -> Result<()> {
         let g = values(&x.g)?;
         assert!(g.contains(&f64::NEG_INFINITY), "{}", c.name);
         worst = worst.max(check_against_reference(&c, &x)?);
-        // Bit for bit what a gate of -1e4 gives (both underflow to a factor of exactly 0).
+        // Bit for bit what a gate of -1e4 gives (the op takes -inf as -1e4: both underflow to
+        // a factor of exactly 0), except the gradient of the -inf gates themselves: exactly 0,
+        // as in the reference, where -1e4 leaves rounding residues of the chunk's other terms.
         let (a, b) = (
             run_op(&c, &x, DType::F32)?,
             run_op(&c, &x_floor, DType::F32)?,
         );
         for ((name, a), (_, b)) in named(a).iter().zip(&named(b)) {
-            assert_eq!(
-                values(a)?,
-                values(b)?,
-                "{}: {name}, -inf against -1e4",
-                c.name
-            );
+            let (a, mut b) = (values(a)?, values(b)?);
+            if *name == "dg" {
+                for (bi, gi) in b.iter_mut().zip(&g) {
+                    if *gi == f64::NEG_INFINITY {
+                        *bi = 0.0;
+                    }
+                }
+            }
+            assert_eq!(a, b, "{}: {name}, -inf against -1e4", c.name);
         }
     }
     println!("gates down to -inf: worst relative RMS error {worst:.2e}");

@@ -115,8 +115,10 @@ impl From<bool> for SaveIntermediates {
 ///   before it are unaffected.
 ///
 /// A gate of `-inf` is no error but a complete reset (`exp(-inf) = 0`, as for any gate below
-/// about -104 in f32): the results are finite and bit for bit those of a gate of -1e4. Tested
-/// on the CPU, single-device and context-parallel (`tests/edges.rs`).
+/// about -104 in f32): the kernels take it as -1e4, so the results are finite and bit for bit
+/// those of a gate of -1e4, except its own gradient, which is exactly 0 (as in the reference).
+/// Tested on the CPU, single-device and context-parallel (`tests/edges.rs`), and on CUDA
+/// (`tests/gpu.rs`).
 pub fn gated_delta_product(
     q: &Tensor,
     k: &Tensor,
@@ -211,12 +213,18 @@ pub(crate) fn apply(
     split_output(out, &sh, dtype, opts.output_final_state)
 }
 
-/// The f32 gate buffer `[g | beta | h0?]` (each flattened) that the op takes as one input.
+/// The gate the kernels see for a gate of `-inf`: as complete a reset (`exp` of it is 0 in f32
+/// and f64), with finite differences of the chunked kernels' gate cumsums (`-inf - -inf` is
+/// NaN). Its gradient goes to the constant; a gate this low has a gradient of 0 anyway.
+const GATE_FLOOR: f32 = -1e4;
+
+/// The f32 gate buffer `[g | beta | h0?]` (each flattened) that the op takes as one input, with
+/// a gate of `-inf` as [`GATE_FLOOR`] (NaN and `+inf` unchanged).
 pub(crate) fn gate_buffer(g: &Tensor, beta: &Tensor, h0: Option<&Tensor>) -> Result<Tensor> {
-    let mut parts = vec![
-        g.flatten_all()?.to_dtype(DType::F32)?,
-        beta.flatten_all()?.to_dtype(DType::F32)?,
-    ];
+    let g = g.flatten_all()?.to_dtype(DType::F32)?;
+    let reset = g.eq(f64::NEG_INFINITY)?;
+    let g = reset.where_cond(&Tensor::full(GATE_FLOOR, g.shape(), g.device())?, &g)?;
+    let mut parts = vec![g, beta.flatten_all()?.to_dtype(DType::F32)?];
     if let Some(h0) = h0 {
         parts.push(h0.flatten_all()?.to_dtype(DType::F32)?);
     }
