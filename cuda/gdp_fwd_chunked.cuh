@@ -800,6 +800,8 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     if (tid == 0) meta[slot_of] = GdpcMeta{ch.c, ch.nq, ch.t0};
   };
   const GdpcSplit sp_u(bu, tid, nthr);
+  const GdpcSplit sp_z(bv - bu, tid, nthr);  // the columns [bu, bv) as 16-byte pieces
+  const bool zero16 = sp_z.ok && bu % 8 == 0;
   // Issues the copies of chunk ci into stage s (one cp.async group; its slot's row table and
   // geometry are ready).
   auto prefetch = [&](int ci, int s) {
@@ -815,7 +817,12 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     // Columns [bu, bv) of the block's own are zero: the output, staged through the U tile,
     // wrote them at the previous chunk of this stage (past bv nothing is read into a column
     // below bv: the columns are independent).
-    if (bu < bv) gdpc_zero_cols(st.U, LB, C, bu, bv, tid, nthr);
+    if (zero16) {
+      for (int r = sp_z.r0; r < C; r += sp_z.rs)
+        *reinterpret_cast<uint4*>(st.U + r * LB + bu + 8 * sp_z.cv) = make_uint4(0, 0, 0, 0);
+    } else if (bu < bv) {
+      gdpc_zero_cols(st.U, LB, C, bu, bv, tid, nthr);
+    }
     if (bu == 0) {
     } else if (vuu && bu == BV) {
       gdpc_stage_tile_strided<BV, LB, C, NW * 32>(st.U, u, VU, C, tid);
