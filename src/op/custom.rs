@@ -153,13 +153,10 @@ impl GdpForward {
         v: (&candle_core::CudaStorage, &Layout),
         aux: (&candle_core::CudaStorage, &Layout),
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (sh, scale, has_h0) = (&self.shape, self.scale, self.has_h0);
-        let plain = !self.with_final_state;
         let out = match (&self.cp, qk) {
             (None, qk) => {
-                let cache = self.cache.as_deref();
-                let cfg = &self.kernels;
-                super::cuda::forward(qk, v, aux, sh, scale, has_h0, None, plain, cache, cfg)?
+                let call = self.cuda_call();
+                super::cuda::forward(qk, v, aux, &call, None, self.cache.as_deref())?
             }
             (Some(link), super::cuda::QkIn::Packed(qk)) => {
                 let call = self.cuda_call();
@@ -184,7 +181,6 @@ impl GdpForward {
         aux: &Tensor,
         grad_res: &Tensor,
     ) -> Result<Option<(Vec<Tensor>, Tensor, Tensor)>> {
-        let (sh, scale, plain) = (&self.shape, self.scale, !self.with_final_state);
         let grad = grad_res.contiguous()?;
         let cp = match &self.cp {
             None => None,
@@ -194,20 +190,8 @@ impl GdpForward {
             },
         };
         let cache = self.cache.as_ref().and_then(|c| c.take());
-        let has_h0 = self.has_h0;
-        let out = super::cuda::try_backward_tensors(
-            qk,
-            v,
-            aux,
-            &grad,
-            sh,
-            scale,
-            has_h0,
-            plain,
-            cache,
-            cp,
-            &self.kernels,
-        )?;
+        let call = self.cuda_call();
+        let out = super::cuda::try_backward_tensors(qk, v, aux, &grad, &call, cache, cp)?;
         let cp_ran = self.cp.is_some();
         if cp_ran && out.is_none() {
             // The summaries were exchanged already: no other backward may run now.
@@ -391,22 +375,14 @@ impl CustomOp3 for GdpBackward {
             candle_core::Storage::Cuda(c) => c,
             _ => candle_core::bail!("gdp backward: the gradient is not on a CUDA device"),
         };
-        let (sh, scale, has_h0) = (&self.fwd.shape, self.fwd.scale, self.fwd.has_h0);
+        let (sh, has_h0) = (&self.fwd.shape, self.fwd.has_h0);
         let out = match &self.fwd.cp {
-            None => super::cuda::backward(
-                (s1, l1),
-                (s2, l2),
-                (s3, l3),
-                (grad, gl),
-                sh,
-                scale,
-                has_h0,
-                None,
-                None,
-                &[],
-                None,
-                &self.fwd.kernels,
-            )?,
+            None => {
+                let call = self.fwd.cuda_call();
+                let none = super::cuda::SplitExtras::default();
+                let (q, v, x, g) = ((s1, l1), (s2, l2), (s3, l3), (grad, gl));
+                super::cuda::backward(q, v, x, g, &call, none, &[])?
+            }
             Some(link) => {
                 let cache = self.fwd.cache.as_ref().and_then(|c| c.take());
                 let ins = ((s1, l1), (s2, l2), (s3, l3), (grad, gl));

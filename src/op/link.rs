@@ -26,17 +26,8 @@ macro_rules! cpu_inputs_from {
 }
 cpu_inputs_from!(f32 => F32, f64 => F64, half::bf16 => Bf16, half::f16 => F16);
 
-/// What the op tells a rank about one CUDA call besides its tensors.
 #[cfg(feature = "cuda")]
-pub(crate) struct CudaCall<'a> {
-    pub shape: &'a GdpShape,
-    pub scale: f32,
-    /// Whether the gate buffer carries initial states.
-    pub has_h0: bool,
-    /// The output is `o` alone in the inputs' dtype (else the packed f32 `[o | final states]`).
-    pub plain: bool,
-    pub kernels: &'a super::KernelConfig,
-}
+pub(crate) use super::cuda::CudaCall;
 
 /// A context-parallel rank's part in the op: the op's forward and backward on this rank's
 /// shard, exchanging state summaries with the other ranks.

@@ -175,7 +175,7 @@ pub(crate) fn validate_packed(
         }
         .into());
     }
-    validate_rest(qk, "qk", (b, t, h, k), slots - 1, v, g, beta, opts)
+    validate_rest((qk, "qk"), (b, t, h, k, slots - 1), v, g, beta, opts)
 }
 
 /// Packs the gates, builds the op (with this rank's context-parallel link, if any) and applies it.
@@ -327,15 +327,14 @@ pub(crate) fn validate_fla(
         .into());
     }
     check_shape(k, "k", &[b, t * n, h, dk], "[B, T·n, H, K]")?;
-    validate_rest(q, "q", (b, t, h, dk), n, v, g, beta, opts)
+    validate_rest((q, "q"), (b, t, h, dk, n), v, g, beta, opts)
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The checks shared by both layouts, given the query input `(q, its name)` and the sizes
+/// `(B, T, H, K, n)` read from the queries and keys: the values, gates, options.
 fn validate_rest(
-    q: &Tensor,
-    q_name: &str,
-    (b, t, h, dk): (usize, usize, usize, usize),
-    n: usize,
+    (q, q_name): (&Tensor, &str),
+    (b, t, h, dk, n): (usize, usize, usize, usize, usize),
     v: &Tensor,
     g: &Tensor,
     beta: &Tensor,

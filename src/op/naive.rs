@@ -140,7 +140,10 @@ pub fn gated_delta_product_naive(
 
 /// Reference backward in f64: the recurrent adjoint of `L = Σ do·o + Σ dht·S_T` on the
 /// interleaved sequence (`fla_gdp.md` §4.2). `dout [B, T, H, V]`, `dht [N, H, K, V]` (optional).
-#[allow(clippy::too_many_arguments)]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the op's own positional inputs (q, k, v, g, beta, opts), as in the forward and FLA"
+)]
 pub fn gated_delta_product_naive_backward(
     q: &Tensor,
     k: &Tensor,

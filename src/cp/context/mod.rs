@@ -123,7 +123,10 @@ impl ContextParallel {
     /// Shards full-sequence inputs along time (shards differ by at most one token), runs the
     /// op on every rank, and gathers `o`, the final states and, with `cotangents`, all
     /// gradients. Arguments as in [`crate::gated_delta_product`]. Equal to the single-device op.
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the op's own positional inputs (q, k, v, g, beta, opts), as in the single-device op and FLA"
+    )]
     pub fn gated_delta_product(
         &self,
         q: &Tensor,
@@ -134,7 +137,7 @@ impl ContextParallel {
         opts: &GdpOptions,
         cotangents: Option<Cotangents>,
     ) -> Result<CpOutput> {
-        let p = Problem::new(q, k, v, g, beta, opts, cotangents, self.cp_size())?;
+        let p = Problem::new([q, k, v, g, beta], opts, cotangents, self.cp_size())?;
         let outs = self.run(|comm, dev| p.run_rank(comm, dev, self.composition))?;
         p.gather(outs)
     }
@@ -146,7 +149,10 @@ impl ContextParallel {
 /// and gets back the gathered outputs, final states and gradients (on `q`'s device), equal to
 /// the single-device op. The ranks' results are exchanged with one all-gather over `comm`,
 /// through the host. A rank that fails aborts the group, so its peers fail instead of waiting.
-#[allow(clippy::too_many_arguments)]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the op's own positional inputs (q, k, v, g, beta, opts), as in the single-device op and FLA"
+)]
 pub fn distributed_gated_delta_product(
     comm: Arc<dyn Communicator>,
     device: &Device,
@@ -163,7 +169,7 @@ pub fn distributed_gated_delta_product(
         comm.abort(&e.to_string());
         e
     };
-    let p = Problem::new(q, k, v, g, beta, opts, cotangents, comm.world_size())
+    let p = Problem::new([q, k, v, g, beta], opts, cotangents, comm.world_size())
         .map_err(abort_on_err)?;
     let mine = p
         .run_rank(comm.clone(), device, composition)

@@ -55,13 +55,10 @@ pub(super) struct Problem<'a> {
 }
 
 impl<'a> Problem<'a> {
-    #[allow(clippy::too_many_arguments)]
+    /// Checks the inputs `[q, k, v, g, beta]` (as [`crate::gated_delta_product`] takes them)
+    /// and plans their shards over `cp_size` ranks.
     pub(super) fn new(
-        q: &'a Tensor,
-        k: &'a Tensor,
-        v: &'a Tensor,
-        g: &'a Tensor,
-        beta: &'a Tensor,
+        [q, k, v, g, beta]: [&'a Tensor; 5],
         opts: &'a GdpOptions<'a>,
         cotangents: Option<Cotangents<'a>>,
         cp_size: usize,

@@ -31,13 +31,7 @@ impl CpLink {
     ) -> Result<candle_core::CudaStorage> {
         use crate::op::cuda;
         use candle_core::backend::BackendStorage;
-        let CudaCall {
-            shape: sh,
-            scale,
-            has_h0,
-            plain,
-            kernels: cfg,
-        } = *call;
+        let (sh, has_h0) = (call.shape, call.has_h0);
         let widened = self.forward_cuda_widened(qk, v, aux, call, cache)?;
         if let Some(out) = widened {
             return Ok(out);
@@ -62,23 +56,12 @@ impl CpLink {
         let local = if self.bwd_slice.is_empty() {
             vec![0.0; frags.len() * h * sl]
         } else {
-            cuda::forward_summaries(qk, v, aux, sh, scale, has_h0, &frags, &h0, cfg)?
+            cuda::forward_summaries(qk, v, aux, call, &frags, &h0)?
         };
         let all = self.gather(local)?;
         self.fold_into_initial_states(&all, frags.len(), sh, &mut h0)?;
         let h0_dev = dev.clone_htod(&h0)?;
-        let out = cuda::forward(
-            cuda::QkIn::Packed(qk),
-            v,
-            aux,
-            sh,
-            scale,
-            has_h0,
-            Some(&h0_dev),
-            plain,
-            cache,
-            cfg,
-        )?;
+        let out = cuda::forward(cuda::QkIn::Packed(qk), v, aux, call, Some(&h0_dev), cache)?;
         *self.saved_h0.lock().map_err(|_| poisoned())? = Some(SavedStates::Host(h0));
         Ok(out)
     }
@@ -97,13 +80,7 @@ impl CpLink {
     ) -> Result<Option<candle_core::CudaStorage>> {
         use crate::op::cuda;
         use candle_core::backend::BackendStorage;
-        let CudaCall {
-            shape: sh,
-            scale,
-            has_h0,
-            plain,
-            kernels: cfg,
-        } = *call;
+        let (sh, has_h0, plain) = (call.shape, call.has_h0, call.plain);
         let dev = qk.0.device().clone();
         let (ns, h, k, v_dim) = (sh.num_seqs(), sh.heads, sh.dk, sh.dv);
         let kv = k * v_dim;
@@ -122,8 +99,7 @@ impl CpLink {
                 .map_err(candle_core::Error::wrap)?;
         }
         let from = incoming.clone();
-        let Some(wf) = cuda::widened_forward(qk, v, aux, sh, scale, has_h0, &h0, from, cache, cfg)?
-        else {
+        let Some(wf) = cuda::widened_forward(qk, v, aux, call, &h0, from, cache)? else {
             return Ok(None);
         };
         let fin = cuda::tensor_of(&dev, &wf.fin, &[ns, h, k, v_dim + k])?;
@@ -183,7 +159,7 @@ impl CpLink {
     ) -> Result<candle_core::CudaStorage> {
         use crate::op::cuda;
         use candle_core::backend::BackendStorage;
-        let (sh, scale, has_h0, cfg) = (call.shape, call.scale, call.has_h0, call.kernels);
+        let (sh, has_h0) = (call.shape, call.has_h0);
         let dev = qk.0.device().clone();
         let (h, sl, ns) = (sh.heads, summary_len(sh.dk, sh.dv), sh.num_seqs());
         let frags = self.fragments(ns, false);
@@ -191,26 +167,19 @@ impl CpLink {
         let local = if self.fwd_slice.is_empty() {
             vec![0.0; frags.len() * h * sl]
         } else {
-            cuda::backward_summaries(qk, v, aux, grad, sh, scale, has_h0, &frags, &dht, cfg)?
+            cuda::backward_summaries(qk, v, aux, grad, call, &frags, &dht)?
         };
         let o = self.cuda_overrides(local, frags.len(), dht, sh, has_h0, &dev)?;
         let cuda::CpFinalGrads::Folded(dht) = &o.dht else {
             candle_core::bail!("gdp cp: the packed backward needs folded final-state gradients");
         };
-        cuda::backward(
-            qk,
-            v,
-            aux,
-            grad,
-            sh,
-            scale,
-            has_h0,
-            Some(&o.h0),
-            Some(dht),
-            &o.zero_dh0,
+        let extras = cuda::SplitExtras {
             cache,
-            cfg,
-        )
+            h0: Some(&o.h0),
+            dht: Some(dht),
+            widened: None,
+        };
+        cuda::backward(qk, v, aux, grad, call, extras, &o.zero_dh0)
     }
 }
 

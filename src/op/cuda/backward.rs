@@ -20,71 +20,72 @@
 use super::cache::{ChunkStates, ForwardCache};
 use super::copy::to_bf16;
 use super::device::{check_inputs, check_states, smem_and_sms, to_i32, view, In};
-use super::dh_scan::{run_dh_scan, DhDest};
+use super::dh_scan::{run_dh_scan, DhDest, DhInputs};
 use super::fused_bwd::{backward_len, Launch, MODE_FULL};
-use super::fwd_scan::{run_scan, ScanDest, ScanOut};
+use super::fwd_scan::{run_scan, ScanDest, ScanInputs, ScanOut};
 use super::grads::{GradLayout, Grads, GradsLaunch, PipeArgs, QkGrads, GRADS_PIPE_COUNTERS};
-use super::inputs::{Bf16Inputs, ChunkTable, Cotangent, QkIn};
+use super::inputs::{Bf16Inputs, ChunkTable, Cotangent, CudaCall, QkIn};
 use super::pipeline::{OverlapRun, Pipeline};
 use super::plan::{grads_tiles, query_rows, split_plan, SplitPlan};
 use super::side::SideStream;
 use super::widened::{WidenedDh, WidenedFold, WidenedRun};
 use super::wy::WyFactors;
-use crate::op::config::KernelConfig;
-use crate::op::shape::{GdpShape, CHUNK};
-use crate::op::QueryKeys;
+use crate::op::shape::CHUNK;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream};
-use candle_core::cuda_backend::{CudaDevice, WrapErr};
-use candle_core::op::BackpropOp;
-use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaStorage, DType, Layout, Result};
 use half::bf16;
 use std::sync::Arc;
+
+/// What a split backward starts from besides its inputs: the forward's kept intermediates and
+/// a context-parallel rank's replacements.
+#[derive(Default)]
+pub(crate) struct SplitExtras<'a, 'f> {
+    /// What the bf16 chunked forward of these inputs (and initial states) kept: spares the
+    /// split backward its rerun of the WY kernel and the forward scan.
+    pub cache: Option<ForwardCache>,
+    /// Replaces the gate buffer's initial states (f32 `[N, H, K, V]`).
+    pub h0: Option<&'a CudaSlice<f32>>,
+    /// Replaces the cotangent's `dht` (f32 `[N, H, K, V]`).
+    pub dht: Option<&'a CudaSlice<f32>>,
+    /// Runs the state-gradient scan widened, the exchange inside ([`WidenedFold`]).
+    pub widened: Option<WidenedFold<'f>>,
+}
 
 /// Backward on CUDA: `grad` is the f32 `[do (B·T·H·V) | dht (N·H·K·V)]`; returns the packed f32
 /// `[dqk | dv | dg | dbeta | dh0?]` of [`crate::op::cpu::backward()`]. bf16 inputs take the split
 /// backward (`try_backward_bf16`) where it fits (`KernelConfig::backward`), everything else the
-/// per-value-tile kernel `gdp_bwd_*`. `h0_override` replaces the initial states and `dht_override`
-/// the `dht` part of `grad` (context parallelism); the initial-state gradients of the sequences in
-/// `zero_dh0` are set to zero. `cache`, what the bf16 chunked forward of these inputs (and initial
-/// states) kept, spares the split backward its rerun of the WY kernel and the forward scan.
-#[allow(clippy::too_many_arguments)]
-pub fn backward(
+/// per-value-tile kernel `gdp_bwd_*`. `extras.h0` replaces the initial states and `extras.dht`
+/// the `dht` part of `grad` (context parallelism; `extras.widened` must be `None`); the
+/// initial-state gradients of the sequences in `zero_dh0` are set to zero.
+pub(crate) fn backward(
     qk: In,
     v: In,
     aux: In,
     grad: In,
-    sh: &GdpShape,
-    scale: f32,
-    has_h0: bool,
-    h0_override: Option<&CudaSlice<f32>>,
-    dht_override: Option<&CudaSlice<f32>>,
+    call: &CudaCall,
+    extras: SplitExtras,
     zero_dh0: &[usize],
-    cache: Option<super::cache::ForwardCache>,
-    cfg: &KernelConfig,
 ) -> Result<CudaStorage> {
+    let CudaCall {
+        shape: sh,
+        scale,
+        has_h0,
+        kernels: cfg,
+        ..
+    } = *call;
+    if extras.widened.is_some() {
+        candle_core::bail!("gdp cuda: the packed backward does not run the widened scan");
+    }
     let dev = check_inputs(qk, v, aux, Some(grad))?;
     let total = backward_len(sh, has_h0);
+    let (h0_override, dht_override) = (extras.h0, extras.dht);
     let split = if qk.0.dtype() == DType::BF16 {
         use super::inputs::QkIn;
         let cot = Cotangent::Packed(grad);
         let layout = GradLayout::Packed;
-        match try_backward_bf16(
-            &dev,
-            QkIn::Packed(qk),
-            v,
-            aux,
-            cot,
-            sh,
-            scale,
-            has_h0,
-            h0_override,
-            dht_override,
-            layout,
-            cache,
-            None,
-            cfg,
-        )? {
+        match try_backward_bf16(QkIn::Packed(qk), v, aux, cot, call, extras, layout)? {
             Some(Grads::Packed(out)) => Some(out),
             Some(Grads::Parts { .. }) => candle_core::bail!("gdp cuda: packed gradients expected"),
             None => None,
@@ -171,23 +172,29 @@ impl Side {
 /// inputs, without an initial-state override) the WY factors and chunk states are not
 /// recomputed. With `widened` (a context-parallel rank) the state-gradient scan runs widened
 /// ([`WidenedFold`]), beside the rerun, and the gradient kernel after both.
-#[allow(clippy::too_many_arguments)]
-pub fn try_backward_bf16(
-    dev: &CudaDevice,
+pub(super) fn try_backward_bf16(
     qk: QkIn,
     v: (&CudaStorage, &Layout),
     aux: (&CudaStorage, &Layout),
     cot: Cotangent,
-    sh: &GdpShape,
-    scale: f32,
-    has_h0: bool,
-    h0_override: Option<&CudaSlice<f32>>,
-    dht_override: Option<&CudaSlice<f32>>,
+    call: &CudaCall,
+    extras: SplitExtras,
     layout: GradLayout,
-    cache: Option<ForwardCache>,
-    widened: Option<WidenedFold<'_>>,
-    cfg: &KernelConfig,
 ) -> Result<Option<Grads>> {
+    let CudaCall {
+        shape: sh,
+        scale,
+        has_h0,
+        kernels: cfg,
+        ..
+    } = *call;
+    let SplitExtras {
+        cache,
+        h0: h0_override,
+        dht: dht_override,
+        widened,
+    } = extras;
+    let dev = &qk.lead().0.device().clone();
     let Some(SplitPlan {
         kp,
         vp,
@@ -359,7 +366,6 @@ pub fn try_backward_bf16(
             dh0: has_h0.then_some(&mut dh0),
             widened: None,
         };
-        let dht = dht.as_ref();
         // With a pipeline: the side stream forked before the WY kernel where the scan runs
         // beside it (waiting for its counters); else forked after it.
         if side_by_side && wy_again {
@@ -390,21 +396,15 @@ pub fn try_backward_bf16(
             Side::Beside { .. } => grads_pipe.as_ref(),
             Side::Plain(_) | Side::Joined(_) => None,
         };
-        run_dh_scan(
-            dev,
-            side.stream(),
-            &inp,
-            &table,
-            &wy,
-            &dob,
-            sh.dv,
+        let src = DhInputs {
+            inp: &inp,
+            table: &table,
+            wy: &wy,
+            dob: dob.slice(..),
+            do_width: sh.dv,
             dht,
-            sh,
-            &dh,
-            dest,
-            side.ready(),
-            signal,
-        )?;
+        };
+        run_dh_scan(side.stream(), &src, sh, &dh, dest, side.ready(), signal)?;
         Launched::Plain(side)
     };
     if rerun {
@@ -413,18 +413,12 @@ pub fn try_backward_bf16(
             states: Some(&mut states),
             widened: None,
         };
-        run_scan(
-            dev,
-            &inp,
-            &table,
-            &wy,
-            sh,
-            has_h0,
+        let src = ScanInputs {
+            inp: &inp,
+            table: &table,
             h0_override,
-            &rerun_plan,
-            dest,
-            None,
-        )?;
+        };
+        run_scan(&src, &wy, sh, &rerun_plan, dest, None)?;
     }
     let side = match launched {
         Launched::Plain(side) => side,
@@ -490,127 +484,6 @@ pub fn try_backward_bf16(
         }
     }
     Ok(Some(out))
-}
-
-/// Context parallelism's replacements in a rank's backward: the folded initial states (f32
-/// `[N, H, K, V]`, on the device), the final-state gradients from the following ranks, and the
-/// sequences whose initial-state gradient went to earlier ranks as γ (their `dh0` rows are
-/// zeroed).
-pub(crate) struct CpOverrides<'a> {
-    pub h0: CudaSlice<f32>,
-    pub dht: CpFinalGrads<'a>,
-    pub zero_dh0: Vec<usize>,
-}
-
-/// What the following ranks send into a rank's final-state gradients: folded already (added
-/// to `dht`, f32 `[N, H, K, V]`), or exchanged from inside the backward's widened scan.
-pub(crate) enum CpFinalGrads<'a> {
-    Folded(CudaSlice<f32>),
-    Widened(WidenedFold<'a>),
-}
-
-/// The split bf16 backward on tensors, for the op's `bwd`: the queries and keys (the packed
-/// `qk`, or FLA's `q`, `k`), `v` (bf16), the gate buffer and the output's gradient `grad` (the
-/// packed f32 `[do | dht]`, or with `plain` the bf16 `do [B, T, H, V]`) on one CUDA device;
-/// returns the gradients of the query/key inputs (one or two, in their shapes) and of `v`
-/// (bf16) and of the gate buffer (f32), without the packed f32 detour of
-/// [`backward`]. `Ok(None)` where this path does not apply (not CUDA, not bf16, or the
-/// split backward does not fit). `cp`: a context-parallel rank's overrides.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn try_backward_tensors(
-    qk: QueryKeys,
-    v: &Tensor,
-    aux: &Tensor,
-    grad: &Tensor,
-    sh: &GdpShape,
-    scale: f32,
-    has_h0: bool,
-    plain: bool,
-    cache: Option<ForwardCache>,
-    cp: Option<CpOverrides>,
-    cfg: &KernelConfig,
-) -> Result<Option<(Vec<Tensor>, Tensor, Tensor)>> {
-    let inputs: Vec<&Tensor> = match qk {
-        QueryKeys::Packed(qk) => vec![qk],
-        QueryKeys::Split(q, k) => vec![q, k],
-    };
-    let lead = inputs[0];
-    if lead.dtype() != DType::BF16 || v.dtype() != DType::BF16 || !lead.device().is_cuda() {
-        return Ok(None);
-    }
-    let guards: Vec<_> = inputs.iter().map(|t| t.storage_and_layout()).collect();
-    let mut cuda = vec![];
-    for (s, l) in &guards {
-        match &**s {
-            Storage::Cuda(s) => cuda.push((s, *l)),
-            _ => return Ok(None),
-        }
-    }
-    let qk_in = match cuda[..] {
-        [qk] => QkIn::Packed(qk),
-        [q, k] => QkIn::Split(q, k),
-        _ => candle_core::bail!("gdp cuda: one or two query/key inputs expected"),
-    };
-    let (vs, vl) = v.storage_and_layout();
-    let (xs, xl) = aux.storage_and_layout();
-    let (gs, gl) = grad.storage_and_layout();
-    let (Storage::Cuda(vs), Storage::Cuda(xs), Storage::Cuda(gs)) = (&*vs, &*xs, &*gs) else {
-        return Ok(None);
-    };
-    let dev = vs.device().clone();
-    let cot = if plain {
-        Cotangent::Plain((gs, gl))
-    } else {
-        Cotangent::Packed((gs, gl))
-    };
-    let (h0, dht, widened, zero_dh0) = match cp {
-        None => (None, None, None, vec![]),
-        Some(CpOverrides { h0, dht, zero_dh0 }) => match dht {
-            CpFinalGrads::Folded(d) => (Some(h0), Some(d), None, zero_dh0),
-            CpFinalGrads::Widened(f) => (Some(h0), None, Some(f), zero_dh0),
-        },
-    };
-    let grads = try_backward_bf16(
-        &dev,
-        qk_in,
-        (vs, vl),
-        (xs, xl),
-        cot,
-        sh,
-        scale,
-        has_h0,
-        h0.as_ref(),
-        dht.as_ref(),
-        GradLayout::Parts,
-        cache,
-        widened,
-        cfg,
-    )?;
-    let Some(Grads::Parts { dqk, dv, mut daux }) = grads else {
-        return Ok(None);
-    };
-    if has_h0 {
-        let kv = sh.dk * sh.dv;
-        let dh0 = sh.aux_len(true) - sh.state_len();
-        for &s in &zero_dh0 {
-            let at = dh0 + s * sh.heads * kv;
-            let mut part = daux.slice_mut(at..at + sh.heads * kv);
-            dev.cuda_stream().memset_zeros(&mut part).w()?;
-        }
-    }
-    let tensor = |s: CudaStorage, shape: &Shape| {
-        Tensor::from_storage(Storage::Cuda(s), shape.clone(), BackpropOp::none(), false)
-    };
-    let bf16_tensor = |s: CudaSlice<bf16>, t: &Tensor| {
-        tensor(CudaStorage::wrap_cuda_slice(s, dev.clone()), t.shape())
-    };
-    let dqk = match dqk {
-        QkGrads::Packed(dqk) => vec![bf16_tensor(dqk, inputs[0])],
-        QkGrads::Split { dq, dk } => vec![bf16_tensor(dq, inputs[0]), bf16_tensor(dk, inputs[1])],
-    };
-    let dv = bf16_tensor(dv, v);
-    let daux = tensor(CudaStorage::wrap_cuda_slice(daux, dev.clone()), aux.shape());
-    Ok(Some((dqk, dv, daux)))
 }
 
 /// The state-gradient scan as launched in the split backward: the plain op's, or a

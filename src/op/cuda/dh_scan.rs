@@ -12,7 +12,6 @@ use crate::op::shape::GdpShape;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig,
 };
-use candle_core::cuda_backend::CudaDevice;
 use candle_core::Result;
 use half::bf16;
 use std::ops::Range;
@@ -29,29 +28,42 @@ pub(super) struct DhDest<'a, 'b> {
     pub widened: Option<Range<usize>>,
 }
 
-/// Runs the state-gradient scan `plan.kernel` (`gdp_bwd_dh_bf16_<BV>_<KPT>`) over `table`'s
-/// chunks with the WY factors `wy` (W, P and the gate coefficients), the bf16 output gradient
-/// `dob [B, T, H, V']` (`V' = do_width <= V`; the scan's columns past it read as zero: a
-/// context-parallel rank's `[dO | 0_K]`) and the end-state gradients `dht [N, H, K, V]` (zero
-/// when `None`), on
-/// `stream` (the device's, or a [`SideStream`]'s); with `ready`, waiting for the readiness
-/// counters of a WY kernel running beside it (`pipeline::Pipeline`).
-#[allow(clippy::too_many_arguments)]
+/// What the state-gradient scan reads: the inputs, their chunk table, the WY factors (W, P and
+/// the gate coefficients), the bf16 output gradient `dob [B, T, H, V']` (`V' = do_width`, at
+/// most the scan's `V`; its columns past `V'` read as zero: a context-parallel rank's
+/// `[dO | 0_K]`) and the end-state gradients `dht [N, H, K, V]` (zero when `None`).
+pub(super) struct DhInputs<'a> {
+    pub inp: &'a Bf16Inputs<'a>,
+    pub table: &'a ChunkTable,
+    pub wy: &'a WyFactors,
+    pub dob: CudaView<'a, bf16>,
+    pub do_width: usize,
+    pub dht: Option<CudaView<'a, f32>>,
+}
+
+/// Runs the state-gradient scan `plan.kernel` (`gdp_bwd_dh_bf16_<BV>_<KPT>`) on `src` over
+/// the value columns of `sh`, on `stream` (the device's, or a [`SideStream`]'s); with `ready`,
+/// waiting for the readiness counters of a WY kernel running beside it
+/// (`pipeline::Pipeline`); with `signal`, counting its chunks done for a gradient kernel beside
+/// it.
 pub(super) fn run_dh_scan(
-    dev: &CudaDevice,
     stream: &Arc<CudaStream>,
-    inp: &Bf16Inputs,
-    table: &ChunkTable,
-    wy: &WyFactors,
-    dob: &CudaView<bf16>,
-    do_width: usize,
-    dht: Option<&CudaView<f32>>,
+    src: &DhInputs,
     sh: &GdpShape,
     plan: &ScanPlan,
     dest: DhDest,
     ready: Option<&CudaSlice<i32>>,
     signal: Option<&CudaSlice<i32>>,
 ) -> Result<()> {
+    let DhInputs {
+        inp,
+        table,
+        wy,
+        ref dob,
+        do_width,
+        ref dht,
+    } = *src;
+    let dev = &inp.dev;
     let [b, t, h, k, vd, n] = shape_i32(sh)?;
     if do_width > sh.dv || dob.len() < sh.batch * sh.tokens * sh.heads * do_width {
         candle_core::bail!(

@@ -5,8 +5,8 @@
 use super::cache::{CacheSlot, ChunkStates, ForwardCache};
 use super::device::{check_states, smem_and_sms};
 use super::fused_fwd::launch;
-use super::fwd_scan::{ScanDest, ScanOut};
-use super::inputs::{Bf16Inputs, ChunkTable, QkIn};
+use super::fwd_scan::{ScanDest, ScanInputs, ScanOut};
+use super::inputs::{Bf16Inputs, ChunkTable, CudaCall, QkIn};
 use super::pipeline::{wy_then_scan, Pipeline};
 use super::plan::{scan_plan, wy_smem_bytes, FWD_SCAN};
 use super::wy::WyFactors;
@@ -26,19 +26,15 @@ use half::bf16;
 /// (context parallelism). With a `cache` slot, the bf16 chunked forward leaves its
 /// intermediates there for the split backward (see
 /// [`ForwardCache`](super::cache::ForwardCache)).
-#[allow(clippy::too_many_arguments)]
-pub fn forward(
+pub(crate) fn forward(
     qk: QkIn,
     v: (&CudaStorage, &Layout),
     aux: (&CudaStorage, &Layout),
-    sh: &GdpShape,
-    scale: f32,
-    has_h0: bool,
+    call: &CudaCall,
     h0_override: Option<&CudaSlice<f32>>,
-    plain: bool,
     cache: Option<&CacheSlot>,
-    cfg: &KernelConfig,
 ) -> Result<CudaStorage> {
+    let (sh, plain) = (call.shape, call.plain);
     let lead = qk.lead();
     let dev = lead.0.device().clone();
     let mut others = vec![(v.0, "v"), (aux.0, "gates")];
@@ -65,19 +61,7 @@ pub fn forward(
     }
     let dtype = lead.0.dtype();
     if dtype == DType::BF16 {
-        let out = try_forward_bf16(
-            &dev,
-            qk,
-            v,
-            aux,
-            sh,
-            scale,
-            has_h0,
-            h0_override,
-            plain,
-            cache,
-            cfg,
-        )?;
+        let out = try_forward_bf16(&dev, qk, v, aux, call, h0_override, cache)?;
         if let Some(out) = out {
             return Ok(out);
         }
@@ -93,18 +77,7 @@ pub fn forward(
     // The one-kernel forward of `qk`'s dtype: the same arguments for every kernel.
     macro_rules! fused {
         ($t:ty, $kernel:literal) => {
-            launch::<$t>(
-                $kernel,
-                &dev,
-                qk,
-                v,
-                aux,
-                sh,
-                scale,
-                has_h0,
-                h0_override,
-                cfg,
-            )
+            launch::<$t>($kernel, &dev, qk, v, aux, call, h0_override)
         };
     }
     let packed = match dtype {
@@ -143,20 +116,22 @@ pub fn reads_qk_in_place(q: &Tensor, sh: &GdpShape, cfg: &KernelConfig) -> Resul
 /// Runs the two-kernel bf16 forward if `cfg.forward` allows it and it fits this shape: the
 /// packed f32 `[o | final state]`, or with `plain` only `o` in bf16; `Ok(None)` means: use the
 /// one-kernel forward.
-#[allow(clippy::too_many_arguments)]
-pub fn try_forward_bf16(
+pub(crate) fn try_forward_bf16(
     dev: &CudaDevice,
     qk: QkIn,
     v: (&CudaStorage, &Layout),
     aux: (&CudaStorage, &Layout),
-    sh: &GdpShape,
-    scale: f32,
-    has_h0: bool,
+    call: &CudaCall,
     h0_override: Option<&CudaSlice<f32>>,
-    plain: bool,
     cache: Option<&CacheSlot>,
-    cfg: &KernelConfig,
 ) -> Result<Option<CudaStorage>> {
+    let CudaCall {
+        shape: sh,
+        scale,
+        has_h0,
+        plain,
+        kernels: cfg,
+    } = *call;
     if cfg.forward == KernelPath::Fused {
         return Ok(None);
     }
@@ -186,10 +161,12 @@ pub fn try_forward_bf16(
                     states,
                     widened: None,
                 };
-                let (pipe, h0o) = (pipeline.as_ref(), h0_override);
-                wy_then_scan(
-                    pipe, dev, &inp, &table, &mut wy, sh, scale, has_h0, h0o, &plan, dest,
-                )
+                let src = ScanInputs {
+                    inp: &inp,
+                    table: &table,
+                    h0_override,
+                };
+                wy_then_scan(pipeline.as_ref(), &src, &mut wy, sh, scale, &plan, dest)
             };
             let out = if plain {
                 // SAFETY: the scan writes o for every query row (`cu_seqlens` covers every

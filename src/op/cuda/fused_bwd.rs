@@ -8,6 +8,7 @@ use super::device::{
     allow_smem, check_inputs, check_states, shape_i32, smem_and_sms, to_i32, view, In,
 };
 use super::fused_fwd::THREADS;
+use super::inputs::CudaCall;
 use super::module::load_kernel;
 use super::plan::fused_tile;
 use crate::op::kernel_params::FusedBwdParams;
@@ -20,9 +21,9 @@ use candle_core::{DType, Result};
 
 pub(super) const MODE_FULL: i32 = 0;
 
-pub(super) const MODE_FWD_SUM: i32 = 1;
+const MODE_FWD_SUM: i32 = 1;
 
-pub(super) const MODE_BWD_SUM: i32 = 2;
+const MODE_BWD_SUM: i32 = 2;
 
 /// Dynamic shared memory of one backward block, in bytes, for key dimension `dk`, `bv` value
 /// columns and input elements of `elem` bytes. Must match the carve-up at the top of `gdp_bwd`
@@ -60,7 +61,7 @@ impl BwdPlan {
     ) -> Result<Self> {
         let smem = |bv: usize| bwd_smem_bytes(dk, bv, elem);
         let what = "tiles.fused_backward";
-        let (bv, grid) = fused_tile(width, rows, dk, smem, max_smem, sms, forced, what)?;
+        let (bv, grid) = fused_tile(width, rows, smem, max_smem, sms, forced, what)?;
         Ok(Self {
             bv,
             smem: smem(bv),
@@ -232,36 +233,46 @@ pub fn backward_len(sh: &GdpShape, has_h0: bool) -> usize {
         + if has_h0 { sh.state_len() } else { 0 }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Which summary the per-value-tile kernel computes ([`summaries`]).
+#[derive(Clone, Copy)]
+pub(super) enum Summary<'a> {
+    /// `[ΔS | M]`, from the initial states `h0 [N, H, K, V]` (f32, on the device).
+    Forward(&'a CudaSlice<f32>),
+    /// `[γ | Mᵀ]`, with the gradient `[do | dht]` (f32).
+    Backward(In<'a>),
+}
+
+/// The summaries `which` (`[K, V + K]` per head, in `(fragment, head)` order) of the sequences
+/// `frags` on the per-value-tile kernel, copied to the host.
 pub(super) fn summaries(
     qk: In,
     v: In,
     aux: In,
-    sh: &GdpShape,
-    scale: f32,
-    has_h0: bool,
+    call: &CudaCall,
     frags: &[usize],
-    mode: i32,
-    h0: Option<&CudaSlice<f32>>,
-    grad: Option<In>,
-    cfg: &KernelConfig,
+    which: Summary,
 ) -> Result<Vec<f32>> {
+    let sh = call.shape;
     let len = frags.len() * sh.heads * sh.dk * (sh.dv + sh.dk);
     if len == 0 {
         return Ok(vec![]);
     }
+    let (mode, h0, grad) = match which {
+        Summary::Forward(h0) => (MODE_FWD_SUM, Some(h0), None),
+        Summary::Backward(grad) => (MODE_BWD_SUM, None, Some(grad)),
+    };
     let dev = check_inputs(qk, v, aux, grad)?;
     let mut out = dev.alloc_zeros::<f32>(len)?;
     Launch {
         sh,
-        scale,
-        has_h0,
+        scale: call.scale,
+        has_h0: call.has_h0,
         seqs: frags,
         mode,
         h0,
         grad,
         dht: None,
-        cfg,
+        cfg: call.kernels,
     }
     .run(qk, v, aux, &mut out)?;
     dev.clone_dtoh(&out)

@@ -3,11 +3,11 @@
 //! serve.
 
 use super::device::{allow_smem, check_states, shape_i32, smem_and_sms, to_i32, view};
+use super::inputs::CudaCall;
 use super::module::load_kernel;
 use super::plan::fused_tile;
 use crate::op::kernel_params::FusedFwdParams;
 use crate::op::shape::{GdpShape, CHUNK};
-use crate::op::KernelConfig;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::{CudaStorage, Layout, Result};
@@ -50,7 +50,7 @@ impl LaunchPlan {
         let smem = |bv: usize| smem_bytes(sh.dk, bv, elem);
         let rows = sh.num_seqs() * sh.heads;
         let what = "tiles.fused_forward";
-        let (bv, grid) = fused_tile(sh.dv, rows, sh.dk, smem, max_smem, sms, forced, what)?;
+        let (bv, grid) = fused_tile(sh.dv, rows, smem, max_smem, sms, forced, what)?;
         Ok(Self {
             bv,
             smem: smem(bv),
@@ -59,19 +59,24 @@ impl LaunchPlan {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The one-kernel forward `kernel` (of the inputs' dtype `T`) on the packed `qk`, `v` and the
+/// gate buffer: the packed f32 `[o | final states]`.
 pub(super) fn launch<T: CudaDType + DeviceRepr>(
     kernel: &str,
     dev: &CudaDevice,
     qk: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
     aux: (&CudaStorage, &Layout),
-    sh: &GdpShape,
-    scale: f32,
-    has_h0: bool,
+    call: &CudaCall,
     h0_override: Option<&CudaSlice<f32>>,
-    cfg: &KernelConfig,
 ) -> Result<CudaStorage> {
+    let CudaCall {
+        shape: sh,
+        scale,
+        has_h0,
+        kernels: cfg,
+        ..
+    } = *call;
     let qk_v = view::<T>(qk.0, qk.1, sh.qk_len(), "qk")?;
     let v_v = view::<T>(v.0, v.1, sh.v_len(), "v")?;
     let aux_v = view::<f32>(aux.0, aux.1, sh.aux_len(has_h0), "gates")?;

@@ -11,7 +11,6 @@ use super::wy::WyFactors;
 use crate::op::kernel_params::ScanParams;
 use crate::op::shape::GdpShape;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
-use candle_core::cuda_backend::CudaDevice;
 use candle_core::Result;
 use half::bf16;
 use std::ops::Range;
@@ -45,22 +44,33 @@ pub(super) struct ScanDest<'a> {
     pub widened: Option<Range<usize>>,
 }
 
-/// Runs the forward scan `plan.kernel` on the WY factors of `table`'s chunks, over the value
-/// columns of `sh` (U's `wy.dv` columns and, past them, zeros: a context-parallel rank's
+/// What the forward scan reads besides the WY factors: the inputs, their chunk table, and the
+/// initial states that replace the gate buffer's (f32 `[N, H, K, V]`, or `[N, H, K, V + K]`
+/// for a context-parallel rank's widened scan), if any.
+#[derive(Clone, Copy)]
+pub(super) struct ScanInputs<'a> {
+    pub inp: &'a Bf16Inputs<'a>,
+    pub table: &'a ChunkTable,
+    pub h0_override: Option<&'a CudaSlice<f32>>,
+}
+
+/// Runs the forward scan `plan.kernel` on the WY factors of `src.table`'s chunks, over the
+/// value columns of `sh` (U's `wy.dv` columns and, past them, zeros: a context-parallel rank's
 /// `[U | 0_K]`).
-#[allow(clippy::too_many_arguments)]
 pub(super) fn run_scan(
-    dev: &CudaDevice,
-    inp: &Bf16Inputs,
-    table: &ChunkTable,
+    src: &ScanInputs,
     wy: &WyFactors,
     sh: &GdpShape,
-    has_h0: bool,
-    h0_override: Option<&CudaSlice<f32>>,
     plan: &ScanPlan,
     dest: ScanDest,
     beside: Option<Beside>,
 ) -> Result<()> {
+    let ScanInputs {
+        inp,
+        table,
+        h0_override,
+    } = *src;
+    let dev = &inp.dev;
     let [b, t, h, k, vd, n] = shape_i32(sh)?;
     let with_output = matches!(
         dest.out,
@@ -134,7 +144,7 @@ pub(super) fn run_scan(
         wide_from: to_i32(widened.start, "N")?,
         wide_to: to_i32(widened.end, "N")?,
         n,
-        has_h0: i32::from(has_h0),
+        has_h0: i32::from(inp.has_h0),
         qr: plan.qr as i32,
         ns: plan.stages as i32,
     };

@@ -2,7 +2,9 @@
 //! the device views of every input, the output's gradient, and the table of 64-row chunks.
 
 use super::device::{to_i32, view, In};
+use crate::op::config::KernelConfig;
 use crate::op::shape::GdpShape;
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{CudaStorage, Layout, Result};
@@ -28,16 +30,31 @@ impl<'a> QkIn<'a> {
     }
 }
 
+/// What the op tells the CUDA launches about one call besides its tensors.
+#[derive(Clone, Copy)]
+pub(crate) struct CudaCall<'a> {
+    pub shape: &'a GdpShape,
+    pub scale: f32,
+    /// Whether the gate buffer carries initial states.
+    pub has_h0: bool,
+    /// The output is `o` alone in the inputs' dtype (else the packed f32 `[o | final states]`).
+    pub plain: bool,
+    pub kernels: &'a KernelConfig,
+}
+
 /// The bf16 inputs as device views: the queries and keys as the kernels' `qb, kb, split` (see
 /// [`QkIn`]; for the packed `qk`, `k` starts at its first key slot), `v [B, T·n, H, V]`, the
-/// f32 gate buffer `[g | beta | h0?]`.
+/// f32 gate buffer `[g | beta | h0?]`, and the device they are on.
 pub(super) struct Bf16Inputs<'a> {
+    pub dev: CudaDevice,
     pub q: CudaView<'a, bf16>,
     pub k: CudaView<'a, bf16>,
     /// 1 for FLA's separate `q`, `k`; 0 for the packed `qk`.
     pub split: i32,
     pub v: CudaView<'a, bf16>,
     pub aux: CudaView<'a, f32>,
+    /// Whether `aux` ends with the initial states `[N, H, K, V]`.
+    pub has_h0: bool,
 }
 
 impl<'a> Bf16Inputs<'a> {
@@ -64,11 +81,13 @@ impl<'a> Bf16Inputs<'a> {
             }
         };
         Ok(Self {
+            dev: qk.lead().0.device().clone(),
             q,
             k,
             split,
             v: view::<bf16>(v.0, v.1, sh.v_len(), "v")?,
             aux: view::<f32>(aux.0, aux.1, sh.aux_len(has_h0), "gates")?,
+            has_h0,
         })
     }
 }

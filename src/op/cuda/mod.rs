@@ -7,7 +7,8 @@
 //! one-kernel paths `fused_fwd` / `fused_bwd`, `cp_fix`, the decode `step`, and `pipeline`,
 //! which runs the WY kernel beside a scan); and the stages composed, as FLA's `chunk.py`
 //! composes its kernels: `forward`, `widened` (a context-parallel rank's widened passes),
-//! `summary` (its summaries alone) and `backward`.
+//! `summary` (its summaries alone), `backward`, and `tensors` (the split backward straight into
+//! bf16 gradient tensors).
 
 // Launch plumbing and planning (no kernel of their own, or a helper kernel).
 mod copy;
@@ -32,22 +33,26 @@ mod wy;
 mod backward;
 mod forward;
 mod summary;
+mod tensors;
 mod widened;
 
-pub use backward::backward;
-pub(crate) use backward::{try_backward_tensors, CpFinalGrads, CpOverrides};
+pub(crate) use backward::{backward, SplitExtras};
 pub use cache::{CacheSlot, ForwardCache};
 pub(crate) use copy::copy_rows;
 pub use device::In;
 pub(crate) use device::{initial_states_device, slice_of, tensor_of};
-pub use forward::{forward, reads_qk_in_place};
+pub(crate) use forward::forward;
+pub use forward::reads_qk_in_place;
 pub use fused_bwd::{backward_len, bwd_smem_bytes, BwdPlan};
 pub use fused_fwd::{smem_bytes, LaunchPlan, THREADS};
+pub(crate) use inputs::CudaCall;
 pub use inputs::QkIn;
 pub use memory::retain_freed_memory;
 pub(crate) use plan::split_backward_fits;
 pub use step::{step, step_fits};
-pub use summary::{backward_summaries, dht_to_host, forward_summaries, initial_states_to_host};
+pub(crate) use summary::{backward_summaries, forward_summaries};
+pub use summary::{dht_to_host, initial_states_to_host};
+pub(crate) use tensors::{try_backward_tensors, CpFinalGrads, CpOverrides};
 pub(crate) use widened::{
     backward_summaries_served, finish_widened_forward, widened_forward, WidenedFold,
 };

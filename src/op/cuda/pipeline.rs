@@ -31,8 +31,8 @@
 //! launched one after the other, each segment's WY factors computed beside the previous scan:
 //! the relaunches cost ~30 µs per segment.
 
-use super::fwd_scan::{run_scan, Beside, ScanDest};
-use super::inputs::{Bf16Inputs, ChunkTable};
+use super::fwd_scan::{run_scan, Beside, ScanDest, ScanInputs};
+use super::inputs::ChunkTable;
 use super::plan::ScanPlan;
 use super::side::SideStream;
 use super::wy::{ready_counters, Signal, WyFactors};
@@ -119,20 +119,16 @@ impl Pipeline {
 /// this GPU's previous overlapped forward was queued on the same stream (stream order keeps the
 /// two apart: the next one's scan starts after the previous one's join) or has finished; else
 /// one after the other on the device's stream.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn wy_then_scan(
     pipeline: Option<&Pipeline>,
-    dev: &CudaDevice,
-    inp: &Bf16Inputs,
-    table: &ChunkTable,
+    src: &ScanInputs,
     wy: &mut WyFactors,
     sh: &GdpShape,
     scale: f32,
-    has_h0: bool,
-    h0_override: Option<&CudaSlice<f32>>,
     plan: &ScanPlan,
     dest: ScanDest,
 ) -> Result<()> {
+    let (dev, inp, table) = (&src.inp.dev, src.inp, src.table);
     // Side by side: the WY kernel is queued first, so that on one stream (side streams off) the
     // scan finds every chunk ready.
     let overlap = match pipeline {
@@ -161,18 +157,7 @@ pub(super) fn wy_then_scan(
         stream: run.side.stream(),
         ready: &run.ready,
     });
-    run_scan(
-        dev,
-        inp,
-        table,
-        wy,
-        sh,
-        has_h0,
-        h0_override,
-        plan,
-        dest,
-        beside,
-    )?;
+    run_scan(src, wy, sh, plan, dest, beside)?;
     match overlap {
         Some((_, run)) => run.finish(),
         None => Ok(()),

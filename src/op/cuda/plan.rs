@@ -408,11 +408,9 @@ pub(super) const FUSED_TILES: [usize; 4] = [64, 32, 16, 8];
 /// `max_smem` and still gives at least `sms / 2` blocks, else the narrowest fitting tile of at
 /// least 16 columns. Each block recomputes the V-independent WY factors, so narrower tiles cost
 /// more work in all: V is split further only while the grid is under half a wave.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn fused_tile(
     width: usize,
     rows: usize,
-    dk: usize,
     smem: impl Fn(usize) -> usize,
     max_smem: usize,
     sms: usize,
@@ -442,8 +440,8 @@ pub(super) fn fused_tile(
                     .collect();
                 let Some(&narrowest) = fitting.last() else {
                     candle_core::bail!(
-                    "gdp cuda: K = {dk} needs {} bytes of shared memory even with 8 value columns \
-                     per block, the limit is {max_smem} (the device's, or \
+                    "gdp cuda: {what}: this K needs {} bytes of shared memory even with 8 value \
+                     columns per block, the limit is {max_smem} (the device's, or \
                      KernelConfig::shared_memory_limit)",
                     smem(8)
                 );

@@ -6,14 +6,14 @@
 //! (`Chunked` makes a shape these kernels do not serve an error).
 
 use super::device::{check_inputs, view, In};
-use super::dh_scan::{run_dh_scan, DhDest};
-use super::fused_bwd::{summaries, MODE_BWD_SUM, MODE_FWD_SUM};
-use super::fwd_scan::ScanOut;
-use super::inputs::{Bf16Inputs, ChunkTable, Cotangent, QkIn};
+use super::dh_scan::{run_dh_scan, DhDest, DhInputs};
+use super::fused_bwd::{summaries, Summary};
+use super::fwd_scan::{ScanDest, ScanOut};
+use super::inputs::{Bf16Inputs, ChunkTable, Cotangent, CudaCall, QkIn};
 use super::plan::{DH_SCAN, STATES_SCAN};
 use super::widened::{wanted, Widened};
 use super::wy::WyFactors;
-use crate::op::config::{KernelConfig, KernelPath};
+use crate::op::config::KernelPath;
 use crate::op::shape::GdpShape;
 use candle_core::backend::BackendStorage;
 use candle_core::Result;
@@ -57,18 +57,15 @@ pub(super) fn widened_states(x: &[f32], sh: &GdpShape, frags: &[usize]) -> Vec<f
 /// sequences `frags` from the initial states `h0 [N, H, K, V]` (host), on the bf16 chunked kernels;
 /// `Ok(None)` where they do not serve (not bf16, `KernelConfig::summaries` = `Fused`, or the
 /// shape).
-#[allow(clippy::too_many_arguments)]
-pub fn forward_summaries_bf16(
+fn forward_summaries_bf16(
     qk: In,
     v: In,
     aux: In,
-    sh: &GdpShape,
-    scale: f32,
-    has_h0: bool,
+    call: &CudaCall,
     frags: &[usize],
     h0: &[f32],
-    cfg: &KernelConfig,
 ) -> Result<Option<Vec<f32>>> {
+    let (sh, cfg) = (call.shape, call.kernels);
     let dev = qk.0.device().clone();
     let Some(path) = wanted(qk, cfg) else {
         return Ok(None);
@@ -76,21 +73,16 @@ pub fn forward_summaries_bf16(
     let Some(widened) = Widened::plan(&dev, sh, frags, &STATES_SCAN, cfg)? else {
         return not_served(path, sh);
     };
-    let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
+    let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, call.has_h0)?;
     let h0w = dev.clone_htod(&widened_states(h0, sh, frags))?;
     let wide = &widened.wide;
     let mut fin = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
-    widened.forward_scan(
-        &dev,
-        &inp,
-        scale,
-        has_h0,
-        &h0w,
-        ScanOut::Final(&mut fin),
-        None,
-        false,
-        cfg,
-    )?;
+    let dest = ScanDest {
+        out: ScanOut::Final(&mut fin),
+        states: None,
+        widened: None,
+    };
+    widened.forward_scan(&inp, call.scale, &h0w, dest, false, cfg)?;
     let mut all = dev.clone_dtoh(&fin)?;
     all.truncate(wide.state_len());
     Ok(Some(all))
@@ -101,19 +93,16 @@ pub fn forward_summaries_bf16(
 /// the packed f32 `[do | dht]`, or the bf16 `do` alone) and the end-state gradients
 /// `dht [N, H, K, V]` (host), on the bf16 chunked kernels; `Ok(None)` where they do not serve
 /// (not bf16, `KernelConfig::summaries` = `Fused`, or the shape).
-#[allow(clippy::too_many_arguments)]
-pub fn backward_summaries_bf16(
+fn backward_summaries_bf16(
     qk: In,
     v: In,
     aux: In,
     cot: Cotangent,
-    sh: &GdpShape,
-    scale: f32,
-    has_h0: bool,
+    call: &CudaCall,
     frags: &[usize],
     dht: &[f32],
-    cfg: &KernelConfig,
 ) -> Result<Option<Vec<f32>>> {
+    let (sh, cfg) = (call.shape, call.kernels);
     let dev = qk.0.device().clone();
     let Some(path) = wanted(qk, cfg) else {
         return Ok(None);
@@ -124,9 +113,9 @@ pub fn backward_summaries_bf16(
     else {
         return not_served(path, sh);
     };
-    let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
+    let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, call.has_h0)?;
     let table = ChunkTable::new(&dev, &sub)?;
-    let wy = WyFactors::compute(&dev, &inp, &table, &sub, scale, false)?;
+    let wy = WyFactors::compute(&dev, &inp, &table, &sub, call.scale, false)?;
     // do in bf16, the scan's operand type (read as [do | 0_K]).
     let o_len = sh.o_len();
     let converted;
@@ -150,22 +139,15 @@ pub fn backward_summaries_bf16(
             dh0: Some(&mut dh0),
             widened: None,
         };
-        let (dob, dhtw) = (dob.slice(at..), dhtw.slice(..));
-        run_dh_scan(
-            &dev,
-            &dev.cuda_stream(),
-            &inp,
-            &table,
-            &wy,
-            &dob,
-            sh.dv,
-            Some(&dhtw),
-            &wide,
-            &plan,
-            dest,
-            None,
-            None,
-        )?;
+        let src = DhInputs {
+            inp: &inp,
+            table: &table,
+            wy: &wy,
+            dob: dob.slice(at..),
+            do_width: sh.dv,
+            dht: Some(dhtw.slice(..)),
+        };
+        run_dh_scan(&dev.cuda_stream(), &src, &wide, &plan, dest, None, None)?;
     }
     let mut all = dev.clone_dtoh(&out)?;
     all.truncate(wide.state_len());
@@ -175,18 +157,15 @@ pub fn backward_summaries_bf16(
 /// Forward summaries `[ΔS | M]` (`[K, V + K]` per head, in `(fragment, head)` order) of the
 /// sequences `frags`, from the initial states `h0 [N, H, K, V]` (see `cp::protocol`): on the
 /// bf16 chunked kernels where they serve (`summary.rs`), else on the per-value-tile kernel.
-#[allow(clippy::too_many_arguments)]
-pub fn forward_summaries(
+pub(crate) fn forward_summaries(
     qk: In,
     v: In,
     aux: In,
-    sh: &GdpShape,
-    scale: f32,
-    has_h0: bool,
+    call: &CudaCall,
     frags: &[usize],
     h0: &[f32],
-    cfg: &KernelConfig,
 ) -> Result<Vec<f32>> {
+    let sh = call.shape;
     if frags.is_empty() {
         return Ok(vec![]);
     }
@@ -198,42 +177,27 @@ pub fn forward_summaries(
             sh.state_len()
         );
     }
-    if let Some(s) = forward_summaries_bf16(qk, v, aux, sh, scale, has_h0, frags, h0, cfg)? {
+    if let Some(s) = forward_summaries_bf16(qk, v, aux, call, frags, h0)? {
         return Ok(s);
     }
     let h0 = qk.0.device().clone_htod(h0)?;
-    summaries(
-        qk,
-        v,
-        aux,
-        sh,
-        scale,
-        has_h0,
-        frags,
-        MODE_FWD_SUM,
-        Some(&h0),
-        None,
-        cfg,
-    )
+    summaries(qk, v, aux, call, frags, Summary::Forward(&h0))
 }
 
 /// Backward summaries `[γ | Mᵀ]` (`[K, V + K]` per head, in `(fragment, head)` order) of the
 /// sequences `frags`, with the output gradients and end-state gradients of `grad [do | dht]`
 /// (`dht`, the same end-state gradients on the host): on the bf16 chunked kernels where they
 /// serve (`summary.rs`), else on the per-value-tile kernel.
-#[allow(clippy::too_many_arguments)]
-pub fn backward_summaries(
+pub(crate) fn backward_summaries(
     qk: In,
     v: In,
     aux: In,
     grad: In,
-    sh: &GdpShape,
-    scale: f32,
-    has_h0: bool,
+    call: &CudaCall,
     frags: &[usize],
     dht: &[f32],
-    cfg: &KernelConfig,
 ) -> Result<Vec<f32>> {
+    let sh = call.shape;
     if frags.is_empty() {
         return Ok(vec![]);
     }
@@ -246,22 +210,10 @@ pub fn backward_summaries(
         );
     }
     let cot = super::inputs::Cotangent::Packed(grad);
-    if let Some(s) = backward_summaries_bf16(qk, v, aux, cot, sh, scale, has_h0, frags, dht, cfg)? {
+    if let Some(s) = backward_summaries_bf16(qk, v, aux, cot, call, frags, dht)? {
         return Ok(s);
     }
-    summaries(
-        qk,
-        v,
-        aux,
-        sh,
-        scale,
-        has_h0,
-        frags,
-        MODE_BWD_SUM,
-        None,
-        Some(grad),
-        cfg,
-    )
+    summaries(qk, v, aux, call, frags, Summary::Backward(grad))
 }
 
 /// The gate buffer's initial states `[N, H, K, V]`, copied to the host.

@@ -12,9 +12,9 @@
 
 use super::copy::copy_rows_slice;
 use super::device::{smem_and_sms, In};
-use super::dh_scan::{run_dh_scan, DhDest};
-use super::fwd_scan::{ScanDest, ScanOut};
-use super::inputs::{Bf16Inputs, ChunkTable, QkIn};
+use super::dh_scan::{run_dh_scan, DhDest, DhInputs};
+use super::fwd_scan::{ScanDest, ScanInputs, ScanOut};
+use super::inputs::{Bf16Inputs, ChunkTable, CudaCall, QkIn};
 use super::pipeline::{wy_then_scan, Pipeline};
 use super::plan::{widened_scan_plan, wy_smem_bytes, ScanKind, ScanPlan, DH_SCAN, FWD_SCAN};
 use super::side::SideStream;
@@ -95,43 +95,35 @@ impl Widened {
 
     /// Runs the WY kernel over the sub-problem's chunks (keeping `Ainv` with `keep`) and the
     /// forward scan on the values widened to `[U | 0_K]` (U read in place) from the initial
-    /// states `h0w` (`[h0 | I_K]` per fragment and head, f32 `[N, H, K, V + K]`) into `out`:
-    /// side by side where the plan leaves the WY kernel room ([`Pipeline`]), else one after
-    /// the other; `widened`: the sequences whose scan runs widened (`None`: all). Returns the
-    /// WY factors, as the backward reads them.
-    #[allow(clippy::too_many_arguments)]
+    /// states `h0w` (`[h0 | I_K]` per fragment and head, f32 `[N, H, K, V + K]`) into `dest`
+    /// (whose `widened` are the sequences whose scan runs widened; `None`: all): side by side
+    /// where the plan leaves the WY kernel room ([`Pipeline`]), else one after the other.
+    /// Returns the WY factors, as the backward reads them.
     pub(super) fn forward_scan(
         &self,
-        dev: &CudaDevice,
         inp: &Bf16Inputs,
         scale: f32,
-        has_h0: bool,
         h0w: &CudaSlice<f32>,
-        out: ScanOut,
-        widened: Option<Range<usize>>,
+        dest: ScanDest,
         keep: bool,
         cfg: &KernelConfig,
     ) -> Result<WyFactors> {
-        let (sub, wide) = (&self.sub, &self.wide);
+        let (sub, wide, dev) = (&self.sub, &self.wide, &inp.dev);
         let table = ChunkTable::new(dev, sub)?;
         let order = sub.chunks_time_major();
         let pipeline = Pipeline::plan(dev, wide, &table, &self.plan, self.sms, order, cfg)?;
         let mut wy = WyFactors::alloc(dev, &table, sub, keep)?;
-        let dest = ScanDest {
-            out,
-            states: None,
-            widened,
+        let src = ScanInputs {
+            inp,
+            table: &table,
+            h0_override: Some(h0w),
         };
         wy_then_scan(
             pipeline.as_ref(),
-            dev,
-            inp,
-            &table,
+            &src,
             &mut wy,
             wide,
             scale,
-            has_h0,
-            Some(h0w),
             &self.plan,
             dest,
         )?;
@@ -205,19 +197,16 @@ pub(crate) struct WidenedForward {
 /// stay for the backward (which reruns the state scan from the folded states). `Ok(None)`
 /// where these kernels do not serve (not bf16, `KernelConfig::summaries` = `Fused`, or the
 /// shape).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn widened_forward(
     qk: In,
     v: In,
     aux: In,
-    sh: &GdpShape,
-    scale: f32,
-    has_h0: bool,
+    call: &CudaCall,
     h0: &CudaSlice<f32>,
     incoming: Range<usize>,
     cache: Option<&super::cache::CacheSlot>,
-    cfg: &KernelConfig,
 ) -> Result<Option<WidenedForward>> {
+    let (sh, cfg) = (call.shape, call.kernels);
     let dev = qk.0.device().clone();
     if wanted(qk, cfg).is_none() {
         return Ok(None);
@@ -226,7 +215,7 @@ pub(crate) fn widened_forward(
     let Some(widened) = Widened::plan(&dev, sh, &every, &FWD_SCAN, cfg)? else {
         return Ok(None);
     };
-    let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, has_h0)?;
+    let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, call.has_h0)?;
     let keep = match cache {
         Some(slot) if super::plan::split_backward_fits(&dev, sh, cfg)? => Some(slot),
         _ => None,
@@ -236,19 +225,12 @@ pub(crate) fn widened_forward(
     // SAFETY: the scan writes o for every query row (`cu_seqlens` covers every token).
     let mut o = unsafe { dev.alloc::<bf16>(wide.o_len().max(1))? };
     let mut fin = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
-    let out = ScanOut::PlainFinal(&mut o, &mut fin);
-    let wide = Some(incoming);
-    let wy = widened.forward_scan(
-        &dev,
-        &inp,
-        scale,
-        has_h0,
-        &h0w,
-        out,
-        wide,
-        keep.is_some(),
-        cfg,
-    )?;
+    let dest = ScanDest {
+        out: ScanOut::PlainFinal(&mut o, &mut fin),
+        states: None,
+        widened: Some(incoming),
+    };
+    let wy = widened.forward_scan(&inp, call.scale, &h0w, dest, keep.is_some(), cfg)?;
     if let Some(slot) = keep {
         slot.put(super::cache::ForwardCache::wy_only(wy));
     }
@@ -411,22 +393,15 @@ impl<'a> WidenedDh<'a> {
                 dh0: Some(&mut d0),
                 widened: Some(self.widened.clone()),
             };
-            let (dob, dhtw) = (self.do_src.0.slice(self.do_src.1..), dhtw.slice(..));
-            run_dh_scan(
-                dev,
-                side.stream(),
-                self.inp,
-                self.table,
-                self.wy,
-                &dob,
-                v,
-                Some(&dhtw),
-                &wide,
-                &plan,
-                dest,
-                None,
-                None,
-            )?;
+            let src = DhInputs {
+                inp: self.inp,
+                table: self.table,
+                wy: self.wy,
+                dob: self.do_src.0.slice(self.do_src.1..),
+                do_width: v,
+                dht: Some(dhtw.slice(..)),
+            };
+            run_dh_scan(side.stream(), &src, &wide, &plan, dest, None, None)?;
         }
         Ok(WidenedRun {
             sh,
