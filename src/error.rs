@@ -41,6 +41,9 @@ pub enum GdpError {
         expected: String,
         got: String,
     },
+    /// The value-side heads are not a whole number of groups of the key heads.
+    #[error("heads: {0}")]
+    Heads(String),
     /// `cu_seqlens` is not a valid list of packed-sequence offsets.
     #[error("`cu_seqlens`: {0}")]
     CuSeqlens(String),

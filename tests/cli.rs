@@ -154,6 +154,14 @@ fn run_matches_library_dense() -> Result<()> {
         &Case::new("dense n1", 1, 33, 3, 8, 8, 1).strong_gates(),
         DType::I64,
         true,
+    )?;
+    // Grouped value heads: `q`, `k` with 2 heads, the rest with 6.
+    check_against_library(
+        &Case::new("grouped r3", 1, 30, 6, 8, 12, 1)
+            .key_heads(2)
+            .h0(),
+        DType::I64,
+        true,
     )
 }
 
@@ -768,6 +776,10 @@ fn cp_size_matches_plain_run() -> Result<()> {
         Case::new("cp dense", 2, 20, 2, 8, 8, 2).h0(),
         Case::new("cp packed", 1, 24, 2, 8, 8, 2)
             .packed(&[0, 2, 2, 19, 24])
+            .h0(),
+        Case::new("cp grouped", 1, 24, 4, 8, 8, 1)
+            .key_heads(2)
+            .packed(&[0, 5, 24])
             .h0(),
     ];
     for (i, c) in cases.iter().enumerate() {

@@ -394,6 +394,7 @@ impl Geometry {
             v: self.v,
             n: self.n,
             h0,
+            key_heads: None,
             cu: self.cu.clone(),
             gate_max: if strong_gates { 20.0 } else { 1.0 },
             seed,

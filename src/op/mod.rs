@@ -7,6 +7,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod custom;
+pub(crate) mod heads;
 // Without CUDA only the mirror test of `cuda/params.cuh` reads these structs.
 #[cfg(any(feature = "cuda", test))]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -93,6 +94,12 @@ impl From<bool> for SaveIntermediates {
 /// Returns `o [B, T, H, V]` in `q`'s dtype and, with `output_final_state`, the final state
 /// `[N, H, K, V]` in f32. Differentiable in all of `q, k, v, g, beta` and the initial state.
 ///
+/// **Grouped value heads.** `q` and `k` may have fewer heads `Hk` than the rest (`H = Hv`, a
+/// multiple of `Hk`), as in Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next) and FLA's
+/// `num_v_heads`: value head `h` reads key head `h / (Hv / Hk)` (grouped order, as Hugging Face
+/// checkpoints store them), and the gradients of `q` and `k` sum over each group. `Hk = Hv` is
+/// FLA's layout.
+///
 /// This wrapper copies `q` and `k` into the packed layout of
 /// [`gated_delta_product_packed`]; a model that produces that layout directly avoids the copy.
 ///
@@ -128,7 +135,18 @@ pub fn gated_delta_product(
     opts: &GdpOptions,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let sh = validate_fla(q, k, v, g, beta, opts)?;
-    apply(QueryKeys::Split(q, k), v, g, beta, sh, opts, None)
+    let (q, k) = expand_key_heads(q, k, &sh)?;
+    apply(QueryKeys::Split(&q, &k), v, g, beta, sh, opts, None)
+}
+
+/// `q [B, T, Hk, K]` and `k [B, T·n, Hk, K]` with their heads repeated to the `H = Hv` heads of
+/// the checked geometry `sh` (grouped order, [`heads`]); themselves when `Hk = Hv`.
+pub(crate) fn expand_key_heads(q: &Tensor, k: &Tensor, sh: &GdpShape) -> Result<(Tensor, Tensor)> {
+    let r = sh.heads / q.dim(2)?;
+    Ok((
+        heads::expand_key_heads(q, 2, r)?,
+        heads::expand_key_heads(k, 2, r)?,
+    ))
 }
 
 /// Where the op's queries and keys come from.
@@ -154,7 +172,8 @@ pub fn gated_delta_product_packed(
     opts: &GdpOptions,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let sh = validate_packed(qk, v, g, beta, opts)?;
-    apply(QueryKeys::Packed(qk), v, g, beta, sh, opts, None)
+    let qk = heads::expand_key_heads(qk, 3, sh.heads / qk.dim(3)?)?;
+    apply(QueryKeys::Packed(&qk), v, g, beta, sh, opts, None)
 }
 
 /// Checks the packed-layout inputs of [`gated_delta_product_packed`] and returns the geometry.
@@ -175,7 +194,8 @@ pub(crate) fn validate_packed(
         }
         .into());
     }
-    validate_rest((qk, "qk"), (b, t, h, k, slots - 1), v, g, beta, opts)
+    let hv = value_heads(v, h)?;
+    validate_rest((qk, "qk"), (b, t, hv, k, slots - 1), v, g, beta, opts)
 }
 
 /// Packs the gates, builds the op (with this rank's context-parallel link, if any) and applies it.
@@ -326,8 +346,18 @@ pub(crate) fn validate_fla(
         }
         .into());
     }
-    check_shape(k, "k", &[b, t * n, h, dk], "[B, T·n, H, K]")?;
-    validate_rest((q, "q"), (b, t, h, dk, n), v, g, beta, opts)
+    check_shape(k, "k", &[b, t * n, h, dk], "[B, T·n, Hk, K]")?;
+    let hv = value_heads(v, h)?;
+    validate_rest((q, "q"), (b, t, hv, dk, n), v, g, beta, opts)
+}
+
+/// The heads `Hv` of the values (a multiple of the `hk` key heads, [`heads`]), or `hk` where
+/// `v` is not a rank-4 tensor (its shape check then names it).
+fn value_heads(v: &Tensor, hk: usize) -> Result<usize> {
+    match v.dims() {
+        &[_, _, hv, _] if hk > 0 => heads::key_groups(hk, hv, "v").map(|r| r * hk),
+        _ => Ok(hk),
+    }
 }
 
 /// The checks shared by both layouts, given the query input `(q, its name)` and the sizes

@@ -11,9 +11,9 @@ use candle_core::{DType, Device, Result, Tensor};
 /// each with its input's shape, in f64.
 #[derive(Debug, Clone)]
 pub struct NaiveGrads {
-    /// `[B, T, H, K]`
+    /// `[B, T, Hk, K]`
     pub dq: Tensor,
-    /// `[B, T·n, H, K]`
+    /// `[B, T·n, Hk, K]`
     pub dk: Tensor,
     /// `[B, T·n, H, V]`
     pub dv: Tensor,
@@ -27,7 +27,10 @@ pub struct NaiveGrads {
 
 /// Host copies of all inputs in f64, FLA layout.
 struct Host {
+    /// The geometry; `sh.heads` counts the value heads `Hv`.
     sh: GdpShape,
+    /// Key heads `Hk` of `q` and `k`; value head `h` reads key head `h / (Hv / Hk)`.
+    key_heads: usize,
     scale: f64,
     q: Vec<f64>,
     k: Vec<f64>,
@@ -51,6 +54,7 @@ impl Host {
         opts: &GdpOptions,
     ) -> Result<Self> {
         let sh = validate_fla(q, k, v, g, beta, opts)?;
+        let key_heads = q.dim(2)?;
         let h0 = match opts.initial_state {
             Some(h0) => host(h0)?,
             None => vec![0.0; sh.state_len()],
@@ -64,6 +68,7 @@ impl Host {
             beta: host(beta)?,
             h0,
             sh,
+            key_heads,
         })
     }
 
@@ -75,6 +80,18 @@ impl Host {
     /// Offset of sub-step row `p = t·n + j` of `seq` for head `h` in a `[B, T·n, H, ·]` tensor.
     fn sub(&self, seq: &SeqSpan, p: usize, h: usize) -> usize {
         ((seq.batch * self.sh.tokens + seq.start) * self.sh.n + p) * self.sh.heads + h
+    }
+
+    /// Offset of token `t`'s query in `q [B, T, Hk, K]`, in rows, as value head `h` reads it.
+    fn q_row(&self, seq: &SeqSpan, t: usize, h: usize) -> usize {
+        let r = self.sh.heads / self.key_heads;
+        (seq.batch * self.sh.tokens + seq.start + t) * self.key_heads + h / r
+    }
+
+    /// Offset of sub-step `p`'s key in `k [B, T·n, Hk, K]`, in rows, as value head `h` reads it.
+    fn k_row(&self, seq: &SeqSpan, p: usize, h: usize) -> usize {
+        let r = self.sh.heads / self.key_heads;
+        ((seq.batch * self.sh.tokens + seq.start) * self.sh.n + p) * self.key_heads + h / r
     }
 }
 
@@ -112,7 +129,8 @@ pub fn gated_delta_product_naive(
                 s.iter_mut().for_each(|e| *e *= gt);
                 for j in 0..n {
                     let r = x.sub(seq, t * n + j, h);
-                    let kp = &x.k[r * dk..(r + 1) * dk];
+                    let kr = x.k_row(seq, t * n + j, h);
+                    let kp = &x.k[kr * dk..(kr + 1) * dk];
                     let vp = &x.v[r * dv..(r + 1) * dv];
                     let pred = st_x(s, kp, dv);
                     let b = x.beta[r];
@@ -125,7 +143,8 @@ pub fn gated_delta_product_naive(
                     }
                 }
                 let row = x.tok(seq, t, h);
-                let read = st_x(s, &x.q[row * dk..(row + 1) * dk], dv);
+                let qr = x.q_row(seq, t, h);
+                let read = st_x(s, &x.q[qr * dk..(qr + 1) * dk], dv);
                 for (ov, rv) in o[row * dv..(row + 1) * dv].iter_mut().zip(read) {
                     *ov = x.scale * rv;
                 }
@@ -182,7 +201,8 @@ pub fn gated_delta_product_naive_backward(
                     s.iter_mut().for_each(|e| *e *= gt);
                 }
                 let r = x.sub(seq, p, h);
-                let kp = &x.k[r * dk..(r + 1) * dk];
+                let kr = x.k_row(seq, p, h);
+                let kp = &x.k[kr * dk..(kr + 1) * dk];
                 let pred = st_x(&s, kp, dv);
                 let d: Vec<f64> = (0..dv)
                     .map(|c| x.beta[r] * (x.v[r * dv + c] - pred[c]))
@@ -199,13 +219,15 @@ pub fn gated_delta_product_naive_backward(
             let mut ds = dht[slot..slot + kv].to_vec();
             for p in (0..rows).rev() {
                 let r = x.sub(seq, p, h);
-                let kp = &x.k[r * dk..(r + 1) * dk];
+                let kr = x.k_row(seq, p, h);
+                let kp = &x.k[kr * dk..(kr + 1) * dk];
                 let st = &s_tilde[p];
                 let d = &deltas[p];
                 if p % n == n - 1 {
                     // o_t = scale · S_pᵀ q_t with S_p = S̃_p + k_p δ_pᵀ
                     let tr = x.tok(seq, p / n, h);
-                    let qt = &x.q[tr * dk..(tr + 1) * dk];
+                    let qr = x.q_row(seq, p / n, h);
+                    let qt = &x.q[qr * dk..(qr + 1) * dk];
                     let dot = &dout[tr * dv..(tr + 1) * dv];
                     for kk in 0..dk {
                         let mut acc = 0.0;
@@ -214,13 +236,14 @@ pub fn gated_delta_product_naive_backward(
                             acc += sp * dot[c];
                             ds[kk * dv + c] += x.scale * qt[kk] * dot[c];
                         }
-                        dq[tr * dk + kk] = x.scale * acc;
+                        // The value heads of a group share the query: their parts add up.
+                        dq[qr * dk + kk] += x.scale * acc;
                     }
                 }
                 // S_p = S̃_p + k δᵀ
                 let dd = st_x(&ds, kp, dv); // dSᵀ k
                 for kk in 0..dk {
-                    dkk[r * dk + kk] = (0..dv).map(|c| ds[kk * dv + c] * d[c]).sum::<f64>();
+                    dkk[kr * dk + kk] += (0..dv).map(|c| ds[kk * dv + c] * d[c]).sum::<f64>();
                 }
                 let pred = st_x(st, kp, dv);
                 let b = x.beta[r];
@@ -236,7 +259,7 @@ pub fn gated_delta_product_naive_backward(
                         ds[kk * dv + c] += kp[kk] * dr;
                         acc += st[kk * dv + c] * dr;
                     }
-                    dkk[r * dk + kk] += acc;
+                    dkk[kr * dk + kk] += acc;
                 }
                 if p % n == 0 {
                     let tr = x.tok(seq, p / n, h);
@@ -250,10 +273,10 @@ pub fn gated_delta_product_naive_backward(
         }
     }
     let dev = Device::Cpu;
-    let (b, t, hh) = (sh.batch, sh.tokens, sh.heads);
+    let (b, t, hh, hk) = (sh.batch, sh.tokens, sh.heads, x.key_heads);
     Ok(NaiveGrads {
-        dq: Tensor::from_vec(dq, (b, t, hh, dk), &dev)?,
-        dk: Tensor::from_vec(dkk, (b, t * n, hh, dk), &dev)?,
+        dq: Tensor::from_vec(dq, (b, t, hk, dk), &dev)?,
+        dk: Tensor::from_vec(dkk, (b, t * n, hk, dk), &dev)?,
         dv: Tensor::from_vec(dvv, (b, t * n, hh, dv), &dev)?,
         dg: Tensor::from_vec(dg, (b, t, hh), &dev)?,
         dbeta: Tensor::from_vec(db, (b, t * n, hh), &dev)?,

@@ -4,6 +4,7 @@
 //! (one kernel on CUDA; no gradients), for decoding at memory speed.
 
 use super::custom::cpu_slice;
+use super::heads::expand_key_heads;
 use crate::error::GdpError;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor, D};
 use rayon::prelude::*;
@@ -11,7 +12,9 @@ use rayon::prelude::*;
 /// Advances the state by one token and reads it.
 ///
 /// * `state [B, H, K, V]` (f32; other float dtypes are cast), the state before the token;
-/// * `q [B, H, K]`, `k [B, n, H, K]`, `v [B, n, H, V]`, `g [B, H]`, `beta [B, n, H]`.
+/// * `q [B, Hk, K]`, `k [B, n, Hk, K]`, `v [B, n, H, V]`, `g [B, H]`, `beta [B, n, H]`, where
+///   `Hk` divides `H` (grouped value heads: head `h` reads key head `h / (H / Hk)`; `Hk = H`
+///   without grouping).
 ///
 /// Returns `o [B, H, V]` in `q`'s dtype and the new state `[B, H, K, V]` in f32. Equal to
 /// [`crate::gated_delta_product`] on a one-token sequence with that initial state.
@@ -27,11 +30,14 @@ pub fn gated_delta_product_step(
     let StepDims {
         b,
         h,
+        groups,
         dk: _,
         dv: _,
         n,
         scale,
     } = validate_step(state, q, k, v, g, beta, scale)?;
+    let q = &expand_key_heads(q, 1, groups)?;
+    let k = &expand_key_heads(k, 2, groups)?;
     let f32 = |x: &Tensor| x.to_dtype(DType::F32);
     let decay = f32(g)?.exp()?.reshape((b, h, 1, 1))?;
     let mut s = f32(state)?.broadcast_mul(&decay)?;
@@ -53,6 +59,8 @@ pub fn gated_delta_product_step(
 struct StepDims {
     b: usize,
     h: usize,
+    /// Value heads per key head.
+    groups: usize,
     dk: usize,
     dv: usize,
     n: usize,
@@ -87,9 +95,16 @@ fn validate_step(
             .into())
         }
     };
+    // Grouped value heads: `q` and `k` may have `Hk` heads, a divisor of the state's `H`
+    // (else `q` is checked against `H` heads, and its error names it).
+    let hk = match *q.dims() {
+        [_, hk, _] if hk > 0 && h.is_multiple_of(hk) => hk,
+        _ => h,
+    };
+    let groups = h.checked_div(hk).unwrap_or(1);
     for (x, name, want, layout) in [
-        (q, "q", vec![b, h, dk], "[B, H, K]"),
-        (k, "k", vec![b, n, h, dk], "[B, n, H, K]"),
+        (q, "q", vec![b, hk, dk], "[B, Hk, K], Hk dividing H"),
+        (k, "k", vec![b, n, hk, dk], "[B, n, Hk, K]"),
         (v, "v", vec![b, n, h, dv], "[B, n, H, V]"),
         (g, "g", vec![b, h], "[B, H]"),
         (beta, "beta", vec![b, n, h], "[B, n, H]"),
@@ -140,6 +155,7 @@ fn validate_step(
     Ok(StepDims {
         b,
         h,
+        groups,
         dk,
         dv,
         n,
@@ -187,6 +203,10 @@ pub fn gated_delta_product_step_fused(
     };
     let input = |x: &Tensor, dtype| x.to_dtype(dtype)?.contiguous();
     let st = state.to_dtype(DType::F32)?.contiguous()?;
+    let (q, k) = (
+        &expand_key_heads(q, 1, d.groups)?,
+        &expand_key_heads(k, 2, d.groups)?,
+    );
     let op = FusedStep {
         inputs: [
             input(q, qkv)?,

@@ -10,7 +10,8 @@
 //! `docs/cuda.md`).
 
 use super::custom::GdpForwardSplit;
-use super::{forward_op, gate_buffer, split_output, validate_fla, GdpOptions};
+use super::heads::sum_key_groups;
+use super::{expand_key_heads, forward_op, gate_buffer, split_output, validate_fla, GdpOptions};
 use crate::autograd::check_cotangent;
 use crate::error::GdpError;
 use candle_core::{DType, Result, Tensor};
@@ -29,8 +30,11 @@ pub struct GdpVjp {
 /// Detached, contiguous inputs, kept for the backward.
 #[derive(Debug)]
 struct Inputs {
+    /// `q` and `k` with their key heads repeated to the value heads.
     q: Tensor,
     k: Tensor,
+    /// Value heads per key head (their gradients sum over each group).
+    groups: usize,
     g: (DType, Vec<usize>),
     beta: (DType, Vec<usize>),
     h0: Option<(DType, Vec<usize>)>,
@@ -39,9 +43,9 @@ struct Inputs {
 /// Gradients of every input of [`gated_delta_product_vjp`], each in its input's dtype and shape.
 #[derive(Debug, Clone)]
 pub struct GdpGrads {
-    /// `dq [B, T, H, K]`.
+    /// `dq [B, T, Hk, K]`.
     pub dq: Tensor,
-    /// `dk [B, T·n, H, K]`.
+    /// `dk [B, T·n, Hk, K]`.
     pub dk: Tensor,
     /// `dv [B, T·n, H, V]`.
     pub dv: Tensor,
@@ -87,11 +91,9 @@ pub fn gated_delta_product_vjp(
     opts: &GdpOptions,
 ) -> Result<GdpVjp> {
     let sh = validate_fla(q, k, v, g, beta, opts)?;
-    let (q, k, v) = (
-        q.detach().contiguous()?,
-        k.detach().contiguous()?,
-        v.detach().contiguous()?,
-    );
+    let groups = sh.heads / q.dim(2)?;
+    let (q, k) = expand_key_heads(&q.detach(), &k.detach(), &sh)?;
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.detach().contiguous()?);
     let h0 = opts.initial_state.map(|h| h.detach());
     let aux = gate_buffer(&g.detach(), &beta.detach(), h0.as_ref())?;
     let op = forward_op(sh.clone(), opts, None, true, q.device())?;
@@ -105,6 +107,7 @@ pub fn gated_delta_product_vjp(
         h0: h0.as_ref().map(layout),
         q,
         k,
+        groups,
     };
     Ok(GdpVjp {
         o,
@@ -157,8 +160,8 @@ impl GdpVjp {
                 .to_dtype(*dtype)
         };
         Ok(GdpGrads {
-            dq,
-            dk,
+            dq: sum_key_groups(&dq, 2, x.groups)?,
+            dk: sum_key_groups(&dk, 2, x.groups)?,
             dv,
             dg: part(0, &x.g)?,
             dbeta: part(g_len, &x.beta)?,

@@ -22,6 +22,8 @@ pub struct Case {
     pub v: usize,
     pub n: usize,
     pub h0: bool,
+    /// Heads of `q` and `k` where they are fewer than `h` (grouped value heads).
+    pub key_heads: Option<usize>,
     pub cu: Option<Vec<usize>>,
     /// Gates are `-U(0, gate_max)`, a fifth of them exactly 0.
     pub gate_max: f64,
@@ -47,6 +49,7 @@ impl Case {
             v,
             n,
             h0: false,
+            key_heads: None,
             cu: None,
             gate_max: 1.0,
             seed: 7,
@@ -55,6 +58,15 @@ impl Case {
     pub fn h0(mut self) -> Self {
         self.h0 = true;
         self
+    }
+    /// `q` and `k` with `hk` heads, `h / hk` value heads reading each.
+    pub fn key_heads(mut self, hk: usize) -> Self {
+        self.key_heads = Some(hk);
+        self
+    }
+    /// Heads of `q` and `k`.
+    pub fn hk(&self) -> usize {
+        self.key_heads.unwrap_or(self.h)
     }
     pub fn packed(mut self, cu: &[usize]) -> Self {
         self.cu = Some(cu.to_vec());
@@ -138,8 +150,8 @@ pub fn inputs(c: &Case, dtype: DType) -> Result<Inputs> {
     let mut rng = StdRng::seed_from_u64(c.seed);
     let tn = c.t * c.n;
     let round = |x: Tensor| -> Result<Tensor> { Ok(x.to_dtype(dtype)?.to_dtype(DType::F64)?) };
-    let q = round(unit_rows(&mut rng, &[c.b, c.t, c.h, c.k])?)?;
-    let k = round(unit_rows(&mut rng, &[c.b, tn, c.h, c.k])?)?;
+    let q = round(unit_rows(&mut rng, &[c.b, c.t, c.hk(), c.k])?)?;
+    let k = round(unit_rows(&mut rng, &[c.b, tn, c.hk(), c.k])?)?;
     let v = round(randn(&mut rng, &[c.b, tn, c.h, c.v], 1.0)?)?;
     let beta: Vec<f64> = (0..c.b * tn * c.h)
         .map(|_| 2.0 / (1.0 + (-normal(&mut rng)).exp()))

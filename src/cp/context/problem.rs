@@ -197,9 +197,10 @@ impl<'a> Problem<'a> {
         };
         let mut dims = vec![vec![b, t, h, dv], vec![ns, h, dk, dv]];
         if grads {
+            let hk = self.q.dim(2)?;
             dims.extend([
-                vec![b, t, h, dk],
-                vec![b, t * n, h, dk],
+                vec![b, t, hk, dk],
+                vec![b, t * n, hk, dk],
                 vec![b, t * n, h, dv],
                 vec![b, t, h],
                 vec![b, t * n, h],

@@ -105,9 +105,10 @@ impl<'a> CpPrepared<'a> {
             .as_ref()
             .map(|t| put(t, "dht", DType::F32))
             .transpose()?;
-        // `o` is [B, T, H, V], the final state [N, H, K, V]; malformed q or v are left to the op.
-        let shapes = q.dims4().and_then(|(b, t, h, k)| {
-            let vd = v.dim(3)?;
+        // `o` is [B, T, H, V], the final state [N, H, K, V] (H: the heads of v, which may be a
+        // multiple of those of q); malformed q or v are left to the op.
+        let shapes = q.dims4().and_then(|(b, t, _, k)| {
+            let (h, vd) = (v.dim(2)?, v.dim(3)?);
             let n = x
                 .cu_seqlens
                 .as_ref()
