@@ -30,6 +30,7 @@
 pub mod autograd;
 pub mod cp;
 pub mod error;
+pub mod models;
 pub mod nn;
 pub mod op;
 

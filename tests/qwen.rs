@@ -1,0 +1,196 @@
+//! Qwen3.5 and Qwen3-Next against transformers: tiny random checkpoints in `tests/data`
+//! (written by `scripts/qwen_golden.py` with transformers' pure-PyTorch path, float32 on the
+//! CPU) load as a user's download would (the nested vision-language layout for Qwen3.5, a
+//! sharded index for Qwen3-Next), and their prefill logits, cached greedy decode and
+//! prefill-of-everything logits match the recorded ones at f32 tolerance.
+
+mod common;
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use candle_gdp::models::qwen::{load_dir, QwenHybrid};
+use common::rel_rms;
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+fn data(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
+}
+
+fn golden(name: &str) -> Result<HashMap<String, Tensor>> {
+    Ok(candle_core::safetensors::load(
+        data(name).join("golden.safetensors"),
+        &Device::Cpu,
+    )?)
+}
+
+fn ids(t: &Tensor) -> Result<Tensor> {
+    Ok(t.to_dtype(DType::U32)?.unsqueeze(0)?)
+}
+
+/// Prefill logits of the prompt, without a cache.
+fn check_prefill(model: &QwenHybrid, g: &HashMap<String, Tensor>, what: &str) -> Result<()> {
+    let logits = model.forward(&ids(&g["prompt_ids"])?, None)?.squeeze(0)?;
+    let e = rel_rms(&logits, &g["prefill_logits"])?;
+    println!("{what}: prefill logits relative RMS {e:.2e}");
+    assert!(e <= 1e-4, "{what}: prefill logits relative RMS {e:.2e}");
+    Ok(())
+}
+
+#[test]
+fn qwen3_5_prefill_matches_transformers() -> Result<()> {
+    let model = load_dir(data("qwen3_5_tiny"), DType::F32, &Device::Cpu)?;
+    check_prefill(&model, &golden("qwen3_5_tiny")?, "qwen3.5")
+}
+
+#[test]
+fn qwen3_next_prefill_matches_transformers() -> Result<()> {
+    let model = load_dir(data("qwen3_next_tiny"), DType::F32, &Device::Cpu)?;
+    check_prefill(&model, &golden("qwen3_next_tiny")?, "qwen3-next")
+}
+
+/// Cached prefill of the prompt, then greedy decode one token at a time: the same tokens and
+/// logits as transformers' cached decode, and as one uncached prefill of everything.
+fn check_decode(model: &QwenHybrid, g: &HashMap<String, Tensor>, what: &str) -> Result<()> {
+    let want_ids: Vec<i64> = g["decode_ids"].to_vec1()?;
+    let mut cache = model.empty_cache(1)?;
+    let prefill = model.forward(&ids(&g["prompt_ids"])?, Some(&mut cache))?;
+    let t = prefill.dim(1)?;
+    let mut rows = vec![prefill.squeeze(0)?.get(t - 1)?];
+    for (i, &id) in want_ids.iter().enumerate().take(want_ids.len() - 1) {
+        let got: u32 = rows[i].argmax(0)?.to_scalar()?;
+        assert_eq!(got as i64, id, "{what}: greedy token {i}");
+        let step = Tensor::new(&[[id as u32]], &Device::Cpu)?;
+        rows.push(
+            model
+                .forward(&step, Some(&mut cache))?
+                .squeeze(0)?
+                .squeeze(0)?,
+        );
+    }
+    let last: u32 = rows[rows.len() - 1].argmax(0)?.to_scalar()?;
+    assert_eq!(
+        last as i64,
+        want_ids[want_ids.len() - 1],
+        "{what}: last greedy token"
+    );
+    let decoded = Tensor::stack(&rows, 0)?;
+    let e = rel_rms(&decoded, &g["decode_logits"])?;
+    println!("{what}: decode logits relative RMS {e:.2e}");
+    assert!(e <= 1e-4, "{what}: decode logits relative RMS {e:.2e}");
+    // One prefill of prompt ++ decoded tokens (but the last) equals the cached steps.
+    let prompt: Vec<i64> = g["prompt_ids"].to_vec1()?;
+    let all: Vec<u32> = prompt
+        .iter()
+        .chain(&want_ids[..want_ids.len() - 1])
+        .map(|&x| x as u32)
+        .collect();
+    let n = all.len();
+    let full = model
+        .forward(&Tensor::from_vec(all, (1, n), &Device::Cpu)?, None)?
+        .squeeze(0)?;
+    let e = rel_rms(&full, &g["full_logits"])?;
+    assert!(e <= 1e-4, "{what}: full logits relative RMS {e:.2e}");
+    let tail = full.narrow(0, t - 1, rows.len())?;
+    let e = rel_rms(&decoded, &tail)?;
+    println!("{what}: cached decode vs one prefill relative RMS {e:.2e}");
+    assert!(
+        e <= 1e-5,
+        "{what}: cached decode vs prefill relative RMS {e:.2e}"
+    );
+    Ok(())
+}
+
+#[test]
+fn qwen3_5_decode_matches_transformers() -> Result<()> {
+    let model = load_dir(data("qwen3_5_tiny"), DType::F32, &Device::Cpu)?;
+    check_decode(&model, &golden("qwen3_5_tiny")?, "qwen3.5")
+}
+
+#[test]
+fn qwen3_next_decode_matches_transformers() -> Result<()> {
+    let model = load_dir(data("qwen3_next_tiny"), DType::F32, &Device::Cpu)?;
+    check_decode(&model, &golden("qwen3_next_tiny")?, "qwen3-next")
+}
+
+/// The fused expert tensors that transformers 5 keeps in memory (`experts.gate_up_proj
+/// [E, 2I, D]`, `experts.down_proj [E, D, I]`, in one unsharded file) load to the same model
+/// as the per-expert ones of the released checkpoints.
+#[test]
+fn fused_expert_tensors_load_the_same_model() -> Result<()> {
+    let src = data("qwen3_next_tiny");
+    let dir = std::env::temp_dir().join(format!("gdp-qwen-fused-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    std::fs::copy(src.join("config.json"), dir.join("config.json"))?;
+    let mut all = HashMap::new();
+    for f in candle_gdp::models::qwen::load::weight_files(&src)? {
+        all.extend(candle_core::safetensors::load(f, &Device::Cpu)?);
+    }
+    let experts = 4;
+    let mut fused = HashMap::new();
+    for (name, t) in &all {
+        let Some((layer, rest)) = name.split_once(".mlp.experts.") else {
+            fused.insert(name.clone(), t.clone());
+            continue;
+        };
+        if rest.starts_with("0.gate_proj") {
+            let get =
+                |e: usize, w: &str| all[&format!("{layer}.mlp.experts.{e}.{w}.weight")].clone();
+            let gate_up: Vec<Tensor> = (0..experts)
+                .map(|e| Tensor::cat(&[get(e, "gate_proj"), get(e, "up_proj")], 0))
+                .collect::<candle_core::Result<_>>()?;
+            let down: Vec<Tensor> = (0..experts).map(|e| get(e, "down_proj")).collect();
+            fused.insert(
+                format!("{layer}.mlp.experts.gate_up_proj"),
+                Tensor::stack(&gate_up, 0)?,
+            );
+            fused.insert(
+                format!("{layer}.mlp.experts.down_proj"),
+                Tensor::stack(&down, 0)?,
+            );
+        }
+    }
+    candle_core::safetensors::save(&fused, dir.join("model.safetensors"))?;
+    let g = golden("qwen3_next_tiny")?;
+    let prompt = ids(&g["prompt_ids"])?;
+    let per_expert = load_dir(&src, DType::F32, &Device::Cpu)?.forward(&prompt, None)?;
+    let from_fused = load_dir(&dir, DType::F32, &Device::Cpu)?.forward(&prompt, None)?;
+    std::fs::remove_dir_all(&dir)?;
+    assert_eq!(
+        rel_rms(&from_fused, &per_expert)?,
+        0.0,
+        "fused and per-expert tensors give different logits"
+    );
+    Ok(())
+}
+
+/// Loading fails with a message that names what is wrong: a missing directory, a config of
+/// another model, a missing tensor.
+#[test]
+fn bad_checkpoints_name_the_problem() -> Result<()> {
+    let missing = load_dir(data("no_such_model"), DType::F32, &Device::Cpu).unwrap_err();
+    assert!(missing.to_string().contains("config.json"), "{missing}");
+    let dir = std::env::temp_dir().join(format!("gdp-qwen-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("config.json"), r#"{"model_type": "llama"}"#)?;
+    let other = load_dir(&dir, DType::F32, &Device::Cpu).unwrap_err();
+    assert!(other.to_string().contains("model_type"), "{other}");
+    // The Qwen3-Next config with no weights next to it.
+    std::fs::copy(
+        data("qwen3_next_tiny").join("config.json"),
+        dir.join("config.json"),
+    )?;
+    let none = load_dir(&dir, DType::F32, &Device::Cpu).unwrap_err();
+    assert!(none.to_string().contains("model.safetensors"), "{none}");
+    // Weights of the other architecture: the first tensor it needs is named.
+    std::fs::copy(
+        data("qwen3_5_tiny").join("model.safetensors"),
+        dir.join("model.safetensors"),
+    )?;
+    let wrong = load_dir(&dir, DType::F32, &Device::Cpu).unwrap_err();
+    std::fs::remove_dir_all(&dir)?;
+    assert!(wrong.to_string().contains("in_proj_qkvz"), "{wrong}");
+    Ok(())
+}
