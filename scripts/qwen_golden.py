@@ -44,7 +44,7 @@ forget everything at each step and zeroes the (1 + w) norm weights, which would 
 
 Usage (from the repository root; needs torch and transformers 5.x, CPU only, no network):
 
-    HF_HUB_OFFLINE=1 /work/pyenv/bin/python scripts/qwen_golden.py [--out tests/data]
+    HF_HUB_OFFLINE=1 python scripts/qwen_golden.py [--out tests/data]
 
 Produced with torch 2.15.0 and transformers 5.23.0.
 """
