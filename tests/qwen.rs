@@ -194,3 +194,43 @@ fn bad_checkpoints_name_the_problem() -> Result<()> {
     assert!(wrong.to_string().contains("in_proj_qkvz"), "{wrong}");
     Ok(())
 }
+
+/// A context-parallel prefill over 2 and 3 CPU ranks: the same logits as one device, and a
+/// decode cache from which the greedy decode continues exactly as after a one-device prefill.
+#[test]
+fn context_parallel_prefill_matches_one_device() -> Result<()> {
+    use candle_gdp::models::qwen::prefill_context_parallel;
+    use candle_gdp::ContextParallel;
+    for name in ["qwen3_5_tiny", "qwen3_next_tiny"] {
+        let model = load_dir(data(name), DType::F32, &Device::Cpu)?;
+        let g = golden(name)?;
+        let prompt = ids(&g["prompt_ids"])?;
+        let want = model.forward(&prompt, None)?;
+        let decode_ids: Vec<i64> = g["decode_ids"].to_vec1()?;
+        for ranks in [2, 3] {
+            let out = prefill_context_parallel(&model, &ContextParallel::cpu(ranks)?, &prompt)?;
+            let e = rel_rms(&out.logits, &want)?;
+            println!("{name} cp={ranks}: prefill logits vs one device {e:.1e}");
+            assert!(e <= 1e-5, "{name} cp={ranks}: prefill logits {e:.2e}");
+            let mut cache = out.cache;
+            let mut rows = vec![];
+            for &id in &decode_ids[..decode_ids.len() - 1] {
+                let step = Tensor::new(&[[id as u32]], &Device::Cpu)?;
+                rows.push(
+                    model
+                        .forward(&step, Some(&mut cache))?
+                        .squeeze(0)?
+                        .squeeze(0)?,
+                );
+            }
+            let got = Tensor::stack(&rows, 0)?;
+            let want_rows = g["decode_logits"].narrow(0, 1, rows.len())?;
+            let e = rel_rms(&got, &want_rows)?;
+            assert!(
+                e <= 1e-4,
+                "{name} cp={ranks}: decode after CP prefill {e:.2e}"
+            );
+        }
+    }
+    Ok(())
+}

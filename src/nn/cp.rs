@@ -46,7 +46,7 @@ use crate::GdpOptions;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Module, Result, Tensor, Var};
 use candle_nn::VarMap;
-use exchange::check_shards;
+pub(crate) use exchange::check_shards;
 
 /// The last `W` inputs `[B, C, W]` (FLA's conv-cache layout) of `[halo | x]`.
 fn conv_state(halo: &Tensor, x: &Tensor, w: usize) -> Result<Tensor> {

@@ -84,6 +84,28 @@ impl GatedAttention {
     /// `x [B, T, D] -> [B, T, D]` for the tokens at positions `cache.len()..`; the cache (empty
     /// without one) supplies the earlier keys and values and receives these.
     pub fn forward(&self, x: &Tensor, cache: Option<&mut KvCache>) -> Result<Tensor> {
+        let offset = cache.as_ref().map_or(0, |c| c.len());
+        let p = self.project(x, offset)?;
+        let (k, v) = match cache {
+            None => (p.k.clone(), p.v.clone()),
+            Some(c) => {
+                let (k, v) = match (&c.k, &c.v) {
+                    (Some(pk), Some(pv)) => {
+                        (Tensor::cat(&[pk, &p.k], 2)?, Tensor::cat(&[pv, &p.v], 2)?)
+                    }
+                    _ => (p.k.clone(), p.v.clone()),
+                };
+                c.k = Some(k.clone());
+                c.v = Some(v.clone());
+                (k, v)
+            }
+        };
+        self.attend(&p, &k, &v, offset)
+    }
+
+    /// The queries, keys and values of `x [B, T, D]` at positions `offset..offset + T`, rotated
+    /// (`[B, H, T, hd]`), and the output gate.
+    pub(super) fn project(&self, x: &Tensor, offset: usize) -> Result<Projected> {
         let (b, t, _) = x.dims3()?;
         let (hq, hkv, hd) = (self.hq, self.hkv, self.hd);
         let qg = self.q_proj.forward(x)?.reshape((b, t, hq, 2 * hd))?;
@@ -99,37 +121,52 @@ impl GatedAttention {
             .forward(x)?
             .reshape((b, t, hkv, hd))?
             .transpose(1, 2)?;
-        let offset = cache.as_ref().map_or(0, |c| c.len());
-        let q = self.rope.forward(&q.contiguous()?, offset)?;
-        let k = self.rope.forward(&k.contiguous()?, offset)?;
-        let (k, v) = match cache {
-            None => (k, v.contiguous()?),
-            Some(c) => {
-                let (k, v) = match (&c.k, &c.v) {
-                    (Some(pk), Some(pv)) => {
-                        (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?)
-                    }
-                    _ => (k, v.contiguous()?),
-                };
-                c.k = Some(k.clone());
-                c.v = Some(v.clone());
-                (k, v)
-            }
-        };
+        Ok(Projected {
+            q: self.rope.forward(&q.contiguous()?, offset)?,
+            k: self.rope.forward(&k.contiguous()?, offset)?,
+            v: v.contiguous()?,
+            gate,
+        })
+    }
+
+    /// The output `[B, T, D]` of the queries of `p` (at positions `offset..`) attending to the
+    /// keys and values `[B, Hkv, S, hd]` of positions `0..S` (causally: up to their own).
+    pub(super) fn attend(
+        &self,
+        p: &Projected,
+        k: &Tensor,
+        v: &Tensor,
+        offset: usize,
+    ) -> Result<Tensor> {
+        let (b, _, t, _) = p.q.dims4()?;
+        let (hq, hkv, hd) = (self.hq, self.hkv, self.hd);
         let s = k.dim(2)?;
-        let (k, v) = (repeat_heads(&k, hq / hkv)?, repeat_heads(&v, hq / hkv)?);
-        let scores = (q
-            .to_dtype(DType::F32)?
-            .matmul(&k.to_dtype(DType::F32)?.t()?)?
-            * (hd as f64).powf(-0.5))?;
-        let scores = scores.broadcast_add(&causal_mask(t, s, x.device())?)?;
+        let (k, v) = (repeat_heads(k, hq / hkv)?, repeat_heads(v, hq / hkv)?);
+        let scores =
+            (p.q.to_dtype(DType::F32)?
+                .matmul(&k.to_dtype(DType::F32)?.t()?)?
+                * (hd as f64).powf(-0.5))?;
+        let scores = scores.broadcast_add(&causal_mask(t, s, offset, p.q.device())?)?;
         let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
         let o = probs
             .matmul(&v.contiguous()?)?
             .transpose(1, 2)?
             .reshape((b, t, hq * hd))?;
-        self.o_proj.forward(&(o * candle_nn::ops::sigmoid(&gate)?)?)
+        self.o_proj
+            .forward(&(o * candle_nn::ops::sigmoid(&p.gate)?)?)
     }
+}
+
+/// An attention layer's projections of one input ([`GatedAttention::project`]).
+pub(super) struct Projected {
+    /// `[B, Hq, T, hd]`, rotated.
+    pub q: Tensor,
+    /// `[B, Hkv, T, hd]`, rotated.
+    pub k: Tensor,
+    /// `[B, Hkv, T, hd]`.
+    pub v: Tensor,
+    /// `[B, T, Hq·hd]`.
+    pub gate: Tensor,
 }
 
 /// `x [B, Hkv, S, hd]` with each head repeated `r` times in grouped order (`[B, Hkv·r, S, hd]`).
@@ -143,9 +180,9 @@ fn repeat_heads(x: &Tensor, r: usize) -> Result<Tensor> {
         .reshape((b, h * r, s, d))
 }
 
-/// The additive causal mask `[T, S]` (f32) of `T` queries that are the last `T` of `S` keys.
-fn causal_mask(t: usize, s: usize, dev: &candle_core::Device) -> Result<Tensor> {
-    let past = s - t;
+/// The additive causal mask `[T, S]` (f32) of `T` queries at positions `past..past + T`
+/// over `S` keys at positions `0..S`.
+fn causal_mask(t: usize, s: usize, past: usize, dev: &candle_core::Device) -> Result<Tensor> {
     let mask: Vec<f32> = (0..t)
         .flat_map(|i| {
             (0..s).map(move |j| {

@@ -110,36 +110,21 @@ impl GatedDeltaNet {
     /// `x [B, T, D] -> [B, T, D]`. With `cache`, starts from its history and state and leaves
     /// the new ones there; a single token then takes the fused recurrent step.
     pub fn forward(&self, x: &Tensor, cache: Option<&mut GdnCache>) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
-        let (hk, hv, dk, dv) = (self.hk, self.hv, self.dk, self.dv);
-        let c = self.conv.channels();
-        let proj = self.in_proj.forward(x)?;
-        let mixed = proj.narrow(2, 0, c)?;
-        let z = proj.narrow(2, c, hv * dv)?.reshape((b, t, hv, dv))?;
-        let beta = candle_nn::ops::sigmoid(&proj.narrow(2, c + hv * dv, hv)?)?;
-        let a = proj.narrow(2, c + hv * dv + hv, hv)?.to_dtype(DType::F32)?;
-        let g = softplus(&a.broadcast_add(&self.dt_bias)?)?.broadcast_mul(&self.neg_a)?;
+        let p = self.project(x)?;
         let mut cache = cache;
         let mixed = self
             .conv
-            .forward(&mixed, cache.as_mut().map(|cc| &mut cc.conv))?;
-        let q = l2_norm(&mixed.narrow(2, 0, hk * dk)?.reshape((b, t, hk, dk))?, 1e-6)?;
-        let k = l2_norm(
-            &mixed.narrow(2, hk * dk, hk * dk)?.reshape((b, t, hk, dk))?,
-            1e-6,
-        )?;
-        let v = mixed
-            .narrow(2, 2 * hk * dk, hv * dv)?
-            .reshape((b, t, hv, dv))?;
+            .forward(&p.mixed, cache.as_mut().map(|cc| &mut cc.conv))?;
+        let (q, k, v) = self.split_heads(&mixed)?;
         let o = match cache.as_mut() {
-            Some(cc) if t == 1 => {
+            Some(cc) if p.t == 1 => {
                 let (o, state) = gated_delta_product_step_fused(
                     &cc.state,
                     &q.squeeze(1)?,
                     &k,
                     &v,
-                    &g.squeeze(1)?,
-                    &beta,
+                    &p.g.squeeze(1)?,
+                    &p.beta,
                     None,
                 )?;
                 cc.state = state;
@@ -152,16 +137,78 @@ impl GatedDeltaNet {
                     output_final_state: cache.is_some(),
                     ..Default::default()
                 };
-                let (o, ht) = gated_delta_product(&q, &k, &v, &g, &beta, &opts)?;
+                let (o, ht) = gated_delta_product(&q, &k, &v, &p.g, &p.beta, &opts)?;
                 if let (Some(cc), Some(ht)) = (cache, ht) {
                     cc.state = ht;
                 }
                 o
             }
         };
-        let y = self.norm.forward(&o, &z)?.reshape((b, t, hv * dv))?;
-        self.out_proj.forward(&y)
+        self.output(&o, &p)
     }
+
+    /// The projections of `x [B, T, D]`: the convolution's input, and `z`, `beta`, `g`.
+    pub(super) fn project(&self, x: &Tensor) -> Result<Projected> {
+        let (b, t, _) = x.dims3()?;
+        let (hv, dv) = (self.hv, self.dv);
+        let c = self.conv.channels();
+        let proj = self.in_proj.forward(x)?;
+        let z = proj.narrow(2, c, hv * dv)?.reshape((b, t, hv, dv))?;
+        let beta = candle_nn::ops::sigmoid(&proj.narrow(2, c + hv * dv, hv)?)?;
+        let a = proj.narrow(2, c + hv * dv + hv, hv)?.to_dtype(DType::F32)?;
+        let g = softplus(&a.broadcast_add(&self.dt_bias)?)?.broadcast_mul(&self.neg_a)?;
+        Ok(Projected {
+            mixed: proj.narrow(2, 0, c)?,
+            z,
+            beta,
+            g,
+            b,
+            t,
+        })
+    }
+
+    /// The convolution's output `[B, T, C]` as the op's `q`, `k` (L2-normalised, `[B, T, Hk,
+    /// dk]`) and `v [B, T, Hv, dv]`.
+    pub(super) fn split_heads(&self, mixed: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, t, _) = mixed.dims3()?;
+        let (hk, hv, dk, dv) = (self.hk, self.hv, self.dk, self.dv);
+        let head = |start: usize, heads: usize, dim: usize| {
+            mixed
+                .narrow(2, start, heads * dim)?
+                .reshape((b, t, heads, dim))
+        };
+        Ok((
+            l2_norm(&head(0, hk, dk)?, 1e-6)?,
+            l2_norm(&head(hk * dk, hk, dk)?, 1e-6)?,
+            head(2 * hk * dk, hv, dv)?,
+        ))
+    }
+
+    /// `out_proj(norm(o) · silu(z))` for the op's output `o [B, T, Hv, dv]`: `[B, T, D]`.
+    pub(super) fn output(&self, o: &Tensor, p: &Projected) -> Result<Tensor> {
+        let y = self.norm.forward(o, &p.z)?;
+        self.out_proj
+            .forward(&y.reshape((p.b, p.t, self.hv * self.dv))?)
+    }
+
+    /// The short convolution.
+    pub(super) fn conv(&self) -> &ShortConv {
+        &self.conv
+    }
+}
+
+/// A GDN layer's projections of one input ([`GatedDeltaNet::project`]).
+pub(super) struct Projected {
+    /// The convolution's input `[B, T, C]`.
+    pub mixed: Tensor,
+    /// The output gate `[B, T, Hv, dv]`.
+    pub z: Tensor,
+    /// `[B, T, Hv]`.
+    pub beta: Tensor,
+    /// f32 `[B, T, Hv]`.
+    pub g: Tensor,
+    pub b: usize,
+    pub t: usize,
 }
 
 /// The rows of Qwen3-Next's `in_proj_qkvz` and `in_proj_ba` in the flat order `[all q | all k |

@@ -8,10 +8,12 @@
 //! * [`moe`]: the sparse mixture of experts with a shared expert;
 //! * [`layers`]: the `(1 + w)` RMSNorm, partial RoPE, SwiGLU;
 //! * [`model`]: [`QwenHybrid`] and its decode cache;
+//! * [`cp`]: context-parallel prefill over several ranks;
 //! * [`load`]: reading a checkpoint directory.
 
 pub mod attention;
 pub mod config;
+pub mod cp;
 pub mod gdn;
 pub mod layers;
 pub mod load;
@@ -19,5 +21,6 @@ pub mod model;
 pub mod moe;
 
 pub use config::{QwenArch, QwenConfig};
+pub use cp::{prefill_context_parallel, QwenPrefill};
 pub use load::load_dir;
 pub use model::{Qwen3Next, Qwen3_5, QwenCache, QwenHybrid};

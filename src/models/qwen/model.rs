@@ -10,25 +10,35 @@ use candle_nn::{Embedding, Linear, Module, VarBuilder};
 
 /// A layer's token mixer.
 #[derive(Debug, Clone)]
-enum Mixer {
+pub(super) enum Mixer {
     Linear(GatedDeltaNet),
     Full(GatedAttention),
 }
 
 /// A layer's feed-forward part.
 #[derive(Debug, Clone)]
-enum Ffn {
+pub(super) enum Ffn {
     Dense(SwiGlu),
     Moe(SparseMoe),
 }
 
 /// One decoder layer: `x + mixer(norm(x))`, then `x + ffn(norm(x))`.
 #[derive(Debug, Clone)]
-struct DecoderLayer {
-    input_norm: OffsetRmsNorm,
-    mixer: Mixer,
-    post_norm: OffsetRmsNorm,
-    ffn: Ffn,
+pub(super) struct DecoderLayer {
+    pub input_norm: OffsetRmsNorm,
+    pub mixer: Mixer,
+    pub post_norm: OffsetRmsNorm,
+    pub ffn: Ffn,
+}
+
+impl Ffn {
+    /// `x [B, T, D] -> [B, T, D]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Ffn::Dense(m) => m.forward(x),
+            Ffn::Moe(m) => m.forward(x),
+        }
+    }
 }
 
 /// What one layer carries between calls.
@@ -190,15 +200,28 @@ impl QwenHybrid {
             };
             x = (x + y)?;
             let y = layer.post_norm.forward(&x)?;
-            let y = match &layer.ffn {
-                Ffn::Dense(m) => m.forward(&y)?,
-                Ffn::Moe(m) => m.forward(&y)?,
-            };
-            x = (x + y)?;
+            x = (&x + layer.ffn.forward(&y)?)?;
         }
         if let Some(c) = cache {
             c.seen_tokens += t;
         }
         self.norm.forward(&x)
+    }
+
+    /// The token embeddings of `input_ids [B, T]`: `[B, T, D]`.
+    pub(super) fn embed_tokens(&self, input_ids: &Tensor) -> Result<Tensor> {
+        self.embed.forward(input_ids)
+    }
+
+    /// The decoder layers.
+    pub(super) fn decoder_layers(&self) -> &[DecoderLayer] {
+        &self.layers
+    }
+
+    /// Logits `[B, T, vocab]` (f32) of the last layer's output `x [B, T, D]`.
+    pub(super) fn head(&self, x: &Tensor) -> Result<Tensor> {
+        self.lm_head
+            .forward(&self.norm.forward(x)?)?
+            .to_dtype(DType::F32)
     }
 }

@@ -170,7 +170,7 @@ pub fn halo_exchange(tail: &Tensor, ctx: &CpContext) -> Result<Tensor> {
 
 /// Collectively checks the shards (same `B` on every rank, `T_r >= W - 1` with short
 /// convolutions); returns the global length. Every rank gets the same verdict.
-pub(super) fn check_shards(
+pub(crate) fn check_shards(
     ctx: &CpContext,
     b: usize,
     t: usize,
