@@ -3,6 +3,11 @@ flash-linear-attention's `chunk_gated_delta_product` on the same inputs, in the 
 
     python3 scripts/bench_vs_fla.py --gdp ./gdp [--reps 20] [--shapes all|small|long|I,J,...]
                                     [--timing events|host] [--variant "NAME --flag ..."]...
+                                    [--qwen]
+
+`--qwen` times the GDN layers of Qwen3.5-9B and -27B instead (n = 1, 16 key heads, 32 or 48
+value heads): gdp on q, k with 16 heads (grouped value heads), FLA's `chunk_gated_delta_rule`
+on q, k repeated to the value heads inside the timed call, as a model on FLA runs it.
 
 Needs a CUDA build of `gdp` (`cargo build --release --features cuda --bin gdp`) and the
 flash-linear-attention + fla-core wheels on PYTHONPATH. For each shape it writes q k v g beta do
@@ -43,6 +48,7 @@ from safetensors.torch import load_file, save_file
 
 import fla.ops.common.chunk_o as chunk_o
 from fla.ops.gated_delta_product import chunk_gated_delta_product
+from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 from triton.runtime.autotuner import Autotuner
 from triton.testing import do_bench
 
@@ -51,6 +57,10 @@ from triton.testing import do_bench
 chunk_o.TRITON_ABOVE_3_7_1 = True
 
 SHAPES = [(4, 4096, 16, 128, 1), (4, 4096, 16, 128, 2), (4, 4096, 16, 128, 3), (1, 32768, 16, 128, 2)]
+# `--qwen`: the GDN layers of Qwen3.5-9B (Hk 16 / Hv 32) and Qwen3.5-27B (Hk 16 / Hv 48), n = 1:
+# (B, T, Hv, K = V, Hk).
+QWEN_SHAPES = [(1, 4096, 32, 128, 16), (8, 4096, 32, 128, 16), (1, 32768, 32, 128, 16),
+               (1, 4096, 48, 128, 16), (4, 8192, 48, 128, 16), (1, 32768, 48, 128, 16)]
 
 
 def reset_autotuning():
@@ -62,11 +72,13 @@ def reset_autotuning():
                 obj.cache.clear()
 
 
-def inputs(B, T, H, D, n, seed=0):
+def inputs(B, T, H, D, n, Hk=None, seed=0):
+    """Random bf16 inputs; `q`, `k` with `Hk` heads (default `H`: no grouping)."""
+    Hk = Hk or H
     g = torch.Generator(device="cuda").manual_seed(seed)
     r = lambda *s: torch.randn(*s, device="cuda", generator=g)
-    q = F.normalize(r(B, T, H, D), dim=-1).bfloat16()
-    k = F.normalize(r(B, T * n, H, D), dim=-1).bfloat16()
+    q = F.normalize(r(B, T, Hk, D), dim=-1).bfloat16()
+    k = F.normalize(r(B, T * n, Hk, D), dim=-1).bfloat16()
     v = r(B, T * n, H, D).bfloat16()
     gate = F.logsigmoid(r(B, T, H)).float()
     beta = torch.sigmoid(r(B, T * n, H)).bfloat16()
@@ -74,8 +86,19 @@ def inputs(B, T, H, D, n, seed=0):
     return q, k, v, gate, beta, do
 
 
+def fla_op(q, k, v, g, beta, n):
+    """FLA's op: chunk_gated_delta_product; with fewer key heads than value heads (Qwen's
+    grouped heads), chunk_gated_delta_rule on q and k repeated to the value heads first, inside
+    the timed call, as a model on FLA runs it."""
+    r = v.shape[2] // q.shape[2]
+    if r == 1:
+        return chunk_gated_delta_product(q, k, v, g, beta, num_householder=n)
+    q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
+    return chunk_gated_delta_rule(q, k, v, g, beta)
+
+
 def fla_times(q, k, v, g, beta, do, n):
-    fwd = lambda: chunk_gated_delta_product(q, k, v, g, beta, num_householder=n)
+    fwd = lambda: fla_op(q, k, v, g, beta, n)
     o = fwd()[0]
     t_fwd = do_bench(fwd, warmup=50, rep=300)
     leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
@@ -83,7 +106,7 @@ def fla_times(q, k, v, g, beta, do, n):
     def fwd_bwd():
         for x in leaves:
             x.grad = None
-        out = chunk_gated_delta_product(*leaves, num_householder=n)[0]
+        out = fla_op(*leaves, n)[0]
         out.backward(do)
 
     t_fb = do_bench(fwd_bwd, warmup=50, rep=300)
@@ -122,23 +145,29 @@ def main():
                     help='"NAME VAR=VALUE ... [--gdp-run-flag VALUE ...]"; GDP_BIN=PATH: another gdp binary')
     ap.add_argument("--timing", default="events", choices=["events", "host"],
                     help="gdp run's timing: events (as do_bench times FLA) or host")
+    ap.add_argument("--qwen", action="store_true",
+                    help="Qwen3.5 GDN shapes (n = 1, Hk = 16 key heads, Hv = 32 or 48 value heads): "
+                         "FLA's chunk_gated_delta_rule on q, k repeated to Hv heads, gdp on Hk heads")
     ap.add_argument("--shared-tuning", action="store_true",
                     help="keep FLA's autotuned configurations across shapes (tuned on the first)")
     args = ap.parse_args()
-    named = {"all": SHAPES, "small": SHAPES[:1], "long": SHAPES[3:]}
+    table = [(B, T, H, D, n, None) for B, T, H, D, n in SHAPES]
+    if args.qwen:
+        table = [(B, T, Hv, D, 1, Hk) for B, T, Hv, D, Hk in QWEN_SHAPES]
+    named = {"all": table, "small": table[:1], "long": table[-1:]}
     if args.shapes in named:
         shapes = named[args.shapes]
     else:
         picks = [int(i) if i.strip().isdigit() else 0 for i in args.shapes.split(",")]
-        if not all(1 <= i <= len(SHAPES) for i in picks):
-            ap.error(f"--shapes: all, small, long or indices 1..{len(SHAPES)}, got {args.shapes!r}")
-        shapes = [SHAPES[i - 1] for i in picks]
+        if not all(1 <= i <= len(table) for i in picks):
+            ap.error(f"--shapes: all, small, long or indices 1..{len(table)}, got {args.shapes!r}")
+        shapes = [table[i - 1] for i in picks]
     tuning = "tuned on the first shape" if args.shared_tuning else "tuned per shape"
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, bf16, K=V=128, ms (FLA: do_bench mean, {tuning}; gdp: --timing {args.timing})")
-    print(f"{'B,T,H,n':<16} {'FLA fwd':>9} {'gdp fwd':>9} {'ratio':>6} {'FLA f+b':>9} {'gdp f+b':>9} {'ratio':>6}  o rel RMS, worst grad")
+    print(f"{'B,T,H,n[,Hk]':<16} {'FLA fwd':>9} {'gdp fwd':>9} {'ratio':>6} {'FLA f+b':>9} {'gdp f+b':>9} {'ratio':>6}  o rel RMS, worst grad")
     tmp = tempfile.mkdtemp()
-    for B, T, H, D, n in shapes:
-        q, k, v, g, beta, do = inputs(B, T, H, D, n)
+    for B, T, H, D, n, Hk in shapes:
+        q, k, v, g, beta, do = inputs(B, T, H, D, n, Hk)
         if not args.shared_tuning:
             reset_autotuning()
         o_fla, f_fwd, f_fb, g_fla = fla_times(q, k, v, g, beta, do, n)
@@ -147,7 +176,7 @@ def main():
         save_file({"q": cpu(q), "k": cpu(k), "v": cpu(v), "g": cpu(g), "beta": cpu(beta), "do": cpu(do)}, path)
         variants = [("", args.gdp, {}, [])] + [parse_variant(v, args.gdp) for v in args.variant]
         for name, gdp, env, extra in variants:
-            label = f"{B},{T},{H},{n}" + (f" {name}" if name else "")
+            label = f"{B},{T},{H},{n}" + (f",{Hk}" if Hk else "") + (f" {name}" if name else "")
             g_fwd, g_fb, err = gdp_times(gdp, path, out, args.reps, args.timing, env, extra)
             if g_fwd is None:
                 print(f"{label:<16} {f_fwd:9.3f} {'-':>9} {'-':>6} {f_fb:9.3f}  gdp failed: {err}")
