@@ -256,9 +256,27 @@ pub fn prefill_context_parallel(
     cp: &ContextParallel,
     input_ids: &Tensor,
 ) -> Result<CpPrefill> {
-    let (_, t) = model.check_ids(input_ids)?;
+    model.check_ids(input_ids)?;
     let dev = model.parts().0.embeddings().device().clone();
-    if let Some(d) = cp.devices().iter().find(|d| !d.same_device(&dev)) {
+    let outs = run_shards(cp, &dev, input_ids, |shard, ctx| {
+        model.prefill_cp(shard, ctx)
+    })?;
+    outs.into_iter()
+        .flatten()
+        .next()
+        .ok_or_else(|| GdpError::Comm("the last rank returned no prefill".into()).into())
+}
+
+/// Shards `input_ids [B, T]` along time over the ranks of `cp` (near-equal, contiguous), moves
+/// each shard to `dev` and runs `f` on every rank with a fresh [`CpContext`]; the results in
+/// rank order. The ranks share one model's weights, so every rank's device must be `dev`.
+pub(crate) fn run_shards<T: Send>(
+    cp: &ContextParallel,
+    dev: &candle_core::Device,
+    input_ids: &Tensor,
+    f: impl Fn(&Tensor, &CpContext) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    if let Some(d) = cp.devices().iter().find(|d| !d.same_device(dev)) {
         return Err(GdpError::Device {
             name: "CP rank".into(),
             reference: "the model's weights".into(),
@@ -267,16 +285,12 @@ pub fn prefill_context_parallel(
         }
         .into());
     }
-    let plan = ShardPlan::new(t, cp.cp_size())?;
-    let outs = cp.run(|comm, _| {
+    let plan = ShardPlan::new(input_ids.dim(1)?, cp.cp_size())?;
+    cp.run(|comm, _| {
         let range = plan.range(comm.rank())?;
         let shard = input_ids
             .narrow(1, range.start, range.len())?
-            .to_device(&dev)?;
-        model.prefill_cp(&shard, &CpContext::new(comm))
-    })?;
-    outs.into_iter()
-        .flatten()
-        .next()
-        .ok_or_else(|| GdpError::Comm("the last rank returned no prefill".into()).into())
+            .to_device(dev)?;
+        f(&shard, &CpContext::new(comm))
+    })
 }

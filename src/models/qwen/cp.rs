@@ -15,9 +15,9 @@
 
 use super::attention::KvCache;
 use super::model::{LayerCache, Mixer, QwenCache, QwenHybrid};
-use crate::cp::{cp_gated_delta_product, ContextParallel, CpRank, ShardPlan};
+use crate::cp::{cp_gated_delta_product, ContextParallel, CpRank};
 use crate::error::GdpError;
-use crate::nn::cp::check_shards;
+use crate::nn::cp::{check_shards, run_shards};
 use crate::nn::{halo_exchange, CpContext};
 use crate::GdpOptions;
 use candle_core::{Result, Tensor};
@@ -148,24 +148,9 @@ pub fn prefill_context_parallel(
     cp: &ContextParallel,
     input_ids: &Tensor,
 ) -> Result<QwenPrefill> {
-    let (_, t) = input_ids.dims2()?;
-    let dev = model.device().clone();
-    if let Some(d) = cp.devices().iter().find(|d| !d.same_device(&dev)) {
-        return Err(GdpError::Device {
-            name: "CP rank".into(),
-            reference: "the model's weights".into(),
-            expected: format!("{:?}", dev.location()),
-            got: format!("{:?}", d.location()),
-        }
-        .into());
-    }
-    let plan = ShardPlan::new(t, cp.cp_size())?;
-    let outs = cp.run(|comm, _| {
-        let range = plan.range(comm.rank())?;
-        let shard = input_ids
-            .narrow(1, range.start, range.len())?
-            .to_device(&dev)?;
-        model.prefill_cp(&shard, &CpContext::new(comm))
+    input_ids.dims2()?;
+    let outs = run_shards(cp, model.device(), input_ids, |shard, ctx| {
+        model.prefill_cp(shard, ctx)
     })?;
     let mut logits = Vec::with_capacity(outs.len());
     let mut cache = None;
