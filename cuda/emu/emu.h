@@ -32,13 +32,15 @@ extern dim3 blockIdx, blockDim, gridDim;
 #define __shared__
 #define __align__(x)
 
-struct uint4 {
+// The vector types with CUDA's alignment (16, 8, 16 bytes), so that a kernel's misaligned vector
+// access is misaligned here too (`run.sh` builds with -fsanitize=alignment, which reports it).
+struct alignas(16) uint4 {
   uint32_t x, y, z, w;
 };
-struct float2 {
+struct alignas(8) float2 {
   float x, y;
 };
-struct float4 {
+struct alignas(16) float4 {
   float x, y, z, w;
 };
 inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
@@ -71,7 +73,7 @@ inline uint32_t __float_as_uint(float f) {
 struct __nv_bfloat16 {
   uint16_t b;
 };
-struct __nv_bfloat162 {
+struct alignas(4) __nv_bfloat162 {
   __nv_bfloat16 x, y;
 };
 inline float __bfloat162float(__nv_bfloat16 x) { return __uint_as_float(uint32_t(x.b) << 16); }
