@@ -445,18 +445,6 @@ __host__ __device__ constexpr int gdpg_smem_bytes(int KP, int VP, int QR) {
          4 * (64 * 68 + 5 * 64 + 6 * GDPG_GROUPS * 64 + 64 + 8);
 }
 
-// Stores an f32 pair (cols col, col + 1 of a row; the second only when col + 1 < ncols), as one
-// 8-byte store when both fit (the row and col even).
-__device__ __forceinline__ void gdpg_store_pair(float* row, int col, int ncols, float x0,
-                                                float x1) {
-  if (col + 1 < ncols && (reinterpret_cast<uintptr_t>(row + col) & 7) == 0) {
-    *reinterpret_cast<float2*>(row + col) = make_float2(x0, x1);
-  } else {
-    if (col < ncols) row[col] = x0;
-    if (col + 1 < ncols) row[col + 1] = x1;
-  }
-}
-
 // Σ a_i b_i over eight bf16 pairs (16 bytes of each operand), in f32.
 __device__ __forceinline__ float gdpg_dot8(const uint4& a, const uint4& b) {
   const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
@@ -515,7 +503,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   auto put_pair = [&](Grad which, int64_t at, int col, int ncols, float x0, float x1) {
     if (out != nullptr) {
       const int64_t base = which == kDv ? qk_len : which == kDk ? (int64_t)H * K : 0;
-      gdpg_store_pair(out + base + at, col, ncols, x0, x1);
+      gdpc_store_pair(out + base + at, col, ncols, x0, x1);
     } else {
       __nv_bfloat16* dst = which == kDv ? dvb_out : which == kDk ? dk_out : dqb;
       gdpc_store_pair(dst + at, col, ncols, x0, x1, ncols % 2 == 0);

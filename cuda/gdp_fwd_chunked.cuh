@@ -270,6 +270,18 @@ __device__ __forceinline__ void gdpc_zero_cols(__nv_bfloat16* dst, int ld, int r
 }
 
 // Stores a bf16 pair (cols col, col + 1 of a row; the second only when col + 1 < ncols).
+// Stores an f32 pair (cols col, col + 1 of a row; the second only when col + 1 < ncols), as one
+// 8-byte store where both fit and the address is 8-byte aligned (rows of an odd width are not).
+__device__ __forceinline__ void gdpc_store_pair(float* row, int col, int ncols, float x0,
+                                                float x1) {
+  if (col + 1 < ncols && (reinterpret_cast<uintptr_t>(row + col) & 7) == 0) {
+    *reinterpret_cast<float2*>(row + col) = make_float2(x0, x1);
+  } else {
+    if (col < ncols) row[col] = x0;
+    if (col + 1 < ncols) row[col + 1] = x1;
+  }
+}
+
 __device__ __forceinline__ void gdpc_store_pair(__nv_bfloat16* row, int col, int ncols, float x0,
                                                 float x1, bool vec) {
   if (vec && col + 1 < ncols) {
@@ -999,10 +1011,8 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
             const float x0 = acc[j][2 * h], x1 = acc[j][2 * h + 1];
             if (outb != nullptr) {
               gdpc_store_pair(outb + at, col, bv, x0, x1, vu);
-            } else if (col + 1 < bv) {
-              *reinterpret_cast<float2*>(out + at + col) = make_float2(x0, x1);
-            } else if (col < bv) {
-              out[at + col] = x0;
+            } else {
+              gdpc_store_pair(out + at, col, bv, x0, x1);
             }
           }
         }

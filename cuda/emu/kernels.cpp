@@ -1030,6 +1030,10 @@ int main(int argc, char** argv) {
     {"n2 T1 K8 V8 h0", 2, 1, 2, 8, 8, 2, true, {}, 1.f, 8},
     {"packed n2 empty h0", 1, 150, 2, 12, 10, 2, true, {0, 37, 37, 150}, 1.f, 8},
     {"packed n3 strong", 1, 129, 2, 24, 20, 3, false, {0, 1, 64, 64, 129}, 20.f, 16},
+    // Odd widths: rows of V (K) elements start at odd offsets, so pair and vector accesses must
+    // fall back where they would be misaligned (run.sh builds with -fsanitize=alignment).
+    {"odd V n2 T45 K12 V13 h0", 1, 45, 2, 12, 13, 2, true, {}, 1.f, 8},
+    {"odd K n1 T50 K13 V10", 1, 50, 2, 13, 10, 1, false, {}, 1.f, 8},
   };
   // Arguments: `step` (only the decode step).
   // `cp` (only context parallelism's kernels, gdp_cp_fix_* and gdp_cp_widen_states, with the

@@ -10,6 +10,9 @@ cd "$(dirname "$0")"
 out="${TMPDIR:-/tmp}/gdp-emu-kernels"
 # -fno-strict-aliasing: the kernels read bf16 rows as 32-bit pairs and 16-byte vectors through
 # reinterpret_cast, as CUDA code does; at -O2 g++ may assume such reads alias nothing.
-${CXX:-g++} -std=c++20 -O2 -fno-strict-aliasing -DGDP_EMU -Wno-unknown-pragmas -Wno-unused-result -I inc -I .. \
+# -fsanitize=alignment: emu.h gives the vector types CUDA's alignment, so a pair or vector access
+# that would fault on a GPU ("misaligned address") stops the run here, naming the line.
+${CXX:-g++} -std=c++20 -O2 -fno-strict-aliasing -fsanitize=alignment -fno-sanitize-recover=alignment \
+  -DGDP_EMU -Wno-unknown-pragmas -Wno-unused-result -I inc -I .. \
   -include emu.h kernels.cpp -o "$out" -lpthread
 exec "$out" "$@"
