@@ -183,7 +183,11 @@ impl QwenConfig {
             linear_conv_kernel_dim: r.usize("linear_conv_kernel_dim", Some(4))?,
             layer_types,
             rms_norm_eps: r.f64("rms_norm_eps", 1e-6)?,
-            tie_word_embeddings: r.bool("tie_word_embeddings", false)?,
+            // Vision-language checkpoints may set it on the wrapper only.
+            tie_word_embeddings: r.bool(
+                "tie_word_embeddings",
+                Reader(&root).bool("tie_word_embeddings", false)?,
+            )?,
             attention_bias: r.bool("attention_bias", false)?,
             intermediate_size: r.usize("intermediate_size", Some(0))?,
             rope_theta: rope_f64("rope_theta", 10_000.0)?,
@@ -425,6 +429,19 @@ mod tests {
         assert_eq!(c.arch, QwenArch::Qwen3_5);
         assert_eq!((c.rope_theta, c.rotary_dim()), (5e6, 4));
         assert_eq!(c.mlp_kind(1), MlpKind::Dense(16));
+        Ok(())
+    }
+
+    #[test]
+    fn tied_embeddings_from_the_wrapper() -> Result<()> {
+        let text = r#"{"model_type": "qwen3_5", "tie_word_embeddings": true,
+            "text_config": {"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+            "linear_num_key_heads": 1, "linear_num_value_heads": 1, "linear_key_head_dim": 4,
+            "linear_value_head_dim": 4, "intermediate_size": 16}}"#;
+        let c = QwenConfig::from_json(text)?;
+        assert!(c.tie_word_embeddings);
+        assert_eq!(c.model_type, "qwen3_5");
         Ok(())
     }
 
