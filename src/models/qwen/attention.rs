@@ -140,16 +140,20 @@ impl GatedAttention {
     ) -> Result<Tensor> {
         let (b, _, t, _) = p.q.dims4()?;
         let (hq, hkv, hd) = (self.hq, self.hkv, self.hd);
-        let s = k.dim(2)?;
-        let (k, v) = (repeat_heads(k, hq / hkv)?, repeat_heads(v, hq / hkv)?);
-        let scores =
-            (p.q.to_dtype(DType::F32)?
-                .matmul(&k.to_dtype(DType::F32)?.t()?)?
-                * (hd as f64).powf(-0.5))?;
-        let scores = scores.broadcast_add(&causal_mask(t, s, offset, p.q.device())?)?;
+        let (r, s) = (hq / hkv, k.dim(2)?);
+        // GQA without repeating the keys and values: query head g·r + j is row j·T + i of its
+        // key/value head g's group, `[B, Hkv, r·T, hd]`.
+        let q = p.q.reshape((b, hkv, r * t, hd))?.to_dtype(DType::F32)?;
+        let scores = (q.matmul(&k.to_dtype(DType::F32)?.t()?)? * (hd as f64).powf(-0.5))?;
+        let mask = causal_mask(t, s, offset, p.q.device())?;
+        let scores = scores
+            .reshape((b, hkv, r, t, s))?
+            .broadcast_add(&mask)?
+            .reshape((b, hkv, r * t, s))?;
         let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
         let o = probs
-            .matmul(&v.contiguous()?)?
+            .matmul(v)?
+            .reshape((b, hq, t, hd))?
             .transpose(1, 2)?
             .reshape((b, t, hq * hd))?;
         self.o_proj
@@ -167,17 +171,6 @@ pub(super) struct Projected {
     pub v: Tensor,
     /// `[B, T, Hq·hd]`.
     pub gate: Tensor,
-}
-
-/// `x [B, Hkv, S, hd]` with each head repeated `r` times in grouped order (`[B, Hkv·r, S, hd]`).
-fn repeat_heads(x: &Tensor, r: usize) -> Result<Tensor> {
-    if r == 1 {
-        return Ok(x.clone());
-    }
-    let (b, h, s, d) = x.dims4()?;
-    x.unsqueeze(2)?
-        .broadcast_as((b, h, r, s, d))?
-        .reshape((b, h * r, s, d))
 }
 
 /// The additive causal mask `[T, S]` (f32) of `T` queries at positions `past..past + T`
