@@ -39,16 +39,16 @@ fn check_prefill(model: &QwenHybrid, g: &HashMap<String, Tensor>, what: &str) ->
     Ok(())
 }
 
-#[test]
-fn qwen3_5_prefill_matches_transformers() -> Result<()> {
-    let model = load_dir(data("qwen3_5_tiny"), DType::F32, &Device::Cpu)?;
-    check_prefill(&model, &golden("qwen3_5_tiny")?, "qwen3.5")
-}
+/// The two tiny checkpoints: Qwen3.5 (vision-language layout) and Qwen3-Next (sharded).
+const MODELS: [&str; 2] = ["qwen3_5_tiny", "qwen3_next_tiny"];
 
 #[test]
-fn qwen3_next_prefill_matches_transformers() -> Result<()> {
-    let model = load_dir(data("qwen3_next_tiny"), DType::F32, &Device::Cpu)?;
-    check_prefill(&model, &golden("qwen3_next_tiny")?, "qwen3-next")
+fn prefill_matches_transformers() -> Result<()> {
+    for name in MODELS {
+        let model = load_dir(data(name), DType::F32, &Device::Cpu)?;
+        check_prefill(&model, &golden(name)?, name)?;
+    }
+    Ok(())
 }
 
 /// Cached prefill of the prompt, then greedy decode one token at a time: the same tokens and
@@ -104,15 +104,12 @@ fn check_decode(model: &QwenHybrid, g: &HashMap<String, Tensor>, what: &str) -> 
 }
 
 #[test]
-fn qwen3_5_decode_matches_transformers() -> Result<()> {
-    let model = load_dir(data("qwen3_5_tiny"), DType::F32, &Device::Cpu)?;
-    check_decode(&model, &golden("qwen3_5_tiny")?, "qwen3.5")
-}
-
-#[test]
-fn qwen3_next_decode_matches_transformers() -> Result<()> {
-    let model = load_dir(data("qwen3_next_tiny"), DType::F32, &Device::Cpu)?;
-    check_decode(&model, &golden("qwen3_next_tiny")?, "qwen3-next")
+fn decode_matches_transformers() -> Result<()> {
+    for name in MODELS {
+        let model = load_dir(data(name), DType::F32, &Device::Cpu)?;
+        check_decode(&model, &golden(name)?, name)?;
+    }
+    Ok(())
 }
 
 /// The fused expert tensors that transformers 5 keeps in memory (`experts.gate_up_proj
@@ -201,7 +198,7 @@ fn bad_checkpoints_name_the_problem() -> Result<()> {
 fn context_parallel_prefill_matches_one_device() -> Result<()> {
     use candle_gdp::models::qwen::prefill_context_parallel;
     use candle_gdp::ContextParallel;
-    for name in ["qwen3_5_tiny", "qwen3_next_tiny"] {
+    for name in MODELS {
         let model = load_dir(data(name), DType::F32, &Device::Cpu)?;
         let g = golden(name)?;
         let prompt = ids(&g["prompt_ids"])?;
@@ -271,7 +268,7 @@ fn half_precision_prefill_is_as_close_as_transformers() -> Result<()> {
 fn cuda_matches_transformers() -> Result<()> {
     use candle_gdp::models::qwen::prefill_context_parallel;
     let dev = Device::new_cuda(0)?;
-    for name in ["qwen3_5_tiny", "qwen3_next_tiny"] {
+    for name in MODELS {
         let g = golden(name)?;
         let model = load_dir(data(name), DType::F32, &dev)?;
         let prompt = ids(&g["prompt_ids"])?.to_device(&dev)?;
