@@ -17,7 +17,9 @@ use candle_nn::{Linear, Module, VarBuilder};
 /// The keys and values an attention layer has seen, `[B, Hkv, S, hd]` each (none yet: `None`).
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
+    /// Rotated keys `[B, Hkv, S, hd]`.
     pub k: Option<Tensor>,
+    /// Values `[B, Hkv, S, hd]`.
     pub v: Option<Tensor>,
 }
 

@@ -41,13 +41,16 @@ pub enum MlpKind {
 /// Hyper-parameters of a Qwen Gated DeltaNet hybrid, with the names of its `config.json`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QwenConfig {
+    /// The checkpoint's projection layout.
     pub arch: QwenArch,
     /// `model_type` of the text configuration (`qwen3_5_text`, `qwen3_5_moe_text`,
     /// `qwen3_next`).
     pub model_type: String,
+    /// Vocabulary size.
     pub vocab_size: usize,
     /// Model width `D`.
     pub hidden_size: usize,
+    /// Decoder layers.
     pub num_hidden_layers: usize,
     /// Query heads of the attention layers.
     pub num_attention_heads: usize,
@@ -67,18 +70,25 @@ pub struct QwenConfig {
     pub linear_conv_kernel_dim: usize,
     /// The token mixer of each layer.
     pub layer_types: Vec<LayerKind>,
+    /// Epsilon of every RMSNorm (the GDN layers' L2 norm uses a fixed 1e-6).
     pub rms_norm_eps: f64,
+    /// The LM head is the token embedding matrix.
     pub tie_word_embeddings: bool,
+    /// The attention projections have biases.
     pub attention_bias: bool,
     /// Dense MLP width (Qwen3.5 dense; Qwen3-Next's `mlp_only_layers`).
     pub intermediate_size: usize,
+    /// RoPE base.
     pub rope_theta: f64,
     /// Fraction of `head_dim` that is rotated.
     pub partial_rotary_factor: f64,
     /// Routed experts (0: no mixture of experts).
     pub num_experts: usize,
+    /// Experts per token (top-k).
     pub num_experts_per_tok: usize,
+    /// Width of each routed expert's SwiGLU.
     pub moe_intermediate_size: usize,
+    /// Width of the shared expert's SwiGLU.
     pub shared_expert_intermediate_size: usize,
     /// Every `decoder_sparse_step`-th layer is sparse (Qwen3-Next).
     pub decoder_sparse_step: usize,

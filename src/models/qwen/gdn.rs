@@ -28,7 +28,9 @@ use candle_nn::{Linear, Module, VarBuilder};
 /// `conv [B, C, W]` (the model's dtype) and the recurrent state `state [B, Hv, dk, dv]` (f32).
 #[derive(Debug, Clone)]
 pub struct GdnCache {
+    /// The last `W` pre-convolution inputs `[B, C, W]`, oldest first.
     pub conv: Tensor,
+    /// The recurrent state `[B, Hv, dk, dv]`, f32.
     pub state: Tensor,
 }
 

@@ -53,6 +53,7 @@ pub enum LayerCache {
 /// The decode cache of a whole model: one entry per layer, and the tokens seen.
 #[derive(Debug, Clone)]
 pub struct QwenCache {
+    /// One entry per decoder layer, of its mixer's kind.
     pub layers: Vec<LayerCache>,
     /// Tokens consumed so far (the position of the next one).
     pub seen_tokens: usize,
