@@ -73,14 +73,15 @@ from transformers import (  # noqa: E402
     Qwen3NextForCausalLM,
 )
 from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: E402
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 
 T_PROMPT = 80  # > 64, the chunk size of torch_chunk_gated_delta_rule
 N_DECODE = 4
-SEED_WEIGHTS = {"qwen3_5": 1234, "qwen3_next": 5678}
+SEED_WEIGHTS = {"qwen3_5": 1234, "qwen3_next": 5678, "qwen3_5_moe": 4321}
 # Prompt seeds picked (among 40..59) so that every greedy step wins by a clear logit margin
 # (>= 0.17), so an implementation that agrees to ~1e-5 reproduces decode_ids exactly.
-SEED_PROMPT = {"qwen3_5": 52, "qwen3_next": 46}
+SEED_PROMPT = {"qwen3_5": 52, "qwen3_next": 46, "qwen3_5_moe": 52}
 
 # The tiny hybrid shared by both models. r = Hv / Hk = 2 (grouped value heads), dk != dv.
 COMMON = dict(
@@ -455,6 +456,29 @@ def build_qwen3_next(out_dir):
     return tensors, checks, stats
 
 
+def build_qwen3_5_moe(out_dir):
+    """Qwen3.5-MoE's text model (`Qwen3_5MoeForCausalLM`, a sparse MoE block in every layer),
+    saved by transformers as one file: the flat GDN projections of Qwen3.5 with Qwen3-Next's
+    experts."""
+    key = "qwen3_5_moe"
+    moe = {k: v for k, v in QWEN3_NEXT_MOE.items() if k not in ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")}
+    cfg = transformers.Qwen3_5MoeTextConfig(**COMMON, **moe, rope_parameters=dict(QWEN3_5_ROPE))
+    torch.manual_seed(0)
+    model = prepare(transformers.Qwen3_5MoeForCausalLM(cfg))
+    model.set_experts_implementation("eager")
+    rerandomise(model, SEED_WEIGHTS[key])
+
+    counts = check_torch_fallbacks(modeling_qwen3_5_moe)
+    prompt = make_prompt(key, cfg.vocab_size)
+    stats = gate_stats(model, prompt)
+    tensors, checks = golden(model, prompt)
+    checks["kernel_calls"] = dict(counts)
+    assert all(v > 0 for v in counts.values()), counts
+    model.save_pretrained(out_dir, safe_serialization=True)
+    write_golden(os.path.join(out_dir, "golden.safetensors"), tensors, checks)
+    return tensors, checks, stats
+
+
 # --------------------------------------------------------------------------------------------------
 # Reload checks (transformers reading the directories back)
 # --------------------------------------------------------------------------------------------------
@@ -505,8 +529,14 @@ def main():
 
     q35_dir = os.path.join(args.out, "qwen3_5_tiny")
     qn_dir = os.path.join(args.out, "qwen3_next_tiny")
+    qm_dir = os.path.join(args.out, "qwen3_5_moe_tiny")
     report = {}
-    for key, build, d in (("qwen3_5", build_qwen3_5, q35_dir), ("qwen3_next", build_qwen3_next, qn_dir)):
+    models = (
+        ("qwen3_5", build_qwen3_5, q35_dir),
+        ("qwen3_next", build_qwen3_next, qn_dir),
+        ("qwen3_5_moe", build_qwen3_5_moe, qm_dir),
+    )
+    for key, build, d in models:
         tensors, checks, stats = build(d)
         report[key] = {"dir": d, "checks": checks, "exp_g": stats, "decode_ids": tensors["decode_ids"].tolist()}
         print(f"== {key}: {d}")
@@ -533,6 +563,7 @@ def main():
         for key, d, classes in (
             ("qwen3_5", q35_dir, [Qwen3_5ForConditionalGeneration, AutoModelForCausalLM, Qwen3_5ForCausalLM]),
             ("qwen3_next", qn_dir, [Qwen3NextForCausalLM, AutoModelForCausalLM]),
+            ("qwen3_5_moe", qm_dir, [transformers.Qwen3_5MoeForCausalLM, AutoModelForCausalLM]),
         ):
             with safe_open(os.path.join(d, "golden.safetensors"), "pt") as sf:
                 tensors = {k: sf.get_tensor(k) for k in sf.keys()}
@@ -540,7 +571,7 @@ def main():
             report[key]["reload"] = res
             print(f"== reload {key}: {json.dumps(res, indent=1)}")
 
-    for key, d in (("qwen3_5", q35_dir), ("qwen3_next", qn_dir)):
+    for key, _, d in models:
         print(f"== files in {d}:")
         for f in sorted(os.listdir(d)):
             print(f"   {os.path.getsize(os.path.join(d, f)):>9}  {f}")

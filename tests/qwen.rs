@@ -1,4 +1,4 @@
-//! Qwen3.5 and Qwen3-Next against transformers: tiny random checkpoints in `tests/data`
+//! Qwen3.5, Qwen3.5-MoE and Qwen3-Next against transformers: tiny random checkpoints in `tests/data`
 //! (written by `scripts/qwen_golden.py` with transformers' pure-PyTorch path, float32 on the
 //! CPU) load as a user's download would (the nested vision-language layout for Qwen3.5, a
 //! sharded index for Qwen3-Next), and their prefill logits, cached greedy decode and
@@ -39,8 +39,9 @@ fn check_prefill(model: &QwenHybrid, g: &HashMap<String, Tensor>, what: &str) ->
     Ok(())
 }
 
-/// The two tiny checkpoints: Qwen3.5 (vision-language layout) and Qwen3-Next (sharded).
-const MODELS: [&str; 2] = ["qwen3_5_tiny", "qwen3_next_tiny"];
+/// The tiny checkpoints: Qwen3.5 (vision-language layout), Qwen3-Next (sharded) and Qwen3.5-MoE
+/// (text model, one file).
+const MODELS: [&str; 3] = ["qwen3_5_tiny", "qwen3_next_tiny", "qwen3_5_moe_tiny"];
 
 #[test]
 fn prefill_matches_transformers() -> Result<()> {
