@@ -135,8 +135,7 @@ pub fn gated_delta_product(
     opts: &GdpOptions,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let sh = validate_fla(q, k, v, g, beta, opts)?;
-    let (q, k) = expand_key_heads(q, k, &sh)?;
-    apply(QueryKeys::Split(&q, &k), v, g, beta, sh, opts, None)
+    apply(QueryKeys::Split(q, k), v, g, beta, sh, opts, None)
 }
 
 /// `q [B, T, Hk, K]` and `k [B, T·n, Hk, K]` with their heads repeated to the `H = Hv` heads of
@@ -172,8 +171,7 @@ pub fn gated_delta_product_packed(
     opts: &GdpOptions,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let sh = validate_packed(qk, v, g, beta, opts)?;
-    let qk = heads::expand_key_heads(qk, 3, sh.heads / qk.dim(3)?)?;
-    apply(QueryKeys::Packed(&qk), v, g, beta, sh, opts, None)
+    apply(QueryKeys::Packed(qk), v, g, beta, sh, opts, None)
 }
 
 /// Checks the packed-layout inputs of [`gated_delta_product_packed`] and returns the geometry.
@@ -198,7 +196,8 @@ pub(crate) fn validate_packed(
     validate_rest((qk, "qk"), (b, t, hv, k, slots - 1), v, g, beta, opts)
 }
 
-/// Packs the gates, builds the op (with this rank's context-parallel link, if any) and applies it.
+/// Repeats grouped key heads to the value heads of `sh` ([`heads`]), packs the gates, builds
+/// the op (with this rank's context-parallel link, if any) and applies it.
 pub(crate) fn apply(
     qk: QueryKeys,
     v: &Tensor,
@@ -208,6 +207,17 @@ pub(crate) fn apply(
     opts: &GdpOptions,
     cp: Option<std::sync::Arc<dyn link::RankLink>>,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    let (first, second);
+    let qk = match qk {
+        QueryKeys::Packed(qk) => {
+            first = heads::expand_key_heads(qk, 3, sh.heads / qk.dim(3)?)?;
+            QueryKeys::Packed(&first)
+        }
+        QueryKeys::Split(q, k) => {
+            (first, second) = expand_key_heads(q, k, &sh)?;
+            QueryKeys::Split(&first, &second)
+        }
+    };
     let aux = gate_buffer(g, beta, opts.initial_state)?;
     let tracked = match qk {
         QueryKeys::Packed(qk) => qk.track_op(),

@@ -8,9 +8,7 @@ use crate::cp::protocol::Composition;
 use crate::cp::shard::RankMeta;
 use crate::error::GdpError;
 use crate::op::shape::GdpShape;
-use crate::op::{
-    apply, effective_scale, expand_key_heads, validate_fla, validate_packed, GdpOptions, QueryKeys,
-};
+use crate::op::{apply, effective_scale, validate_fla, validate_packed, GdpOptions, QueryKeys};
 use candle_core::{Result, Tensor};
 use std::sync::Arc;
 
@@ -45,8 +43,7 @@ pub fn cp_gated_delta_product(
 ) -> Result<(Tensor, Option<Tensor>)> {
     aborting_on_error(rank, || {
         let sh = validate_fla(q, k, v, g, beta, opts)?;
-        let (q, k) = expand_key_heads(q, k, &sh)?;
-        apply_on_rank(QueryKeys::Split(&q, &k), v, g, beta, sh, opts, rank)
+        apply_on_rank(QueryKeys::Split(q, k), v, g, beta, sh, opts, rank)
     })
 }
 
@@ -64,8 +61,7 @@ pub fn cp_gated_delta_product_packed(
 ) -> Result<(Tensor, Option<Tensor>)> {
     aborting_on_error(rank, || {
         let sh = validate_packed(qk, v, g, beta, opts)?;
-        let qk = crate::op::heads::expand_key_heads(qk, 3, sh.heads / qk.dim(3)?)?;
-        apply_on_rank(QueryKeys::Packed(&qk), v, g, beta, sh, opts, rank)
+        apply_on_rank(QueryKeys::Packed(qk), v, g, beta, sh, opts, rank)
     })
 }
 
