@@ -30,10 +30,10 @@ use super::plan::{grads_tiles, query_rows, split_plan, SplitPlan};
 use super::side::SideStream;
 use super::widened::{WidenedDh, WidenedFold, WidenedRun};
 use super::wy::WyFactors;
-use crate::op::shape::CHUNK;
+use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream};
-use candle_core::cuda_backend::WrapErr;
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result};
 use half::bf16;
 use std::sync::Arc;
@@ -114,15 +114,27 @@ pub(crate) fn backward(
         }
     };
     if has_h0 {
-        let kv = sh.dk * sh.dv;
-        let dh0 = total - sh.state_len();
-        for &s in zero_dh0 {
-            let at = dh0 + s * sh.heads * kv;
-            let mut part = out.slice_mut(at..at + sh.heads * kv);
-            dev.cuda_stream().memset_zeros(&mut part).w()?;
-        }
+        zero_state_grads(&dev, &mut out, total - sh.state_len(), sh, zero_dh0)?;
     }
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// Zeroes the initial-state gradients (`[N, H, K, V]`, from element `at` of `grads`) of the
+/// sequences `seqs`: a context-parallel rank's sequences whose gradient went to earlier ranks.
+pub(super) fn zero_state_grads(
+    dev: &CudaDevice,
+    grads: &mut CudaSlice<f32>,
+    at: usize,
+    sh: &GdpShape,
+    seqs: &[usize],
+) -> Result<()> {
+    let per_seq = sh.heads * sh.dk * sh.dv;
+    for &s in seqs {
+        let start = at + s * per_seq;
+        let mut part = grads.slice_mut(start..start + per_seq);
+        dev.cuda_stream().memset_zeros(&mut part).w()?;
+    }
+    Ok(())
 }
 
 /// The side stream of the backward's state-gradient scan: forked after the WY kernel, or an

@@ -2,7 +2,7 @@
 //! into bf16 gradients, without the packed f32 detour of [`super::backward()`]; and a
 //! context-parallel rank's replacements in it ([`CpOverrides`]).
 
-use super::backward::{try_backward_bf16, SplitExtras};
+use super::backward::{try_backward_bf16, zero_state_grads, SplitExtras};
 use super::cache::ForwardCache;
 use super::grads::{GradLayout, Grads, QkGrads};
 use super::inputs::{Cotangent, CudaCall, QkIn};
@@ -10,7 +10,6 @@ use super::widened::WidenedFold;
 use crate::op::QueryKeys;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::CudaSlice;
-use candle_core::cuda_backend::WrapErr;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Result, Shape, Storage, Tensor};
 use half::bf16;
@@ -101,13 +100,8 @@ pub(crate) fn try_backward_tensors(
         return Ok(None);
     };
     if has_h0 {
-        let kv = sh.dk * sh.dv;
-        let dh0 = sh.aux_len(true) - sh.state_len();
-        for &s in &zero_dh0 {
-            let at = dh0 + s * sh.heads * kv;
-            let mut part = daux.slice_mut(at..at + sh.heads * kv);
-            dev.cuda_stream().memset_zeros(&mut part).w()?;
-        }
+        let at = sh.aux_len(true) - sh.state_len();
+        zero_state_grads(&dev, &mut daux, at, sh, &zero_dh0)?;
     }
     let tensor = |s: CudaStorage, shape: &Shape| {
         Tensor::from_storage(Storage::Cuda(s), shape.clone(), BackpropOp::none(), false)
