@@ -173,13 +173,15 @@ impl GdpForCausalLM {
         keep: bool,
     ) -> Result<(Tensor, Vec<LayerCache>)> {
         let (b, t) = self.check_ids(input_ids)?;
-        let total = check_shards(
+        let total: usize = check_shards(
             ctx,
             b,
             t,
             self.config().conv_size,
             self.config().use_short_conv,
-        )?;
+        )?
+        .iter()
+        .sum();
         let (embeddings, blocks, norm, lm_head) = self.parts();
         let mut x = embeddings.forward(input_ids)?;
         let mut layers = Vec::new();

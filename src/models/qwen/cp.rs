@@ -45,13 +45,9 @@ impl QwenHybrid {
         let (b, t) = input_ids.dims2()?;
         let cfg = self.config();
         let w = cfg.linear_conv_kernel_dim;
-        let total = check_shards(ctx, b, t, w, true)?;
+        let lens = check_shards(ctx, b, t, w, true)?;
+        let total: usize = lens.iter().sum();
         let comm = ctx.comm();
-        let lens: Vec<usize> = comm
-            .all_gather(&[t as f32])?
-            .into_iter()
-            .map(|x| x as usize)
-            .collect();
         let (rank, world) = (comm.rank(), comm.world_size());
         let offset: usize = lens[..rank].iter().sum();
         let last = rank + 1 == world;

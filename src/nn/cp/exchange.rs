@@ -169,14 +169,15 @@ pub fn halo_exchange(tail: &Tensor, ctx: &CpContext) -> Result<Tensor> {
 }
 
 /// Collectively checks the shards (same `B` on every rank, `T_r >= W - 1` with short
-/// convolutions); returns the global length. Every rank gets the same verdict.
+/// convolutions); returns every rank's shard length, in rank order. Every rank gets the same
+/// verdict.
 pub(crate) fn check_shards(
     ctx: &CpContext,
     b: usize,
     t: usize,
     w: usize,
     conv: bool,
-) -> Result<usize> {
+) -> Result<Vec<usize>> {
     let parts = tagged_all_gather(
         ctx.comm.as_ref(),
         ctx.next_seq(),
@@ -207,5 +208,5 @@ pub(crate) fn check_shards(
             .into());
         }
     }
-    Ok(parts.iter().map(|p| p[1] as usize).sum())
+    Ok(parts.iter().map(|p| p[1] as usize).collect())
 }
