@@ -65,8 +65,11 @@ impl SparseMoe {
         let mut routed: Vec<(Vec<u32>, Vec<f32>)> = vec![(vec![], vec![]); self.experts.len()];
         for (tok, p) in probs.iter().enumerate() {
             let mut order: Vec<usize> = (0..p.len()).collect();
-            // Highest probability first; ties to the lower expert index, as torch.topk.
-            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            // Highest probability first; ties to the lower expert index, as torch.topk. Only the
+            // top k are sorted (hundreds of experts, a handful chosen).
+            let first = |a: &usize, b: &usize| p[*b].total_cmp(&p[*a]).then(a.cmp(b));
+            order.select_nth_unstable_by(self.top_k - 1, first);
+            order[..self.top_k].sort_by(first);
             let top = &order[..self.top_k];
             let sum: f32 = top.iter().map(|&e| p[e]).sum();
             for &e in top {
