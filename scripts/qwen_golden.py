@@ -391,20 +391,26 @@ def prepare(model):
 # --------------------------------------------------------------------------------------------------
 
 
+def record(key, model, module):
+    """Re-randomises `model`'s weights and records its golden logits on `key`'s prompt, checking
+    that the GDN and conv entry points of `module` ran transformers' own torch code."""
+    rerandomise(model, SEED_WEIGHTS[key])
+    counts = check_torch_fallbacks(module)
+    prompt = make_prompt(key, model.config.vocab_size)
+    stats = gate_stats(model, prompt)
+    tensors, checks = golden(model, prompt)
+    checks["kernel_calls"] = dict(counts)
+    assert all(v > 0 for v in counts.values()), counts
+    return tensors, checks, stats
+
+
 def build_qwen3_5(out_dir):
     key = "qwen3_5"
     text_cfg = Qwen3_5TextConfig(**COMMON, rope_parameters=dict(QWEN3_5_ROPE))
     torch.manual_seed(0)
     model = prepare(Qwen3_5ForCausalLM(text_cfg))
-    rerandomise(model, SEED_WEIGHTS[key])
-
-    counts = check_torch_fallbacks(modeling_qwen3_5)
-    prompt = make_prompt(key, text_cfg.vocab_size)
-    stats = gate_stats(model, prompt)
-    tensors, checks = golden(model, prompt)
-    checks["kernel_calls"] = dict(counts)
+    tensors, checks, stats = record(key, model, modeling_qwen3_5)
     checks["text_mrope_vs_plain_rope_max_abs_diff"] = check_text_mrope(model)
-    assert all(v > 0 for v in counts.values()), counts
 
     # Weights, laid out like a released Qwen3.5 checkpoint (text model under model.language_model.).
     state = {}
@@ -438,14 +444,7 @@ def build_qwen3_next(out_dir):
     torch.manual_seed(0)
     model = prepare(Qwen3NextForCausalLM(cfg))
     model.set_experts_implementation("eager")
-    rerandomise(model, SEED_WEIGHTS[key])
-
-    counts = check_torch_fallbacks(modeling_qwen3_next)
-    prompt = make_prompt(key, cfg.vocab_size)
-    stats = gate_stats(model, prompt)
-    tensors, checks = golden(model, prompt)
-    checks["kernel_calls"] = dict(counts)
-    assert all(v > 0 for v in counts.values()), counts
+    tensors, checks, stats = record(key, model, modeling_qwen3_next)
 
     if os.path.isdir(out_dir):  # no stale shards from an earlier run
         for f in os.listdir(out_dir):
@@ -466,14 +465,7 @@ def build_qwen3_5_moe(out_dir):
     torch.manual_seed(0)
     model = prepare(transformers.Qwen3_5MoeForCausalLM(cfg))
     model.set_experts_implementation("eager")
-    rerandomise(model, SEED_WEIGHTS[key])
-
-    counts = check_torch_fallbacks(modeling_qwen3_5_moe)
-    prompt = make_prompt(key, cfg.vocab_size)
-    stats = gate_stats(model, prompt)
-    tensors, checks = golden(model, prompt)
-    checks["kernel_calls"] = dict(counts)
-    assert all(v > 0 for v in counts.values()), counts
+    tensors, checks, stats = record(key, model, modeling_qwen3_5_moe)
     model.save_pretrained(out_dir, safe_serialization=True)
     write_golden(os.path.join(out_dir, "golden.safetensors"), tensors, checks)
     return tensors, checks, stats
