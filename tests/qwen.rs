@@ -8,7 +8,7 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_gdp::models::qwen::{load_dir, QwenHybrid};
+use candle_gdp::models::qwen::{load_dir, QwenCache, QwenHybrid};
 use common::rel_rms;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -28,6 +28,18 @@ fn golden(name: &str) -> Result<HashMap<String, Tensor>> {
 
 fn ids(t: &Tensor) -> Result<Tensor> {
     Ok(t.to_dtype(DType::U32)?.unsqueeze(0)?)
+}
+
+/// Feeds `tokens` one at a time through `model` from `cache`: each step's logits, `[N, vocab]`
+/// f32 on the CPU.
+fn step_through(model: &QwenHybrid, cache: &mut QwenCache, tokens: &[i64]) -> Result<Tensor> {
+    let mut rows = vec![];
+    for &id in tokens {
+        let step = Tensor::new(&[[id as u32]], model.device())?;
+        let logits = model.forward(&step, Some(&mut *cache))?;
+        rows.push(logits.squeeze(0)?.squeeze(0)?.to_device(&Device::Cpu)?);
+    }
+    Ok(Tensor::stack(&rows, 0)?)
 }
 
 /// Prefill logits of the prompt, without a cache.
@@ -59,25 +71,19 @@ fn check_decode(model: &QwenHybrid, g: &HashMap<String, Tensor>, what: &str) -> 
     let mut cache = model.empty_cache(1)?;
     let prefill = model.forward(&ids(&g["prompt_ids"])?, Some(&mut cache))?;
     let t = prefill.dim(1)?;
-    let mut rows = vec![prefill.squeeze(0)?.get(t - 1)?];
-    for (i, &id) in want_ids.iter().enumerate().take(want_ids.len() - 1) {
-        let got: u32 = rows[i].argmax(0)?.to_scalar()?;
+    // Every decoded token but the last is fed back; row i chose token i.
+    let fed = &want_ids[..want_ids.len() - 1];
+    let decoded = Tensor::cat(
+        &[
+            &prefill.squeeze(0)?.narrow(0, t - 1, 1)?,
+            &step_through(model, &mut cache, fed)?,
+        ],
+        0,
+    )?;
+    for (i, &id) in want_ids.iter().enumerate() {
+        let got: u32 = decoded.get(i)?.argmax(0)?.to_scalar()?;
         assert_eq!(got as i64, id, "{what}: greedy token {i}");
-        let step = Tensor::new(&[[id as u32]], &Device::Cpu)?;
-        rows.push(
-            model
-                .forward(&step, Some(&mut cache))?
-                .squeeze(0)?
-                .squeeze(0)?,
-        );
     }
-    let last: u32 = rows[rows.len() - 1].argmax(0)?.to_scalar()?;
-    assert_eq!(
-        last as i64,
-        want_ids[want_ids.len() - 1],
-        "{what}: last greedy token"
-    );
-    let decoded = Tensor::stack(&rows, 0)?;
     let e = rel_rms(&decoded, &g["decode_logits"])?;
     println!("{what}: decode logits relative RMS {e:.2e}");
     assert!(e <= 1e-4, "{what}: decode logits relative RMS {e:.2e}");
@@ -94,7 +100,7 @@ fn check_decode(model: &QwenHybrid, g: &HashMap<String, Tensor>, what: &str) -> 
         .squeeze(0)?;
     let e = rel_rms(&full, &g["full_logits"])?;
     assert!(e <= 1e-4, "{what}: full logits relative RMS {e:.2e}");
-    let tail = full.narrow(0, t - 1, rows.len())?;
+    let tail = full.narrow(0, t - 1, want_ids.len())?;
     let e = rel_rms(&decoded, &tail)?;
     println!("{what}: cached decode vs one prefill relative RMS {e:.2e}");
     assert!(
@@ -211,18 +217,9 @@ fn context_parallel_prefill_matches_one_device() -> Result<()> {
             println!("{name} cp={ranks}: prefill logits vs one device {e:.1e}");
             assert!(e <= 1e-5, "{name} cp={ranks}: prefill logits {e:.2e}");
             let mut cache = out.cache;
-            let mut rows = vec![];
-            for &id in &decode_ids[..decode_ids.len() - 1] {
-                let step = Tensor::new(&[[id as u32]], &Device::Cpu)?;
-                rows.push(
-                    model
-                        .forward(&step, Some(&mut cache))?
-                        .squeeze(0)?
-                        .squeeze(0)?,
-                );
-            }
-            let got = Tensor::stack(&rows, 0)?;
-            let want_rows = g["decode_logits"].narrow(0, 1, rows.len())?;
+            let fed = &decode_ids[..decode_ids.len() - 1];
+            let got = step_through(&model, &mut cache, fed)?;
+            let want_rows = g["decode_logits"].narrow(0, 1, fed.len())?;
             let e = rel_rms(&got, &want_rows)?;
             assert!(
                 e <= 1e-4,
@@ -286,18 +283,9 @@ fn cuda_matches_transformers() -> Result<()> {
         assert!(e <= 1e-5, "{name} cuda cp=2: prefill vs one rank {e:.2e}");
         let mut cache = out.cache;
         let decode_ids: Vec<i64> = g["decode_ids"].to_vec1()?;
-        let mut rows = vec![];
-        for &id in &decode_ids[..decode_ids.len() - 1] {
-            let step = Tensor::new(&[[id as u32]], &dev)?;
-            rows.push(
-                model
-                    .forward(&step, Some(&mut cache))?
-                    .squeeze(0)?
-                    .squeeze(0)?,
-            );
-        }
-        let got = Tensor::stack(&rows, 0)?.to_device(&Device::Cpu)?;
-        let e = rel_rms(&got, &g["decode_logits"].narrow(0, 1, rows.len())?)?;
+        let fed = &decode_ids[..decode_ids.len() - 1];
+        let got = step_through(&model, &mut cache, fed)?;
+        let e = rel_rms(&got, &g["decode_logits"].narrow(0, 1, fed.len())?)?;
         assert!(
             e <= 1e-4,
             "{name} cuda f32: decode after CP prefill {e:.2e}"
