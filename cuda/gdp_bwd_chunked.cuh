@@ -492,7 +492,8 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   const int64_t BTH = (int64_t)B * TT * H;
   const int64_t qk_len = BTH * (n + 1) * K, v_len = BTH * n * V;
   // The packed f32 [dqk | dv | dg | dβ] (out; packed qk only), or bf16 dq, dk (in the layout
-  // of qb, kb; a null dkb with a packed dqk in dqb: the keys follow the query slot) and dv and
+  // of qb, kb at H heads, GdpcRows::query_out / key_out; a null dkb with a packed dqk in dqb:
+  // the keys follow the query slot) and dv and
   // f32 [dg | dβ] (dgates).
   float* const dg_out = out != nullptr ? out + qk_len + v_len : dgates;
   float* const db_out = dg_out + BTH;
@@ -708,7 +709,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
         const int r = r0 + g + 8 * h, col = c0 + 8 * j + 2 * t;
         const float2 qx = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Qs + r * LK + col));
         a3[h] += acc[j][2 * h] * qx.x + acc[j][2 * h + 1] * qx.y;
-        if (r < nq) put_pair(kDq, rows.query(r), col, K, acc[j][2 * h], acc[j][2 * h + 1]);
+        if (r < nq) put_pair(kDq, rows.query_out(r), col, K, acc[j][2 * h], acc[j][2 * h + 1]);
       }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -850,11 +851,11 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
           *reinterpret_cast<__nv_bfloat162*>(DVB + i * LV + col) =
               __floats2bfloat162_rn(dk[j][2 * h] + x0, dk[j][2 * h + 1] + x1);
         else if (i < c)
-          put_pair(kDk, rows.key(i), col, K, dk[j][2 * h] + x0, dk[j][2 * h + 1] + x1);
+          put_pair(kDk, rows.key_out(i), col, K, dk[j][2 * h] + x0, dk[j][2 * h + 1] + x1);
       }
     if (dk_rows) {
       __syncwarp();
-      gdpc_warp_tile_out<2 * NPK, LV>(dk_out, [&](int i) { return rows.key(i); }, DVB, m0, nk0,
+      gdpc_warp_tile_out<2 * NPK, LV>(dk_out, [&](int i) { return rows.key_out(i); }, DVB, m0, nk0,
                                       c, K, lane);
     }
     put_rows(R_A1, hf, m0, a1);

@@ -69,30 +69,49 @@ struct GdpcChunk {
 // flag `split`:
 //   split = 0: the packed qk [B, T, n+1, H, K]; qb = qk, kb = qk + H·K (token stride (n+1)·H·K
 //              for both);
-//   split = 1: FLA's separate q [B, T, H, K] (token stride H·K) and k [B, T·n, H, K] (token
-//              stride n·H·K), read in place.
+//   split = r >= 1: FLA's separate q [B, T, Hk, K] (token stride Hk·K) and k [B, T·n, Hk, K]
+//              (token stride n·Hk·K), read in place, with Hk = H / r key heads: value head h
+//              reads key head h / r (grouped value heads; r = 1: one key head per value head).
 // Row offsets of the interleaved chunk `ch` of a sequence whose first token is tok0: key row i
-// (i < c) from kb, query row r (r < nq) from qb.
+// (i < c) from kb, query row r (r < nq) from qb; and where the gradient kernel writes their
+// gradients, per value head (dq [B, T, H, K] and dk [B, T·n, H, K] for the separate layout,
+// which the op sums over each group; the packed layout's own offsets).
 struct GdpcRows {
   int64_t tok0, t0;
-  int64_t qt, kt;  // token strides of the queries and the keys
+  int64_t qt, kt;          // token strides of the queries and the keys read
+  int64_t qt_out, kt_out;  // token strides of their gradients
   int r0, n, H, K, head;
-  float rn;  // 1 / n
+  int HK, khead;  // key heads read, and the one of this value head
+  float rn;       // 1 / n
   __device__ __forceinline__ GdpcRows(int64_t tok0_, const GdpcChunk& ch, int n_, float rn_,
                                       int H_, int K_, int head_, int split)
-      : tok0(tok0_), t0(ch.t0), qt((int64_t)(split ? 1 : n_ + 1) * H_ * K_),
-        kt((int64_t)(split ? n_ : n_ + 1) * H_ * K_), r0(ch.r0), n(n_), H(H_), K(K_),
-        head(head_), rn(rn_) {}
-  __device__ __forceinline__ int64_t key(int i) const {
-    const int x = r0 + i, q = gdpc_div_small(x, rn);
-    return (tok0 + t0 + q) * kt + (int64_t)((x - q * n) * H + head) * K;
+      : tok0(tok0_), t0(ch.t0), r0(ch.r0), n(n_), H(H_), K(K_), head(head_), rn(rn_) {
+    const int grp = split > 0 ? split : 1;
+    HK = H_ / grp;
+    khead = head_ / grp;
+    qt = (int64_t)(split ? 1 : n_ + 1) * HK * K_;
+    kt = (int64_t)(split ? n_ : n_ + 1) * HK * K_;
+    qt_out = (int64_t)(split ? 1 : n_ + 1) * H_ * K_;
+    kt_out = (int64_t)(split ? n_ : n_ + 1) * H_ * K_;
   }
+  __device__ __forceinline__ int64_t key(int i) const { return key_at(i, kt, HK, khead); }
   // The first query row is in token t0 (r0 + first = n − 1).
   __device__ __forceinline__ int64_t query(int r) const {
-    return (tok0 + t0 + r) * qt + (int64_t)head * K;
+    return (tok0 + t0 + r) * qt + (int64_t)khead * K;
+  }
+  // Where the gradients of key row i and query row r go.
+  __device__ __forceinline__ int64_t key_out(int i) const { return key_at(i, kt_out, H, head); }
+  __device__ __forceinline__ int64_t query_out(int r) const {
+    return (tok0 + t0 + r) * qt_out + (int64_t)head * K;
   }
   // Token of query row r.
   __device__ __forceinline__ int64_t query_token(int r) const { return tok0 + t0 + r; }
+
+ private:
+  __device__ __forceinline__ int64_t key_at(int i, int64_t stride, int heads, int h) const {
+    const int x = r0 + i, q = gdpc_div_small(x, rn);
+    return (tok0 + t0 + q) * stride + (int64_t)((x - q * n) * heads + h) * K;
+  }
 };
 
 // A thread's share of copying rows of `len` bf16 values 16 bytes at a time: column block cv of

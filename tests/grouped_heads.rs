@@ -195,3 +195,70 @@ fn cuda_matches_reference() -> Result<()> {
     assert!(rel_rms(&got_ht, &ht)? <= 1e-2, "cp ht");
     Ok(())
 }
+
+/// On CUDA in bf16 the chunked kernels read grouped `q`, `k` in place (no repeated copy):
+/// the same output bits as the op on explicitly repeated heads, and `dq`, `dk` the group sums
+/// of its gradients (per value head, summed in f32, so equal up to the order of those sums), at
+/// Qwen's K = V = 128 and at odd sizes with packed sequences.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_reads_key_heads_in_place() -> Result<()> {
+    use candle_core::Var;
+    use candle_gdp::op::shape::GdpShape;
+    let dev = Device::new_cuda(0)?;
+    let cases = [
+        Case::new("r2 n1 T150 K128 V128", 1, 150, 4, 128, 128, 1)
+            .key_heads(2)
+            .h0(),
+        Case::new("r3 n2 packed K64 V96", 1, 130, 6, 64, 96, 2)
+            .key_heads(2)
+            .packed(&[0, 50, 130]),
+    ];
+    for c in cases {
+        let r = c.h / c.hk();
+        let x = inputs(&c, DType::BF16)?.cast(DType::BF16)?;
+        let on = |t: &Tensor| t.to_device(&dev);
+        let (q, k) = (Var::from_tensor(&on(&x.q)?)?, Var::from_tensor(&on(&x.k)?)?);
+        let (qr, kr) = (
+            Var::from_tensor(&repeat_heads(&q, 2, r)?)?,
+            Var::from_tensor(&repeat_heads(&k, 2, r)?)?,
+        );
+        let (v, g, beta, dout) = (on(&x.v)?, on(&x.g)?, on(&x.beta)?, on(&x.dout)?);
+        let h0 = x.h0.as_ref().map(on).transpose()?;
+        let opts = GdpOptions {
+            initial_state: h0.as_ref(),
+            cu_seqlens: c.cu.as_deref(),
+            ..Default::default()
+        };
+        let sh = GdpShape::new(c.b, c.t, c.h, c.k, c.v, c.n, c.cu.as_deref());
+        assert!(
+            candle_gdp::op::cuda::reads_qk_in_place(&q, &sh, &opts.kernels)?,
+            "{}: the bf16 chunked kernels should read q, k in place",
+            c.name
+        );
+        let run =
+            |q: &Tensor, k: &Tensor| -> Result<(Vec<f32>, candle_core::backprop::GradStore)> {
+                let (o, _) = gated_delta_product(q, k, &v, &g, &beta, &opts)?;
+                let loss = (o.to_dtype(DType::F32)? * dout.to_dtype(DType::F32)?)?.sum_all()?;
+                let bits = o.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                Ok((bits, loss.backward()?))
+            };
+        let (o, grads) = run(&q, &k)?;
+        let (o_rep, grads_rep) = run(&qr, &kr)?;
+        assert_eq!(o, o_rep, "{}: o differs from the repeated heads'", c.name);
+        for (name, x, xr) in [("dq", &q, &qr), ("dk", &k, &kr)] {
+            let got = grads.get(x).expect("gradient").to_dtype(DType::F32)?;
+            let per_head = grads_rep.get(xr).expect("gradient").to_dtype(DType::F32)?;
+            let want = sum_groups(&per_head, 2, r)?.to_dtype(DType::BF16)?;
+            // The same per-head values summed in f32 and rounded: equal up to the order of
+            // the f32 sums (a wrong head or row would be off by O(1)).
+            let err = rel_rms(&got, &want.to_dtype(DType::F32)?)?;
+            assert!(
+                err <= 1e-3,
+                "{}: {name} is not the group sum ({err:e})",
+                c.name
+            );
+        }
+    }
+    Ok(())
+}

@@ -66,7 +66,10 @@ void launch(unsigned gx, unsigned gy, int nthr, F f, unsigned gz = 1) {
 }
 
 struct Seq { int b, start, len; };
-struct Case { const char* name; int B, T, H, K, V, n; bool h0; std::vector<int> cu; float gmax; int BV; };
+// grp: value heads per key head (grouped value heads): the queries and keys of heads
+// h = j·grp .. j·grp + grp − 1 are the same (key head j), so that the packed qk with H heads is
+// the problem's expansion, and the kernels reading q, k in place read Hk = H / grp heads.
+struct Case { const char* name; int B, T, H, K, V, n; bool h0; std::vector<int> cu; float gmax; int BV; int grp = 1; };
 
 struct Prob {
   Case c; std::vector<Seq> seqs; int N; long BTH;
@@ -88,6 +91,10 @@ Prob make(const Case& c, unsigned seed) {
     double s = 0; for (int k = 0; k < K; ++k) { float x = nd(rng); p.qk[r * K + k] = x; s += x * x; }
     for (int k = 0; k < K; ++k) p.qk[r * K + k] /= sqrt(s);
   }
+  // Grouped heads: every head a copy of the first of its group (rows are [.., H, K]).
+  for (long r = 0; c.grp > 1 && r < p.BTH * (n + 1); ++r)
+    if (long h = r % c.H; h % c.grp != 0)
+      std::copy_n(&p.qk[(r - h % c.grp) * K], K, &p.qk[r * K]);
   p.v.resize(p.BTH * n * V); for (auto& x : p.v) x = nd(rng);
   long sl = (long)p.N * c.H * K * V;
   p.aux.resize(p.BTH * (1 + n) + (c.h0 ? sl : 0));
@@ -295,26 +302,31 @@ static std::vector<__nv_bfloat16> to_bf16(std::vector<float>& x) {
   return out;
 }
 
-// FLA's separate q [B·T, H, K] and k [B·T·n, H, K] cut out of a packed qk [B·T, n+1, H, K].
+// FLA's separate q [B·T, Hk, K] and k [B·T·n, Hk, K] cut out of a packed qk [B·T, n+1, H, K]:
+// heads 0, grp, 2·grp, ... (Hk = H / grp; the others are copies, `make`).
 struct SplitQk {
   std::vector<__nv_bfloat16> q, k;
-  SplitQk(const std::vector<__nv_bfloat16>& qk, long BT, long n, long H, long K) {
+  int grp;
+  SplitQk(const std::vector<__nv_bfloat16>& qk, long BT, long n, long H, long K, int grp_ = 1)
+      : grp(grp_) {
     for (long tk = 0; tk < BT; ++tk)
-      for (long s = 0; s <= n; ++s) {
-        const auto* row = &qk[(tk * (n + 1) + s) * H * K];
-        (s == 0 ? q : k).insert((s == 0 ? q : k).end(), row, row + H * K);
-      }
+      for (long s = 0; s <= n; ++s)
+        for (long h = 0; h < H; h += grp) {
+          const auto* row = &qk[((tk * (n + 1) + s) * H + h) * K];
+          (s == 0 ? q : k).insert((s == 0 ? q : k).end(), row, row + K);
+        }
   }
 };
 
-// The kernels' (q, k, split) parameters for the packed qk or for `sq`.
+// The kernels' (q, k, split) parameters for the packed qk or for `sq` (split = its group size).
 struct QkArgs {
   const __nv_bfloat16 *q, *k;
   int split;
 };
 static QkArgs qk_args(const std::vector<__nv_bfloat16>& qk, const SplitQk& sq, bool split,
                       long H, long K) {
-  return split ? QkArgs{sq.q.data(), sq.k.data(), 1} : QkArgs{qk.data(), qk.data() + H * K, 0};
+  return split ? QkArgs{sq.q.data(), sq.k.data(), sq.grp}
+               : QkArgs{qk.data(), qk.data() + H * K, 0};
 }
 
 // The WY kernel's parameters (ainv, order, ready may be null).
@@ -383,8 +395,9 @@ void run_bf16(const Case& c) {
   std::vector<__nv_bfloat16> wg(slots * 64 * K, {0x7f7f}), ug(slots * 64 * V, {0x7f7f}),
       pg(slots * 64 * 64, {0x7f7f});
   std::vector<float> cg(slots * 3 * 64, 3e38f);
-  const SplitQk sq(qkb, BTH / H, n, H, K);
-  // The WY factors from the packed qk and from q, k in place: the same bits.
+  const SplitQk sq(qkb, BTH / H, n, H, K, c.grp);
+  // The WY factors from the packed qk and from q, k in place (Hk = H / grp heads where the
+  // heads are grouped): the same bits.
   auto wy_factors = [&](bool split) {
     const QkArgs a = qk_args(qkb, sq, split, H, K);
     const GdpWyParams wp = wy_params(P, a, vb, tab, wg, ug, pg, cg, nullptr, scale, nullptr,
@@ -509,7 +522,7 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
   // BV = 32 runs write dq, dk, dv in bf16 and dg, dβ apart (the op's parts) and read q and k in
   // place (FLA's layout); others read the packed qk and write the packed f32.
   const bool parts = bv == 32;
-  const SplitQk sq(qkb, BTH / H, n, H, K);
+  const SplitQk sq(qkb, BTH / H, n, H, K, c.grp);
   const QkArgs a = qk_args(qkb, sq, parts, H, K);
   if (total > 0) {
     const GdpWyParams wp = wy_params(P, a, vb, tab, wg, ug, pg, cg, ag.data(), scale, nullptr,
@@ -1082,11 +1095,21 @@ int main(int argc, char** argv) {
   // The scans of 128 value columns (two stages), as the op runs them side by side at B4 H16.
   run_bf16_bwd(cases.back(), 128, 2);
   run_bf16_bwd(tiles, 128, 2);
+  // Grouped value heads (Qwen3.5 / Qwen3-Next): q and k read in place with Hk = H / grp heads
+  // (BV 32 runs read them so), dq and dk written per value head. Packed sequences, odd widths,
+  // and the persistent gradient kernel (K = V = 128, n = 2).
+  const std::vector<Case> grouped = {
+    {"grp2 n2 T77 K24 V40 h0", 1, 77, 4, 24, 40, 2, true, {}, 1.f, 8, 2},
+    {"grp3 n1 packed K32 V13", 1, 100, 6, 32, 13, 1, false, {0, 30, 30, 100}, 5.f, 8, 3},
+    {"grp2 n2 T70 K128 V128", 1, 70, 4, 128, 128, 2, false, {}, 1.f, 32, 2},
+  };
+  for (auto& c : grouped) run_bf16_bwd(c, 32, 3);
   if (only_bwd) {
     printf("fails: %d\n", fails);
     return fails != 0;
   }
   cases.push_back({"n1 T70 K200 V40 h0", 1, 70, 1, 200, 40, 1, true, {}, 1.f, 8});
+  cases.insert(cases.end(), grouped.begin(), grouped.end());
   for (auto& c : cases) run_bf16(c);
   printf("fails: %d\n", fails);
   return fails != 0;

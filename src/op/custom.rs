@@ -405,7 +405,7 @@ impl CustomOp3 for GdpBackward {
 pub(crate) struct GdpForwardSplit {
     pub op: GdpForward,
     /// `qk [B, T, n+1, H, K]` packed from `q` and `k` (not a graph node), or `None` where the
-    /// kernels read the op's inputs `q`, `k` in place ([`super::cuda::reads_qk_in_place`]).
+    /// kernels read the op's inputs `q`, `k` in place ([`super::kernel_keys`]).
     pub qk: Option<Tensor>,
     pub v: Tensor,
     /// The f32 gate buffer `[g | beta | h0?]`.
@@ -415,16 +415,19 @@ pub(crate) struct GdpForwardSplit {
 }
 
 impl GdpForwardSplit {
-    /// The split op over contiguous `q [B, T, H, K]`, `k [B, T·n, H, K]`, `v` and the gate
-    /// buffer: on CUDA with bf16 the kernels read `q`, `k` in place, elsewhere a packed copy is
-    /// made here, outside the graph.
-    pub fn new(op: GdpForward, q: &Tensor, k: &Tensor, v: Tensor, aux: Tensor) -> Result<Self> {
+    /// The split op over contiguous `q`, `k`, `v` and the gate buffer: with `in_place` (from
+    /// [`super::kernel_keys`]: CUDA bf16 chunked kernels) the kernels read `q [B, T, Hk, K]`,
+    /// `k [B, T·n, Hk, K]` themselves; else `q [B, T, H, K]`, `k [B, T·n, H, K]` go into a
+    /// packed copy made here, outside the graph.
+    pub fn new(
+        op: GdpForward,
+        q: &Tensor,
+        k: &Tensor,
+        v: Tensor,
+        aux: Tensor,
+        in_place: bool,
+    ) -> Result<Self> {
         let pack = super::pack::PackQk::of(&op.shape);
-        #[cfg(feature = "cuda")]
-        let in_place =
-            op.cp.is_none() && super::cuda::reads_qk_in_place(q, &op.shape, &op.kernels)?;
-        #[cfg(not(feature = "cuda"))]
-        let in_place = false;
         let qk = if in_place {
             None
         } else {

@@ -148,6 +148,32 @@ pub(crate) fn expand_key_heads(q: &Tensor, k: &Tensor, sh: &GdpShape) -> Result<
     ))
 }
 
+/// The queries and keys the op's kernels get from FLA's `q [B, T, Hk, K]`, `k [B, T·n, Hk, K]`,
+/// and whether they read them in place: the CUDA bf16 chunked kernels read `q`, `k` themselves
+/// (grouped value heads too: value head `h` reads key head `h / (H / Hk)`, and the backward
+/// sums `dq`, `dk` over each group), outside context parallelism; everywhere else they get `q`,
+/// `k` repeated to the value heads of `sh` ([`expand_key_heads`]).
+pub(crate) fn kernel_keys(
+    q: &Tensor,
+    k: &Tensor,
+    sh: &GdpShape,
+    opts: &GdpOptions,
+    cp: bool,
+) -> Result<(Tensor, Tensor, bool)> {
+    #[cfg(feature = "cuda")]
+    let in_place = !cp && cuda::reads_qk_in_place(q, sh, &opts.kernels)?;
+    #[cfg(not(feature = "cuda"))]
+    let in_place = {
+        let _ = (opts, cp);
+        false
+    };
+    if in_place {
+        return Ok((q.clone(), k.clone(), true));
+    }
+    let (q, k) = expand_key_heads(q, k, sh)?;
+    Ok((q, k, false))
+}
+
 /// Where the op's queries and keys come from.
 #[derive(Clone, Copy)]
 pub(crate) enum QueryKeys<'a> {
@@ -196,8 +222,9 @@ pub(crate) fn validate_packed(
     validate_rest((qk, "qk"), (b, t, hv, k, slots - 1), v, g, beta, opts)
 }
 
-/// Repeats grouped key heads to the value heads of `sh` ([`heads`]), packs the gates, builds
-/// the op (with this rank's context-parallel link, if any) and applies it.
+/// Repeats grouped key heads to the value heads of `sh` ([`heads`]) where the kernels do not
+/// read them in place ([`kernel_keys`]), packs the gates, builds the op (with this rank's
+/// context-parallel link, if any) and applies it.
 pub(crate) fn apply(
     qk: QueryKeys,
     v: &Tensor,
@@ -208,13 +235,14 @@ pub(crate) fn apply(
     cp: Option<std::sync::Arc<dyn link::RankLink>>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let (first, second);
+    let mut in_place = false;
     let qk = match qk {
         QueryKeys::Packed(qk) => {
             first = heads::expand_key_heads(qk, 3, sh.heads / qk.dim(3)?)?;
             QueryKeys::Packed(&first)
         }
         QueryKeys::Split(q, k) => {
-            (first, second) = expand_key_heads(q, k, &sh)?;
+            (first, second, in_place) = kernel_keys(q, k, &sh, opts, cp.is_some())?;
             QueryKeys::Split(&first, &second)
         }
     };
@@ -230,7 +258,7 @@ pub(crate) fn apply(
         QueryKeys::Packed(qk) => qk.contiguous()?.apply_op3(&v, &aux, op)?,
         QueryKeys::Split(q, k) => {
             let (q, k) = (q.contiguous()?, k.contiguous()?);
-            let split = custom::GdpForwardSplit::new(op, &q, &k, v.clone(), aux.clone())?;
+            let split = custom::GdpForwardSplit::new(op, &q, &k, v.clone(), aux.clone(), in_place)?;
             let tie = v.apply_op2(
                 &aux,
                 custom::GradTie {

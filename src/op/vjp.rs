@@ -11,7 +11,7 @@
 
 use super::custom::GdpForwardSplit;
 use super::heads::sum_key_groups;
-use super::{expand_key_heads, forward_op, gate_buffer, split_output, validate_fla, GdpOptions};
+use super::{forward_op, gate_buffer, kernel_keys, split_output, validate_fla, GdpOptions};
 use crate::autograd::check_cotangent;
 use crate::error::GdpError;
 use candle_core::{DType, Result, Tensor};
@@ -30,10 +30,12 @@ pub struct GdpVjp {
 /// Detached, contiguous inputs, kept for the backward.
 #[derive(Debug)]
 struct Inputs {
-    /// `q` and `k` with their key heads repeated to the value heads.
+    /// `q` and `k` as the kernels read them ([`kernel_keys`]): in place, or with their key
+    /// heads repeated to the value heads.
     q: Tensor,
     k: Tensor,
-    /// Value heads per key head (their gradients sum over each group).
+    /// The groups of repeated key heads whose gradients sum here (1 where the kernels read
+    /// `q`, `k` in place and their backward sums them).
     groups: usize,
     g: (DType, Vec<usize>),
     beta: (DType, Vec<usize>),
@@ -91,13 +93,16 @@ pub fn gated_delta_product_vjp(
     opts: &GdpOptions,
 ) -> Result<GdpVjp> {
     let sh = validate_fla(q, k, v, g, beta, opts)?;
-    let groups = sh.heads / q.dim(2)?;
-    let (q, k) = expand_key_heads(&q.detach(), &k.detach(), &sh)?;
+    // The backward sums the gradients of repeated key heads here, of key heads read in place
+    // in the kernels' backward.
+    let r = sh.heads / q.dim(2)?;
+    let (q, k, in_place) = kernel_keys(&q.detach(), &k.detach(), &sh, opts, false)?;
+    let groups = if in_place { 1 } else { r };
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.detach().contiguous()?);
     let h0 = opts.initial_state.map(|h| h.detach());
     let aux = gate_buffer(&g.detach(), &beta.detach(), h0.as_ref())?;
     let op = forward_op(sh.clone(), opts, None, true, q.device())?;
-    let op = GdpForwardSplit::new(op, &q, &k, v.clone(), aux)?;
+    let op = GdpForwardSplit::new(op, &q, &k, v.clone(), aux, in_place)?;
     let out = q.apply_op3_no_bwd(&k, &v, &op)?;
     let (o, final_state) = split_output(out, &sh, q.dtype(), opts.output_final_state)?;
     let layout = |x: &Tensor| (x.dtype(), x.dims().to_vec());

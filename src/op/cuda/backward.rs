@@ -253,9 +253,12 @@ pub(super) fn try_backward_bf16(
                 dqk: if split == 0 {
                     QkGrads::Packed(dev.alloc::<bf16>(sh.qk_len())?)
                 } else {
+                    // Per value head (the layout of `q`, `k` at H heads): with grouped value
+                    // heads, the caller sums each group.
+                    let q_len = sh.batch * sh.tokens * sh.heads * sh.dk;
                     QkGrads::Split {
-                        dq: dev.alloc::<bf16>(inp.q.len())?,
-                        dk: dev.alloc::<bf16>(inp.k.len())?,
+                        dq: dev.alloc::<bf16>(q_len)?,
+                        dk: dev.alloc::<bf16>(q_len * sh.n)?,
                     }
                 },
                 dv: dev.alloc::<bf16>(sh.v_len())?,

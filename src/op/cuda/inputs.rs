@@ -3,6 +3,7 @@
 
 use super::device::{to_i32, view, In};
 use crate::op::config::KernelConfig;
+use crate::op::heads::key_groups;
 use crate::op::shape::GdpShape;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView};
@@ -16,8 +17,9 @@ use half::bf16;
 pub enum QkIn<'a> {
     /// `qk [B, T, n+1, H, K]` (every kernel takes it).
     Packed(In<'a>),
-    /// FLA's `q [B, T, H, K]` and `k [B, T·n, H, K]`, read in place (the bf16 chunked kernels
-    /// only: see `forward::reads_qk_in_place`).
+    /// FLA's `q [B, T, Hk, K]` and `k [B, T·n, Hk, K]`, read in place (the bf16 chunked kernels
+    /// only: see `forward::reads_qk_in_place`); with `Hk < H` key heads, value head `h` reads
+    /// key head `h / (H / Hk)` (grouped value heads).
     Split(In<'a>, In<'a>),
 }
 
@@ -49,7 +51,8 @@ pub(super) struct Bf16Inputs<'a> {
     pub dev: CudaDevice,
     pub q: CudaView<'a, bf16>,
     pub k: CudaView<'a, bf16>,
-    /// 1 for FLA's separate `q`, `k`; 0 for the packed `qk`.
+    /// 0 for the packed `qk`; for FLA's separate `q`, `k`, the value heads per key head
+    /// `r = H / Hk` (1 without grouped value heads).
     pub split: i32,
     pub v: CudaView<'a, bf16>,
     pub aux: CudaView<'a, f32>,
@@ -72,11 +75,19 @@ impl<'a> Bf16Inputs<'a> {
                 (all.slice(..), all.slice(slot..), 0)
             }
             QkIn::Split(q, k) => {
-                let q_len = sh.batch * sh.tokens * sh.heads * sh.dk;
+                // `q [B, T, Hk, K]`: its heads say the groups.
+                let hk = match q.1.dims() {
+                    &[_, _, hk, _] => hk,
+                    dims => {
+                        candle_core::bail!("gdp cuda: `q` of shape {dims:?}, not [B, T, Hk, K]")
+                    }
+                };
+                let groups = key_groups(hk, sh.heads, "v")?;
+                let q_len = sh.batch * sh.tokens * hk * sh.dk;
                 (
                     view::<bf16>(q.0, q.1, q_len, "q")?,
                     view::<bf16>(k.0, k.1, q_len * sh.n, "k")?,
-                    1,
+                    to_i32(groups, "value heads per key head")?,
                 )
             }
         };

@@ -7,6 +7,7 @@ use super::cache::ForwardCache;
 use super::grads::{GradLayout, Grads, QkGrads};
 use super::inputs::{Cotangent, CudaCall, QkIn};
 use super::widened::WidenedFold;
+use crate::op::heads::sum_key_groups;
 use crate::op::QueryKeys;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::CudaSlice;
@@ -34,7 +35,9 @@ pub(crate) enum CpFinalGrads<'a> {
 /// The split bf16 backward on tensors, for the op's `bwd`: the queries and keys (the packed
 /// `qk`, or FLA's `q`, `k`), `v` (bf16), the gate buffer and the output's gradient `grad` (the
 /// packed f32 `[do | dht]`, or with `plain` the bf16 `do [B, T, H, V]`) on one CUDA device;
-/// returns the gradients of the query/key inputs (one or two, in their shapes) and of `v`
+/// returns the gradients of the query/key inputs (one or two, in their shapes: FLA's `q`, `k`
+/// may have fewer heads than `v`, grouped value heads, whose gradients sum over each group)
+/// and of `v`
 /// (bf16) and of the gate buffer (f32), without the packed f32 detour of
 /// [`backward`]. `Ok(None)` where this path does not apply (not CUDA, not bf16, or the
 /// split backward does not fit). `cp`: a context-parallel rank's overrides.
@@ -111,7 +114,26 @@ pub(crate) fn try_backward_tensors(
     };
     let dqk = match dqk {
         QkGrads::Packed(dqk) => vec![bf16_tensor(dqk, inputs[0])],
-        QkGrads::Split { dq, dk } => vec![bf16_tensor(dq, inputs[0]), bf16_tensor(dk, inputs[1])],
+        QkGrads::Split { dq, dk } => {
+            // Written per value head; with grouped value heads (`q`, `k` of Hk < H heads),
+            // summed over each group in f32.
+            let per_value_head = |s: CudaSlice<bf16>, t: &Tensor| -> Result<Tensor> {
+                let (b, rows, hk, d) = t.dims4()?;
+                let r = sh.heads / hk;
+                let wide = tensor(
+                    CudaStorage::wrap_cuda_slice(s, dev.clone()),
+                    &Shape::from((b, rows, sh.heads, d)),
+                );
+                if r == 1 {
+                    return Ok(wide);
+                }
+                sum_key_groups(&wide.to_dtype(DType::F32)?, 2, r)?.to_dtype(DType::BF16)
+            };
+            vec![
+                per_value_head(dq, inputs[0])?,
+                per_value_head(dk, inputs[1])?,
+            ]
+        }
     };
     let dv = bf16_tensor(dv, v);
     let daux = tensor(CudaStorage::wrap_cuda_slice(daux, dev.clone()), aux.shape());
