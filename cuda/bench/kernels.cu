@@ -3,8 +3,8 @@
 // the states kept, gdp_bwd_dh_bf16_<BV>_128, gdp_bwd_grads_bf16_128_128[_tiles]) at the
 // benchmark shapes of docs/benchmarks.md (with the WY kernel beside the scan, and the gradient
 // kernel beside the state-gradient scan, where the op overlaps them), and of the fused decode step
-// (gdp_step_f32_k128) at B64 H16 K=V=128 n = 1..3, with achieved bandwidth. No Rust needed, so
-// it separates kernel time from the op's host-side work:
+// (gdp_step_f32_k128) at B64 H16 K=V=128 n = 1..3 and at Qwen3.5's GDN shapes, with achieved
+// bandwidth. No Rust needed, so it separates kernel time from the op's host-side work:
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icuda cuda/bench/kernels.cu -o kbench && ./kbench
 #include "gdp.cu"
 
@@ -624,15 +624,15 @@ static void forward(int B, int T, int H, int n) {
     CK(cudaFree(x));
 }
 
-// The decode step at n = 1, 2, 3 against a device copy of the state (same bytes) and a large
-// copy (8.6 GB moved, the ceiling of KINDS.md).
-static void step() {
-  const int B = 64, H = 16, K = 128, V = 128, nmax = 3;
+// The decode step at B, H, K = V = 128 and n = n0..n1, with the bandwidth of the state read
+// and written.
+static void step_at(int B, int H, int n0, int n1) {
+  const int K = 128, V = 128;
   const long BH = (long)B * H;
   std::mt19937 rng(2);
   std::normal_distribution<float> nd(0, 1);
   std::vector<float> state(BH * K * V),
-      small(BH * K * (1 + nmax) + BH * nmax * V + BH * (1 + nmax));
+      small(BH * K * (1 + n1) + BH * n1 * V + BH * (1 + n1));
   for (auto& x : state) x = nd(rng);
   for (auto& x : small) x = nd(rng) / sqrtf((float)K);
   auto* ds = upload(state);
@@ -640,7 +640,7 @@ static void step() {
   float* out;
   CK(cudaMalloc(&out, (BH * V + BH * K * V) * 4));
   const double bytes = 2.0 * BH * K * V * 4;
-  for (int n = 1; n <= nmax; ++n) {
+  for (int n = n0; n <= n1; ++n) {
     const float t = median_ms([&] {
       const float *q = dsm, *k = q + BH * K, *v = k + BH * n * K, *g = v + BH * n * V;
       GdpStepParams<float> a{};
@@ -655,7 +655,18 @@ static void step() {
   const float tc = median_ms([&] {
     CK(cudaMemcpyAsync(out + BH * V, ds, BH * K * V * 4, cudaMemcpyDeviceToDevice));
   }, 50);
-  printf("copy of the state: %.4f ms, %.0f GB/s\n", tc, bytes / tc / 1e6);
+  printf("copy of the state (B%d H%d): %.4f ms, %.0f GB/s\n", B, H, tc, bytes / tc / 1e6);
+  for (void* x : {(void*)ds, (void*)dsm, (void*)out}) CK(cudaFree(x));
+}
+
+// The decode step at B64 H16 n = 1, 2, 3 and at the GDN layers of Qwen3.5-9B / 27B (n = 1,
+// 32 and 48 value heads; the op repeats the 16 key heads, which the step reads as its q, k)
+// for batches of 1 to 128, against device copies of the state (same bytes) and a large copy
+// (8.6 GB moved, the ceiling of KINDS.md).
+static void step() {
+  step_at(64, 16, 1, 3);
+  for (int h : {32, 48})
+    for (int b : {1, 8, 32, 128}) step_at(b, h, 1, 1);
   const size_t big = 4300000000ull;
   void *a, *b;
   if (cudaMalloc(&a, big) == cudaSuccess && cudaMalloc(&b, big) == cudaSuccess) {
@@ -665,7 +676,6 @@ static void step() {
     CK(cudaFree(a));
     CK(cudaFree(b));
   }
-  for (void* x : {(void*)ds, (void*)dsm, (void*)out}) CK(cudaFree(x));
 }
 
 // KB_ONLY_N2=1 skips the n = 1 shape; KB_ONLY_B1=1 runs only B1 T32768 n2 (for profilers);
