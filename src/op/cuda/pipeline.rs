@@ -31,11 +31,14 @@
 //! launched one after the other, each segment's WY factors computed beside the previous scan:
 //! the relaunches cost ~30 µs per segment.
 
+use super::device::device_attr;
 use super::fwd_scan::{run_scan, Beside, ScanDest, ScanInputs};
 use super::inputs::ChunkTable;
+use super::module::{load_kernel, GdpFunc};
+use super::plan::wy_smem_bytes;
 use super::plan::ScanPlan;
 use super::side::SideStream;
-use super::wy::{ready_counters, Signal, WyFactors};
+use super::wy::{ready_counters, Signal, WyFactors, THREADS as WY_THREADS};
 use crate::op::config::KernelConfig;
 use crate::op::shape::GdpShape;
 use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaSlice};
@@ -55,11 +58,19 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 /// the side stream beside a WY kernel that takes the chunks from the sequences' ends (the scan
 /// runs backwards in time), and the rerun follows the WY kernel on the device's stream. Results
 /// are bit-identical to the launches one after the other.
+///
+/// A context-parallel rank's widened forward scan has blocks for nearly every multiprocessor
+/// (B1 H16 K = V = 128: 128 blocks of 32 columns on the H200's 132); there the WY kernel runs on
+/// the multiprocessors the waiting scan blocks hold, one WY block beside each where the two fit
+/// on one multiprocessor ([`Pipeline::plan_sharing`]).
 pub(super) struct Pipeline {
     order: CudaSlice<i32>,
     counters: usize,
     /// The scan on a side stream ([`KernelConfig::side_streams`]), else on the device's.
     side_streams: bool,
+    /// Whether the scan's blocks leave the WY kernel multiprocessors of its own, where it may
+    /// keep to two blocks each ([`Signal::two_per_sm`]); else its blocks share the scan's.
+    own_sms: bool,
 }
 
 impl Pipeline {
@@ -79,11 +90,54 @@ impl Pipeline {
         if !(cfg.overlap && overlap_useful(sh, table, plan, sms)) {
             return Ok(None);
         }
-        Ok(Some(Self {
+        Self::new(dev, sh, table, order, cfg, true).map(Some)
+    }
+
+    /// [`Pipeline::plan`] for a scan whose blocks may also take more than half of the `sms`
+    /// multiprocessors, as long as they leave some to themselves and a WY block (of `wy_dv`
+    /// value columns) fits beside one of them on a multiprocessor ([`wy_fits_beside`]): then the
+    /// WY blocks run on the multiprocessors the waiting scan blocks hold too, and on the others.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "Pipeline::plan's arguments and the WY kernel's width"
+    )]
+    pub fn plan_sharing(
+        dev: &CudaDevice,
+        sh: &GdpShape,
+        table: &ChunkTable,
+        plan: &ScanPlan,
+        sms: usize,
+        order: Vec<usize>,
+        cfg: &KernelConfig,
+        wy_dv: usize,
+    ) -> Result<Option<Self>> {
+        if !cfg.overlap || table.chunks == 0 {
+            return Ok(None);
+        }
+        if overlap_useful(sh, table, plan, sms) {
+            return Self::new(dev, sh, table, order, cfg, true).map(Some);
+        }
+        let blocks = sh.num_seqs() * sh.heads * sh.dv.div_ceil(plan.bv);
+        if blocks >= sms || !wy_fits_beside(dev, sh.dk, wy_dv, plan)? {
+            return Ok(None);
+        }
+        Self::new(dev, sh, table, order, cfg, false).map(Some)
+    }
+
+    fn new(
+        dev: &CudaDevice,
+        sh: &GdpShape,
+        table: &ChunkTable,
+        order: Vec<usize>,
+        cfg: &KernelConfig,
+        own_sms: bool,
+    ) -> Result<Self> {
+        Ok(Self {
             order: chunk_order(dev, order, table)?,
             counters: ready_counters(table, sh),
             side_streams: cfg.side_streams,
-        }))
+            own_sms,
+        })
     }
 
     /// Starts the overlap ([`OverlapRun::start`] with this pipeline's counters and streams).
@@ -151,7 +205,7 @@ pub(super) fn wy_then_scan(
         table,
         wy_sh,
         scale,
-        overlap.as_ref().map(|(p, run)| p.signal(run, true)),
+        overlap.as_ref().map(|(p, run)| p.signal(run, p.own_sms)),
     )?;
     let beside = overlap.as_ref().map(|(_, run)| Beside {
         stream: run.side.stream(),
@@ -170,6 +224,39 @@ pub(super) fn wy_then_scan(
 fn overlap_useful(sh: &GdpShape, table: &ChunkTable, plan: &ScanPlan, sms: usize) -> bool {
     let blocks = sh.num_seqs() * sh.heads * sh.dv.div_ceil(plan.bv);
     table.chunks > 0 && 2 * blocks < sms
+}
+
+/// Whether a block of the scan `plan` and a block of the WY kernel (`dk`, `wy_dv` columns, its
+/// unpadded shared memory) fit on one multiprocessor of `dev` together: shared memory (with
+/// the per-block reservation), registers (allocated per warp in units of 256) and threads.
+/// At K = V = 128 on an H100 / H200 the widened forward scan of 32 columns (two stages, 116
+/// registers, 256 threads) and a WY block (119 registers, 128 threads) take 221 of 228 KB.
+fn wy_fits_beside(dev: &CudaDevice, dk: usize, wy_dv: usize, plan: &ScanPlan) -> Result<bool> {
+    use candle_core::cuda_backend::cudarc::driver::sys::{
+        CUdevice_attribute as D, CUfunction_attribute as F,
+    };
+    let scan = load_kernel(dev, &plan.kernel)?;
+    let wy = load_kernel(dev, "gdp_fwd_wy_bf16")?;
+    let attr = |f: &GdpFunc, a: F| -> Result<usize> { Ok(f.get_attribute(a).w()?.max(0) as usize) };
+    let reserved = device_attr(dev, D::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK)?;
+    let smem = |f: &GdpFunc, dynamic: usize| -> Result<usize> {
+        Ok(dynamic + attr(f, F::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)? + reserved)
+    };
+    let regs = |f: &GdpFunc, threads: usize| -> Result<usize> {
+        let per_warp = (attr(f, F::CU_FUNC_ATTRIBUTE_NUM_REGS)? * 32).div_ceil(256) * 256;
+        Ok(per_warp * threads.div_ceil(32))
+    };
+    let (scan_threads, wy_threads) = (plan.threads as usize, WY_THREADS as usize);
+    let smem_fits = smem(&scan, plan.smem)? + smem(&wy, wy_smem_bytes(dk, wy_dv))?
+        <= device_attr(
+            dev,
+            D::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+        )?;
+    let regs_fit = regs(&scan, scan_threads)? + regs(&wy, wy_threads)?
+        <= device_attr(dev, D::CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR)?;
+    let threads_fit = scan_threads + wy_threads
+        <= device_attr(dev, D::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?;
+    Ok(smem_fits && regs_fit && threads_fit)
 }
 
 /// A WY kernel's chunk order (ids of `table`, every chunk once) on the device.

@@ -60,11 +60,12 @@ pub(super) struct Widened {
 
 impl Widened {
     /// `None` where the widened scan or the WY kernel does not fit. The tile is the one wave
-    /// of blocks that fills the GPU where there is one ([`widened_scan_plan`]); where the
-    /// blocks still leave more than half the multiprocessors idle, [`Widened::forward_scan`]
-    /// runs the scan beside the WY kernel. (Narrowing the blocks to make room for the WY kernel
-    /// does not pay: at B1 H16 K = V = 128 on the H200 the widened scan of 64-column tiles took
-    /// 1.68x the 32-column one, more than the WY kernel it hid; `docs/cp.md`.)
+    /// of blocks that fills the GPU where there is one ([`widened_scan_plan`]);
+    /// [`Widened::forward_scan`] runs the scan beside the WY kernel where the blocks leave more
+    /// than half the multiprocessors idle, or where a WY block fits beside a scan block on one
+    /// multiprocessor ([`Pipeline::plan_sharing`]). (Narrowing the blocks to make room for the
+    /// WY kernel does not pay: at B1 H16 K = V = 128 on the H200 the widened scan of 64-column
+    /// tiles took 1.68x the 32-column one, more than the WY kernel it hid; `docs/cp.md`.)
     pub(super) fn plan(
         dev: &CudaDevice,
         sh: &GdpShape,
@@ -111,7 +112,8 @@ impl Widened {
         let (sub, wide, dev) = (&self.sub, &self.wide, &inp.dev);
         let table = ChunkTable::new(dev, sub)?;
         let order = sub.chunks_time_major();
-        let pipeline = Pipeline::plan(dev, wide, &table, &self.plan, self.sms, order, cfg)?;
+        let pipeline =
+            Pipeline::plan_sharing(dev, wide, &table, &self.plan, self.sms, order, cfg, sub.dv)?;
         let mut wy = WyFactors::alloc(dev, &table, sub, keep)?;
         let src = ScanInputs {
             inp,
