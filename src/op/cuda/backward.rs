@@ -25,6 +25,7 @@ use super::fused_bwd::{backward_len, Launch, MODE_FULL};
 use super::fwd_scan::{run_scan, ScanDest, ScanInputs, ScanOut};
 use super::grads::{GradLayout, Grads, GradsLaunch, PipeArgs, QkGrads, GRADS_PIPE_COUNTERS};
 use super::inputs::{Bf16Inputs, ChunkTable, Cotangent, CudaCall, QkIn};
+use super::module::On;
 use super::pipeline::{OverlapRun, Pipeline};
 use super::plan::{grads_tiles, query_rows, split_plan, SplitPlan};
 use super::side::SideStream;
@@ -32,11 +33,10 @@ use super::widened::{WidenedDh, WidenedFold, WidenedRun};
 use super::wy::WyFactors;
 use crate::op::shape::{GdpShape, CHUNK};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream};
+use candle_core::cuda_backend::cudarc::driver::CudaSlice;
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result};
 use half::bf16;
-use std::sync::Arc;
 
 /// What a split backward starts from besides its inputs: the forward's kept intermediates and
 /// a context-parallel rank's replacements.
@@ -139,30 +139,25 @@ pub(super) fn zero_state_grads(
 
 /// The side stream of the backward's state-gradient scan: forked after the WY kernel, or an
 /// overlapped launch of a [`Pipeline`] (the scan beside the gradient kernel, and, with `waits`,
-/// beside a WY kernel taking the chunks from the sequences' ends).
-pub(super) enum Side {
-    Plain(SideStream),
-    Beside {
-        run: OverlapRun,
-        waits: bool,
-    },
-    /// Already joined (a widened context-parallel scan): the device's stream.
-    Joined(Arc<CudaStream>),
+/// beside a WY kernel taking the chunks from the sequences' ends). Either keeps the scan's
+/// buffers borrowed (`'b`) until it is joined.
+pub(super) enum Side<'b> {
+    Plain(SideStream<'b>),
+    Beside { run: OverlapRun<'b>, waits: bool },
 }
 
-impl Side {
-    fn stream(&self) -> &Arc<CudaStream> {
+impl<'b> Side<'b> {
+    fn on(&self) -> On<'_, 'b> {
         match self {
-            Side::Plain(s) => s.stream(),
-            Side::Beside { run, .. } => run.side.stream(),
-            Side::Joined(s) => s,
+            Side::Plain(s) => s.on(),
+            Side::Beside { run, .. } => run.side.on(),
         }
     }
 
     /// The WY kernel's readiness counters, where the scan runs beside it.
-    fn ready(&self) -> Option<&CudaSlice<i32>> {
+    fn ready(&self) -> Option<&'b CudaSlice<i32>> {
         match self {
-            Side::Beside { run, waits: true } => Some(&run.ready),
+            Side::Beside { run, waits: true } => Some(run.ready),
             _ => None,
         }
     }
@@ -173,7 +168,6 @@ impl Side {
         match self {
             Side::Plain(s) => s.join(),
             Side::Beside { run, .. } => run.finish(),
-            Side::Joined(_) => Ok(()),
         }
     }
 }
@@ -303,7 +297,7 @@ pub(super) fn try_backward_bf16(
         }
         _ => None,
     };
-    let mut wy = match kept_wy {
+    let wy = match kept_wy {
         Some(wy) => wy,
         None => WyFactors::alloc(dev, &table, sh, true)?,
     };
@@ -312,12 +306,12 @@ pub(super) fn try_backward_bf16(
         None => ChunkStates::alloc(dev, &table, sh)?,
     };
 
-    // dO in bf16 (the tensor cores' operand type), and dht (f32) when given.
+    // dO in bf16 (the tensor cores' operand type), and dht (f32) when given: each as a view
+    // (the gradient kernel's) and as its buffer and first element (the state-gradient scan's).
     let converted;
-    let (dob, dht, do_src, dht_src) = match cot {
+    let (dob, do_src, dht_src) = match cot {
         Cotangent::Plain(d) => (
             view::<bf16>(d.0, d.1, o_len, "do")?,
-            None,
             (d.0.as_cuda_slice::<bf16>()?, d.1.start_offset()),
             None,
         ),
@@ -327,7 +321,6 @@ pub(super) fn try_backward_bf16(
             let at = g.1.start_offset() + o_len;
             (
                 converted.slice(..),
-                Some(grad.slice(o_len..o_len + s_len)),
                 (&converted, 0),
                 Some((g.0.as_cuda_slice::<f32>()?, at)),
             )
@@ -339,12 +332,13 @@ pub(super) fn try_backward_bf16(
     // chunks with a block per (sequence, head, value tile), and at small B·H (B1 H16: 64 blocks
     // each on 132 multiprocessors) one alone leaves half the GPU idle. There (`pipeline`) the
     // scan starts on a high-priority stream, beside the WY kernel when it reruns, else counting
-    // its chunks done for the gradient kernel of 4.
-    // SAFETY (dhs, ddn): the scan writes every element of every slot of the table's chunks
-    // before the gradient kernel reads them; slots of no chunk are never read.
-    let mut dhs = unsafe { dev.alloc::<bf16>(slots * kv)? };
-    let mut ddn = unsafe { dev.alloc::<bf16>(slots * CHUNK * sh.dv)? };
+    // its chunks done for the gradient kernel of 4. What the scan writes and reads is declared
+    // here, before its side stream, which borrows it until it is joined.
     let dh0_at = aux_len - if has_h0 { s_len } else { 0 };
+    let (plain_rows, wide_bufs, counters);
+    // The plain scan's initial-state gradients, copied into `out` once it is joined (the
+    // gradient kernel writes the rest of `out` meanwhile).
+    let mut dh0 = None;
     // A context-parallel rank's widened scan (`WidenedDh`) or the plain op's, launched on a side
     // stream; then the rerun on the device's stream, beside it.
     let launched = if let Some(fold) = widened {
@@ -366,19 +360,24 @@ pub(super) fn try_backward_bf16(
             },
             cfg,
         };
-        Launched::Widened(Box::new(ctx.launch(dev)?), fold)
+        wide_bufs = ctx.buffers(dev)?;
+        Launched::Widened(Box::new(ctx.launch(dev, &wide_bufs)?), fold)
     } else {
-        let mut dh0 = match &mut out {
-            Grads::Packed(p) => p.slice_mut(sh.qk_len() + sh.v_len() + dh0_at..),
-            Grads::Parts { daux, .. } => daux.slice_mut(dh0_at..),
+        // SAFETY: the scan writes every element of every slot of the table's chunks (dS, dDelta)
+        // before the gradient kernel reads them, and the initial-state gradient of every
+        // (sequence, head); slots of no chunk are never read.
+        plain_rows = unsafe {
+            (
+                dev.alloc::<bf16>(slots * kv)?,
+                dev.alloc::<bf16>(slots * CHUNK * sh.dv)?,
+            )
         };
-        let dht = match dht_override {
-            Some(d) => Some(d.slice(..)),
-            None => dht,
-        };
+        if has_h0 {
+            dh0 = Some(unsafe { dev.alloc::<f32>(s_len)? });
+        }
         let dest = DhDest {
-            chunks: Some((&mut dhs, &mut ddn)),
-            dh0: has_h0.then_some(&mut dh0),
+            chunks: Some((&plain_rows.0, &plain_rows.1)),
+            dh0: dh0.as_ref(),
             widened: None,
         };
         // With a pipeline: the side stream forked before the WY kernel where the scan runs
@@ -387,7 +386,10 @@ pub(super) fn try_backward_bf16(
             wy.launch(dev, &inp, &table, sh, scale, None)?;
         }
         let overlap = match &pipeline {
-            Some(p) => p.start(dev)?.map(|run| (p, run)),
+            Some(p) => {
+                counters = p.zeroed_counters(dev)?;
+                p.start(dev, &counters)?.map(|run| (p, run))
+            }
             None => None,
         };
         let side = match overlap {
@@ -409,18 +411,18 @@ pub(super) fn try_backward_bf16(
         };
         let signal = match &side {
             Side::Beside { .. } => grads_pipe.as_ref(),
-            Side::Plain(_) | Side::Joined(_) => None,
+            Side::Plain(_) => None,
         };
         let src = DhInputs {
             inp: &inp,
             table: &table,
             wy: &wy,
-            dob: dob.slice(..),
+            dob: do_src,
             do_width: sh.dv,
-            dht,
+            dht: dht_override.map(|d| (d, 0)).or(dht_src),
         };
-        run_dh_scan(side.stream(), &src, sh, &dh, dest, side.ready(), signal)?;
-        Launched::Plain(side)
+        run_dh_scan(side.on(), &src, sh, &dh, dest, side.ready(), signal)?;
+        Launched::Plain(side, (&plain_rows.0, &plain_rows.1))
     };
     if rerun {
         let dest = ScanDest {
@@ -435,23 +437,29 @@ pub(super) fn try_backward_bf16(
         };
         run_scan(&src, &wy, sh, &rerun_plan, dest, None)?;
     }
-    let side = match launched {
-        Launched::Plain(side) => side,
+    // The plain scan still running beside what follows, and the chunk rows the gradient kernel
+    // reads (the widened scan's, corrected once it is joined and the exchange has run).
+    let fixed_rows;
+    let (side, (dhs, ddn)) = match launched {
+        Launched::Plain(side, rows) => (Some(side), rows),
         Launched::Widened(run, fold) => {
-            let dh0 = run.finish(dev, &mut dhs, &mut ddn, fold)?;
+            let (dhs, ddn, dh0) = run.finish(dev, fold)?;
             if has_h0 {
-                match &mut out {
-                    Grads::Packed(p) => {
-                        let at = sh.qk_len() + sh.v_len() + dh0_at;
-                        super::device::copy_tensor_into(&dh0, p, at)?
-                    }
-                    Grads::Parts { daux, .. } => {
-                        super::device::copy_tensor_into(&dh0, daux, dh0_at)?
-                    }
-                }
+                out.copy_states_in(&dh0, sh, dh0_at)?;
             }
-            Side::Joined(dev.cuda_stream())
+            fixed_rows = (dhs, ddn);
+            (None, (&fixed_rows.0, &fixed_rows.1))
         }
+    };
+    // Joins the plain scan and puts its initial-state gradients into `out`.
+    let join = |side: Option<Side>, out: &mut Grads| -> Result<()> {
+        if let Some(side) = side {
+            side.finish()?;
+        }
+        if let Some(d) = &dh0 {
+            out.copy_states_slice_in(dev, d, sh, dh0_at)?;
+        }
+        Ok(())
     };
 
     // 4. Every gradient, per (chunk, head): beside the state-gradient scan where it counts its
@@ -470,13 +478,13 @@ pub(super) fn try_backward_bf16(
         qr,
         ainv,
         states: &states,
-        dhs: &dhs,
-        ddn: &ddn,
+        dhs,
+        ddn,
         dob: &dob,
         scale,
     };
     match (&side, &pipeline, &grads_pipe) {
-        (Side::Beside { .. }, Some(p), Some(pipe)) if table.chunks > 0 => {
+        (Some(Side::Beside { .. }), Some(p), Some(pipe)) if table.chunks > 0 => {
             let scan_blocks = sh.num_seqs() * sh.heads * sh.dv.div_ceil(dh.bv);
             let pipe = PipeArgs {
                 pipe,
@@ -486,11 +494,11 @@ pub(super) fn try_backward_bf16(
             };
             // The scan's blocks take at most half the multiprocessors (`Pipeline::plan`).
             grads.launch(dev, &mut out, Some((&pipe, true, sms - scan_blocks)))?;
-            side.finish()?;
+            join(side, &mut out)?;
             grads.launch(dev, &mut out, Some((&pipe, false, 2 * sms)))?;
         }
         _ => {
-            side.finish()?;
+            join(side, &mut out)?;
             // A block per pair: since the gradient kernel lost its K h product, 5% faster than
             // persistent blocks over the table's chunks (on an H200).
             if table.chunks > 0 {
@@ -503,7 +511,8 @@ pub(super) fn try_backward_bf16(
 
 /// The state-gradient scan as launched in the split backward: the plain op's, or a
 /// context-parallel rank's widened one with the exchange still to run.
-pub(super) enum Launched<'a, 'f> {
-    Plain(Side),
-    Widened(Box<WidenedRun<'a>>, WidenedFold<'f>),
+pub(super) enum Launched<'a, 'b, 'f> {
+    /// The plain scan's side stream and the chunk rows it writes (`dhs`, `ddn`).
+    Plain(Side<'b>, (&'b CudaSlice<bf16>, &'b CudaSlice<bf16>)),
+    Widened(Box<WidenedRun<'a, 'b>>, WidenedFold<'f>),
 }

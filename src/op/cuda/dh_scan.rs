@@ -4,25 +4,24 @@
 
 use super::device::{allow_smem, grid_dim, shape_i32, to_i32, GRID_X, GRID_YZ};
 use super::inputs::{Bf16Inputs, ChunkTable};
-use super::module::load_kernel;
+use super::module::{load_kernel, On};
 use super::plan::ScanPlan;
 use super::wy::WyFactors;
 use crate::op::kernel_params::DhParams;
 use crate::op::shape::GdpShape;
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig,
-};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig};
 use candle_core::Result;
 use half::bf16;
 use std::ops::Range;
-use std::sync::Arc;
 
 /// Where the state-gradient scan writes: every chunk's end-state gradient `dhs [slots, K, V]` and
 /// `-dDelta` `ddn [slots, 64, V]` (bf16, for the gradient kernel; none for a CP summary), and
-/// with `dh0` the initial-state gradients (f32 `[N, H, K, V]`).
-pub(super) struct DhDest<'a, 'b> {
-    pub chunks: Option<(&'a mut CudaSlice<bf16>, &'a mut CudaSlice<bf16>)>,
-    pub dh0: Option<&'a mut CudaViewMut<'b, f32>>,
+/// with `dh0` the initial-state gradients (f32 `[N, H, K, V]`). Borrowed shared: the scan may
+/// run on a side stream while the gradient kernel reads `dhs` and `ddn` (`Launch::untracked`).
+#[derive(Clone)]
+pub(super) struct DhDest<'a> {
+    pub chunks: Option<(&'a CudaSlice<bf16>, &'a CudaSlice<bf16>)>,
+    pub dh0: Option<&'a CudaSlice<f32>>,
     /// The sequences whose value columns past dO's width are scanned (a context-parallel
     /// rank's fragments that need them); `None`: all (the others' rows there are not written).
     pub widened: Option<Range<usize>>,
@@ -31,53 +30,62 @@ pub(super) struct DhDest<'a, 'b> {
 /// What the state-gradient scan reads: the inputs, their chunk table, the WY factors (W, P and
 /// the gate coefficients), the bf16 output gradient `dob [B, T, H, V']` (`V' = do_width`, at
 /// most the scan's `V`; its columns past `V'` read as zero: a context-parallel rank's
-/// `[dO | 0_K]`) and the end-state gradients `dht [N, H, K, V]` (zero when `None`).
+/// `[dO | 0_K]`) and the end-state gradients `dht [N, H, K, V]` (zero when `None`), each of
+/// these two as its buffer and first element.
+#[derive(Clone, Copy)]
 pub(super) struct DhInputs<'a> {
     pub inp: &'a Bf16Inputs<'a>,
     pub table: &'a ChunkTable,
     pub wy: &'a WyFactors,
-    pub dob: CudaView<'a, bf16>,
+    pub dob: (&'a CudaSlice<bf16>, usize),
     pub do_width: usize,
-    pub dht: Option<CudaView<'a, f32>>,
+    pub dht: Option<(&'a CudaSlice<f32>, usize)>,
 }
 
 /// Runs the state-gradient scan `plan.kernel` (`gdp_bwd_dh_bf16_<BV>_<KPT>`) on `src` over
-/// the value columns of `sh`, on `stream` (the device's, or a [`SideStream`]'s); with `ready`,
+/// the value columns of `sh`, `on` the device's stream or a side stream (`side::SideStream`),
+/// which keeps the buffers borrowed until it is joined; with `ready`,
 /// waiting for the readiness counters of a WY kernel running beside it
 /// (`pipeline::Pipeline`); with `signal`, counting its chunks done for a gradient kernel beside
 /// it.
-pub(super) fn run_dh_scan(
-    stream: &Arc<CudaStream>,
-    src: &DhInputs,
+pub(super) fn run_dh_scan<'b>(
+    on: On<'_, 'b>,
+    src: &DhInputs<'b>,
     sh: &GdpShape,
     plan: &ScanPlan,
-    dest: DhDest,
-    ready: Option<&CudaSlice<i32>>,
-    signal: Option<&CudaSlice<i32>>,
+    dest: DhDest<'b>,
+    ready: Option<&'b CudaSlice<i32>>,
+    signal: Option<&'b CudaSlice<i32>>,
 ) -> Result<()> {
     let DhInputs {
         inp,
         table,
         wy,
-        ref dob,
+        dob,
         do_width,
-        ref dht,
+        dht,
     } = *src;
     let dev = &inp.dev;
     let [b, t, h, k, vd, n] = shape_i32(sh)?;
-    if do_width > sh.dv || dob.len() < sh.batch * sh.tokens * sh.heads * do_width {
+    let do_len = dob.0.len().saturating_sub(dob.1);
+    if do_width > sh.dv || do_len < sh.batch * sh.tokens * sh.heads * do_width {
         candle_core::bail!(
-            "gdp cuda: dO of {} elements in rows of {do_width} for a scan of {} columns",
-            dob.len(),
+            "gdp cuda: dO of {do_len} elements in rows of {do_width} for a scan of {} columns",
             sh.dv
         );
     }
+    if let Some((d, at)) = dht {
+        if d.len().saturating_sub(at) < sh.num_seqs() * sh.heads * sh.dk * sh.dv {
+            candle_core::bail!("gdp cuda: dht of {} elements from {at}", d.len());
+        }
+    }
     let func = load_kernel(dev, &plan.kernel)?;
     allow_smem(&func, plan.smem)?;
-    let mut args = func.args_on(stream);
+    let mut args = func.args_on(on);
     let widened = dest.widened.unwrap_or(0..sh.num_seqs());
+    // dS and dDelta outside cudarc's tracking: a gradient kernel beside the scan reads them.
     let (dhs, ddn) = match dest.chunks {
-        Some((dhs, ddn)) => (args.write(dhs), args.write(ddn)),
+        Some((dhs, ddn)) => (args.untracked(dhs), args.untracked(ddn)),
         None => (0, 0),
     };
     let params = DhParams {
@@ -89,18 +97,16 @@ pub(super) fn run_dh_scan(
         w: args.untracked(&wy.w),
         p: args.untracked(&wy.p),
         coef: args.untracked(&wy.coef),
-        dob: args.read(dob),
+        dob: args.read_at(dob.0, dob.1)?,
         // Never read where `has_dht` is 0, but a valid address all the same.
         dht: match dht {
-            Some(d) => args.read(d),
+            Some((d, at)) => args.read_at(d, at)?,
             None => args.read(&inp.aux),
         },
         dhs,
         ddn,
-        dh0: match dest.dh0 {
-            Some(d) => args.write(d),
-            None => 0,
-        },
+        // Written on the scan's stream, read after its join (untracked like dS).
+        dh0: args.untracked_opt(dest.dh0),
         ready: args.untracked_opt(ready),
         signal: args.untracked_opt(signal),
         split: inp.split,

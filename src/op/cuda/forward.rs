@@ -150,12 +150,12 @@ pub(crate) fn try_forward_bf16(
             };
             let order = sh.chunks_time_major();
             let pipeline = Pipeline::plan(dev, sh, &table, &plan, sms, order, cfg)?;
-            let mut wy = WyFactors::alloc(dev, &table, sh, cache.is_some())?;
+            let wy = WyFactors::alloc(dev, &table, sh, cache.is_some())?;
             let mut states = cache
                 .filter(|slot| slot.states)
                 .map(|_| ChunkStates::alloc(dev, &table, sh))
                 .transpose()?;
-            let mut scan = |out: ScanOut, states: Option<&mut ChunkStates>| {
+            let scan = |out: ScanOut, states: Option<&mut ChunkStates>| {
                 let dest = ScanDest {
                     out,
                     states,
@@ -166,7 +166,7 @@ pub(crate) fn try_forward_bf16(
                     table: &table,
                     h0_override,
                 };
-                wy_then_scan(pipeline.as_ref(), &src, &mut wy, sh, scale, &plan, dest)
+                wy_then_scan(pipeline.as_ref(), &src, &wy, sh, scale, &plan, dest)
             };
             let out = if plain {
                 // SAFETY: the scan writes o for every query row (`cu_seqlens` covers every

@@ -6,22 +6,23 @@ use super::cache::ChunkStates;
 use super::device::{allow_smem, grid_dim, shape_i32, to_i32, GRID_X, GRID_YZ};
 use super::inputs::{Bf16Inputs, ChunkTable};
 use super::module::load_kernel;
+use super::module::On;
 use super::plan::ScanPlan;
 use super::wy::WyFactors;
 use crate::op::kernel_params::ScanParams;
 use crate::op::shape::GdpShape;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig};
 use candle_core::Result;
 use half::bf16;
 use std::ops::Range;
-use std::sync::Arc;
 
-/// Where a scan runs beside the WY kernel (`pipeline::Pipeline`): its stream and the
-/// WY kernel's readiness counters it waits for.
+/// Where a scan runs beside the WY kernel (`pipeline::Pipeline`): its side stream, for whose
+/// life `'b` the scan's buffers stay borrowed, and the WY kernel's readiness counters it waits
+/// for.
 #[derive(Clone, Copy)]
-pub(super) struct Beside<'a> {
-    pub stream: &'a Arc<CudaStream>,
-    pub ready: &'a CudaSlice<i32>,
+pub(super) struct Beside<'s, 'b> {
+    pub on: On<'s, 'b>,
+    pub ready: &'b CudaSlice<i32>,
 }
 
 /// The forward scan's output: the packed f32 `[o | final state]`, `o` alone in bf16, `o` in
@@ -57,13 +58,13 @@ pub(super) struct ScanInputs<'a> {
 /// Runs the forward scan `plan.kernel` on the WY factors of `src.table`'s chunks, over the
 /// value columns of `sh` (U's `wy.dv` columns and, past them, zeros: a context-parallel rank's
 /// `[U | 0_K]`).
-pub(super) fn run_scan(
-    src: &ScanInputs,
-    wy: &WyFactors,
+pub(super) fn run_scan<'b>(
+    src: &ScanInputs<'b>,
+    wy: &'b WyFactors,
     sh: &GdpShape,
     plan: &ScanPlan,
-    dest: ScanDest,
-    beside: Option<Beside>,
+    dest: ScanDest<'b>,
+    beside: Option<Beside<'_, 'b>>,
 ) -> Result<()> {
     let ScanInputs {
         inp,
@@ -88,10 +89,8 @@ pub(super) fn run_scan(
     }
     let scan = load_kernel(dev, &plan.kernel)?;
     allow_smem(&scan, plan.smem)?;
-    // The packed output's `o` and final-state parts.
-    let mut packed = None;
     let mut args = match beside {
-        Some(b) => scan.args_on(b.stream),
+        Some(b) => scan.args_on(b.on),
         None => scan.args(),
     };
     // The kernel's `out, outb, fin, hs, dn`: f32 o, bf16 o, final states, start states, Delta
@@ -99,8 +98,12 @@ pub(super) fn run_scan(
     let (mut out, mut outb, mut fin) = (0, 0, 0);
     match dest.out {
         ScanOut::Packed(o) => {
-            let (o, f) = packed.insert(o.split_at_mut(sh.o_len()));
-            (out, fin) = (args.write(o), args.write(f));
+            // Its `o` and final-state parts, at one address and `o_len` floats on.
+            if o.len() < sh.o_len() + sh.state_len() {
+                candle_core::bail!("gdp cuda: a packed output of {} elements", o.len());
+            }
+            out = args.write(o);
+            fin = out + (sh.o_len() * std::mem::size_of::<f32>()) as u64;
         }
         ScanOut::Plain(o) => outb = args.write(o),
         ScanOut::PlainFinal(o, f) => (outb, fin) = (args.write(o), args.write(f)),

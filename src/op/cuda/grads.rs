@@ -10,8 +10,8 @@ use super::plan::{grads_smem_bytes, grads_tiles};
 use crate::op::kernel_params::{GradsParams, PipeParams};
 use crate::op::shape::GdpShape;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
-use candle_core::cuda_backend::CudaDevice;
-use candle_core::Result;
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::{Result, Tensor};
 use half::bf16;
 
 /// Threads per block of the gradient kernel (`GDPG_THREADS`) and its column groups
@@ -44,6 +44,47 @@ pub enum Grads {
         dv: CudaSlice<bf16>,
         daux: CudaSlice<f32>,
     },
+}
+
+impl Grads {
+    /// The f32 buffer that holds the initial-state gradients (`[N, H, K, V]`) and where they
+    /// start in it: the packed gradients, or the gates part `daux`, in which they start at
+    /// `dh0_at`.
+    fn states_part(&mut self, sh: &GdpShape, dh0_at: usize) -> (&mut CudaSlice<f32>, usize) {
+        match self {
+            Grads::Packed(p) => (p, sh.qk_len() + sh.v_len() + dh0_at),
+            Grads::Parts { daux, .. } => (daux, dh0_at),
+        }
+    }
+
+    /// Copies the initial-state gradients `dh0` (an f32 tensor `[N, H, K, V]`) in.
+    pub(super) fn copy_states_in(
+        &mut self,
+        dh0: &Tensor,
+        sh: &GdpShape,
+        dh0_at: usize,
+    ) -> Result<()> {
+        let (buf, at) = self.states_part(sh, dh0_at);
+        super::device::copy_tensor_into(dh0, buf, at)
+    }
+
+    /// Copies the initial-state gradients `dh0` (an f32 buffer `[N, H, K, V]`) in.
+    pub(super) fn copy_states_slice_in(
+        &mut self,
+        dev: &CudaDevice,
+        dh0: &CudaSlice<f32>,
+        sh: &GdpShape,
+        dh0_at: usize,
+    ) -> Result<()> {
+        let n = sh.state_len();
+        let (buf, at) = self.states_part(sh, dh0_at);
+        if dh0.len() < n || buf.len() < at + n {
+            candle_core::bail!("gdp cuda: {n} initial-state gradients do not fit");
+        }
+        dev.cuda_stream()
+            .memcpy_dtod(&dh0.slice(..n), &mut buf.slice_mut(at..at + n))
+            .w()
+    }
 }
 
 /// Counters ahead of the per-group ones in the gradient kernel's pipe (`GDPG_PIPE_COUNTERS`:

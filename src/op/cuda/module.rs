@@ -21,6 +21,7 @@ use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDevice, DeviceId, WrapErr};
 use candle_core::Result;
 use std::collections::HashMap;
+use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Fat binary of `cuda/gdp.cu` (`nvcc --fatbin`, see `build.rs`).
@@ -36,64 +37,107 @@ pub(super) struct GdpFunc {
 }
 
 impl GdpFunc {
-    /// The arguments of one launch on the device's stream.
-    pub fn args(&self) -> Launch<'_> {
+    /// The arguments of one launch on the device's stream. Buffers are freed on that stream
+    /// (Candle's allocations are stream-ordered), so a freed buffer is not reused before the
+    /// kernel is done with it: they stay borrowed only until the launch is queued.
+    pub fn args<'s, 'b: 's>(&'s self) -> Launch<'s, 'b> {
         Launch::new(self, &self.stream)
     }
 
-    /// The arguments of one launch on `stream`, a stream of the device's context (see
-    /// `side::SideStream`).
-    pub fn args_on<'a>(&'a self, stream: &'a Arc<CudaStream>) -> Launch<'a> {
-        Launch::new(self, stream)
+    /// The arguments of one launch `on` a stream ([`On`]): on a side stream
+    /// ([`super::side::SideStream::on`]) its buffers stay borrowed for `'b`, until that stream
+    /// is joined into the device's.
+    pub fn args_on<'s, 'b: 's>(&'s self, on: On<'s, 'b>) -> Launch<'s, 'b> {
+        Launch::new(self, on.stream)
+    }
+}
+
+/// A stream to launch on and the region `'b` for which the buffers of the kernels launched on
+/// it stay borrowed: on a [`super::side::SideStream`], its life (invariant, so that a launch
+/// cannot borrow its buffers for less); on the device's stream, any.
+#[derive(Clone, Copy)]
+pub(super) struct On<'s, 'b> {
+    stream: &'s Arc<CudaStream>,
+    buffers: PhantomData<fn(&'b ()) -> &'b ()>,
+}
+
+impl<'s, 'b> On<'s, 'b> {
+    /// The device's own stream (`dev.cuda_stream()`), which buffers are freed on: there a
+    /// launch needs its buffers only until it is queued, whatever `'b`.
+    pub fn device(stream: &'s Arc<CudaStream>) -> Self {
+        Self::side(stream)
+    }
+
+    /// For [`super::side::SideStream::on`]: its stream, whose launches borrow their buffers
+    /// until the side stream is joined (`'b`).
+    pub(super) fn side(stream: &'s Arc<CudaStream>) -> Self {
+        Self {
+            stream,
+            buffers: PhantomData,
+        }
     }
 }
 
 /// One launch of a kernel: the device addresses that go into its parameter struct
-/// (`cuda/params.cuh`), each taken from a buffer that stays borrowed until the launch is queued,
-/// with cudarc's stream-ordering guard (the stream waits for the buffer's earlier writes, and the
-/// launch is recorded as a read or a write of it), as cudarc's own argument builder does.
-pub(super) struct Launch<'a> {
-    func: &'a GdpFunc,
-    stream: &'a Arc<CudaStream>,
-    guards: Vec<SyncOnDrop<'a>>,
+/// (`cuda/params.cuh`), each taken from a buffer borrowed for `'b` (on the device's stream, until
+/// the launch is queued; on a side stream, until it is joined: [`On`]), with cudarc's
+/// stream-ordering guard (the stream waits for the buffer's earlier writes, and the launch is
+/// recorded as a read or a write of it), as cudarc's own argument builder does.
+pub(super) struct Launch<'s, 'b> {
+    func: &'s GdpFunc,
+    stream: &'s Arc<CudaStream>,
+    guards: Vec<SyncOnDrop<'s>>,
+    buffers: PhantomData<fn(&'b ()) -> &'b ()>,
 }
 
-impl<'a> Launch<'a> {
-    fn new(func: &'a GdpFunc, stream: &'a Arc<CudaStream>) -> Self {
+impl<'s, 'b: 's> Launch<'s, 'b> {
+    fn new(func: &'s GdpFunc, stream: &'s Arc<CudaStream>) -> Self {
         Self {
             func,
             stream,
             guards: Vec::new(),
+            buffers: PhantomData,
         }
     }
 
     /// The address of a buffer the kernel reads.
-    pub fn read<T, S: DevicePtr<T>>(&mut self, s: &'a S) -> u64 {
+    pub fn read<T, S: DevicePtr<T>>(&mut self, s: &'b S) -> u64 {
         let (ptr, guard) = s.device_ptr(self.stream);
         self.guards.push(guard);
         ptr
     }
 
+    /// The address of element `at` of a buffer the kernel reads (an error past its end).
+    pub fn read_at<T>(&mut self, s: &'b CudaSlice<T>, at: usize) -> Result<u64> {
+        if at > s.len() {
+            candle_core::bail!("gdp cuda: element {at} of a {}-element buffer", s.len());
+        }
+        Ok(self.read(s) + (at * std::mem::size_of::<T>()) as u64)
+    }
+
     /// The address of a buffer the kernel writes.
-    pub fn write<T, S: DevicePtrMut<T>>(&mut self, s: &'a mut S) -> u64 {
+    pub fn write<T, S: DevicePtrMut<T>>(&mut self, s: &'b mut S) -> u64 {
         let (ptr, guard) = s.device_ptr_mut(self.stream);
         self.guards.push(guard);
         ptr
     }
 
     /// The address of an optional buffer the kernel reads, 0 (null) for none.
-    pub fn read_opt<T, S: DevicePtr<T>>(&mut self, s: Option<&'a S>) -> u64 {
+    pub fn read_opt<T, S: DevicePtr<T>>(&mut self, s: Option<&'b S>) -> u64 {
         s.map_or(0, |s| self.read(s))
     }
 
-    /// The address of a buffer outside cudarc's event tracking, which is active where the
-    /// context has several streams (context parallelism's ranks' devices) and keeps one pair of
-    /// events per buffer: the WY factors and counters are written by the WY kernel while a scan
-    /// beside it reads them on another stream (`pipeline.rs`), which those events would
-    /// serialise. Every use of these buffers is ordered by the streams it is queued on instead
-    /// (one stream, or the fork and join of `side.rs`); the buffer stays borrowed until the
-    /// launch is queued.
-    pub fn untracked<T>(&mut self, s: &'a CudaSlice<T>) -> u64 {
+    /// The address of a buffer outside cudarc's event tracking, which the kernel reads or
+    /// writes while a kernel on the other stream uses it too. cudarc's tracking is active where
+    /// the context has several streams (context parallelism's ranks' devices) and keeps one
+    /// pair of events per buffer: the WY factors and counters are written by the WY kernel
+    /// while a scan beside it reads them on another stream (`pipeline.rs`), and the
+    /// state-gradient scan writes dS and dDelta while the gradient kernel reads them, which
+    /// those events would serialise. Every use of these buffers is ordered by the streams it is
+    /// queued on instead (one stream, or the fork and join of `side.rs`) and by the kernels'
+    /// readiness counters; the buffer stays borrowed (shared, as kernels on both streams use
+    /// it) for `'b`, like the others.
+    pub fn untracked<T>(&mut self, s: &'b CudaSlice<T>) -> u64 {
         // The guard records a read on the device's stream at once, after the work queued there
         // so far: it orders nothing that the streams do not order already.
         let (ptr, _record_now) = s.device_ptr(&self.func.stream);
@@ -101,7 +145,7 @@ impl<'a> Launch<'a> {
     }
 
     /// [`Launch::untracked`] for an optional buffer, 0 (null) for none.
-    pub fn untracked_opt<T>(&mut self, s: Option<&'a CudaSlice<T>>) -> u64 {
+    pub fn untracked_opt<T>(&mut self, s: Option<&'b CudaSlice<T>>) -> u64 {
         s.map_or(0, |s| self.untracked(s))
     }
 

@@ -140,9 +140,27 @@ impl Pipeline {
         })
     }
 
-    /// Starts the overlap ([`OverlapRun::start`] with this pipeline's counters and streams).
-    pub fn start(&self, dev: &CudaDevice) -> Result<Option<OverlapRun>> {
-        OverlapRun::start(dev, self.counters, self.side_streams)
+    /// Zeroed readiness counters for one overlapped launch, for [`Pipeline::start`]: the
+    /// caller holds them, so that they outlive the run's side stream.
+    pub fn zeroed_counters(&self, dev: &CudaDevice) -> Result<CudaSlice<i32>> {
+        dev.alloc_zeros::<i32>(self.counters)
+    }
+
+    /// Starts the overlap with the counters `ready` ([`Pipeline::zeroed_counters`]):
+    /// [`OverlapRun::start`] with this pipeline's streams.
+    pub fn start<'b>(
+        &self,
+        dev: &CudaDevice,
+        ready: &'b CudaSlice<i32>,
+    ) -> Result<Option<OverlapRun<'b>>> {
+        if ready.len() < self.counters {
+            candle_core::bail!(
+                "gdp cuda: {} readiness counters for a pipeline of {}",
+                ready.len(),
+                self.counters
+            );
+        }
+        OverlapRun::start(dev, ready, self.side_streams)
     }
 
     /// The chunk order on the device (table ids): the WY kernel's, and the gradient kernel's
@@ -158,10 +176,10 @@ impl Pipeline {
 
     /// What the WY kernel is told: this order, `run`'s counters, and whether it keeps to two
     /// blocks per multiprocessor ([`Signal::two_per_sm`]).
-    pub fn signal<'a>(&'a self, run: &'a OverlapRun, two_per_sm: bool) -> Signal<'a> {
+    pub fn signal<'a>(&'a self, run: &OverlapRun<'a>, two_per_sm: bool) -> Signal<'a> {
         Signal {
             order: &self.order,
-            ready: &run.ready,
+            ready: run.ready,
             two_per_sm,
         }
     }
@@ -176,7 +194,7 @@ impl Pipeline {
 pub(super) fn wy_then_scan(
     pipeline: Option<&Pipeline>,
     src: &ScanInputs,
-    wy: &mut WyFactors,
+    wy: &WyFactors,
     sh: &GdpShape,
     scale: f32,
     plan: &ScanPlan,
@@ -185,8 +203,12 @@ pub(super) fn wy_then_scan(
     let (dev, inp, table) = (&src.inp.dev, src.inp, src.table);
     // Side by side: the WY kernel is queued first, so that on one stream (side streams off) the
     // scan finds every chunk ready.
+    let counters;
     let overlap = match pipeline {
-        Some(p) => p.start(dev)?.map(|run| (p, run)),
+        Some(p) => {
+            counters = p.zeroed_counters(dev)?;
+            p.start(dev, &counters)?.map(|run| (p, run))
+        }
         None => None,
     };
     let widened;
@@ -208,8 +230,8 @@ pub(super) fn wy_then_scan(
         overlap.as_ref().map(|(p, run)| p.signal(run, p.own_sms)),
     )?;
     let beside = overlap.as_ref().map(|(_, run)| Beside {
-        stream: run.side.stream(),
-        ready: &run.ready,
+        on: run.side.on(),
+        ready: run.ready,
     });
     run_scan(src, wy, sh, plan, dest, beside)?;
     match overlap {
@@ -273,24 +295,29 @@ fn chunk_order(dev: &CudaDevice, order: Vec<usize>, table: &ChunkTable) -> Resul
     dev.clone_htod(&order)
 }
 
-/// An overlapped launch in progress: zeroed readiness counters, a high-priority side stream
+/// An overlapped launch in progress: zeroed readiness counters (borrowed, like every buffer of
+/// the side stream's kernels, until the side stream is joined), a high-priority side stream
 /// forked from the device's stream, and this GPU's registry of overlapped launches, locked
 /// until the launch is recorded in it.
-pub(super) struct OverlapRun {
+pub(super) struct OverlapRun<'b> {
     running: MutexGuard<'static, HashMap<usize, InFlight>>,
     ordinal: usize,
     stream: usize,
-    pub side: SideStream,
-    pub ready: CudaSlice<i32>,
+    pub side: SideStream<'b>,
+    pub ready: &'b CudaSlice<i32>,
 }
 
-impl OverlapRun {
-    /// Starts one with `counters` readiness counters (the side stream forks after they are
-    /// zeroed), or `None`, queuing nothing, where this GPU's previous overlapped launch was
+impl<'b> OverlapRun<'b> {
+    /// Starts one with the zeroed readiness counters `ready` (the side stream forks after the
+    /// work queued so far), or `None`, queuing nothing, where this GPU's previous overlapped launch was
     /// queued on another stream and may still be running: its waiting blocks and these could
     /// fill every multiprocessor. One queued on the same stream cannot overlap this one
     /// (stream order starts this one's side stream after the previous one's join).
-    fn start(dev: &CudaDevice, counters: usize, side_streams: bool) -> Result<Option<Self>> {
+    fn start(
+        dev: &CudaDevice,
+        ready: &'b CudaSlice<i32>,
+        side_streams: bool,
+    ) -> Result<Option<Self>> {
         let main = dev.cuda_stream();
         let ordinal = main.context().ordinal();
         let running = in_flight()
@@ -304,7 +331,6 @@ impl OverlapRun {
         if !free {
             return Ok(None);
         }
-        let ready = dev.alloc_zeros::<i32>(counters)?;
         let side = SideStream::fork_urgent(dev, side_streams)?;
         Ok(Some(Self {
             running,
@@ -318,7 +344,7 @@ impl OverlapRun {
     /// Records the side stream's completion in the registry and joins it into the device's
     /// stream (once everything that runs on the side stream is queued).
     pub fn finish(mut self) -> Result<()> {
-        let done = self.side.stream().record_event(None).w()?;
+        let done = self.side.record_event()?;
         let (stream, ordinal) = (self.stream, self.ordinal);
         self.running.insert(ordinal, InFlight { stream, done });
         self.side.join()

@@ -8,26 +8,33 @@
 //! after the work queued so far on the device's stream ([`SideStream::fork`]), and the device's
 //! stream waits for all of it before the side stream goes ([`SideStream::join`], also on drop,
 //! so that no buffer is freed on the device's stream while a side kernel may still use it).
+//! The buffers of the kernels launched on the side stream ([`SideStream::on`]) stay borrowed
+//! until it is joined or dropped: its lifetime parameter `'b` is the region of those borrows,
+//! so a buffer that a side kernel may still use cannot be dropped (freed on the device's
+//! stream) before the join.
 //! With [`KernelConfig::side_streams`](crate::op::KernelConfig::side_streams) off, the side work
 //! goes on the device's stream instead (same results, one kernel at a time: for measurements and
 //! debugging).
 
-use candle_core::cuda_backend::cudarc::driver::{result, sys, CudaStream};
+use super::module::On;
+use candle_core::cuda_backend::cudarc::driver::{result, sys, CudaEvent, CudaStream};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::Result;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 /// A non-blocking stream of the device's context, joined back into the device's stream when
-/// it goes.
-pub(super) struct SideStream {
+/// it goes; the buffers of its kernels stay borrowed for `'b` (invariant) until then.
+pub(super) struct SideStream<'b> {
     main: Arc<CudaStream>,
     side: Arc<CudaStream>,
     /// The driver's stream behind `side`; `None` when `side` is the device's stream.
     raw: Option<sys::CUstream>,
     joined: bool,
+    buffers: PhantomData<fn(&'b ()) -> &'b ()>,
 }
 
-impl SideStream {
+impl<'b> SideStream<'b> {
     /// A new stream that starts after the work queued so far on `dev`'s stream; the device's
     /// stream itself where `separate` is false.
     pub fn fork(dev: &CudaDevice, separate: bool) -> Result<Self> {
@@ -48,6 +55,7 @@ impl SideStream {
                 main,
                 raw: None,
                 joined: false,
+                buffers: PhantomData,
             });
         }
         let ctx = main.context().clone();
@@ -67,14 +75,21 @@ impl SideStream {
             side,
             raw: Some(raw),
             joined: false,
+            buffers: PhantomData,
         };
         this.side.join(&this.main).w()?;
         Ok(this)
     }
 
-    /// The side stream, to launch on ([`super::module::GdpFunc::builder_on`]).
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.side
+    /// The side stream, to launch on ([`super::module::GdpFunc::args_on`]): the launch's
+    /// buffers stay borrowed for `'b`.
+    pub fn on(&self) -> On<'_, 'b> {
+        On::side(&self.side)
+    }
+
+    /// Records an event on the side stream, after the work queued on it so far.
+    pub fn record_event(&self) -> Result<CudaEvent> {
+        self.side.record_event(None).w()
     }
 
     /// Makes the device's stream wait for everything queued on the side stream.
@@ -85,7 +100,7 @@ impl SideStream {
     }
 }
 
-impl Drop for SideStream {
+impl Drop for SideStream<'_> {
     fn drop(&mut self) {
         let Some(raw) = self.raw else {
             return;

@@ -10,6 +10,7 @@ use super::dh_scan::{run_dh_scan, DhDest, DhInputs};
 use super::fused_bwd::{summaries, Summary};
 use super::fwd_scan::{ScanDest, ScanOut};
 use super::inputs::{Bf16Inputs, ChunkTable, Cotangent, CudaCall, QkIn};
+use super::module::On;
 use super::plan::{DH_SCAN, STATES_SCAN};
 use super::widened::{wanted, Widened};
 use super::wy::WyFactors;
@@ -131,24 +132,22 @@ fn backward_summaries_bf16(
         }
     };
     let dhtw = dev.clone_htod(&widened_states(dht, sh, frags))?;
-    let mut out = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
-    {
-        let mut dh0 = out.slice_mut(..);
-        let dest = DhDest {
-            chunks: None,
-            dh0: Some(&mut dh0),
-            widened: None,
-        };
-        let src = DhInputs {
-            inp: &inp,
-            table: &table,
-            wy: &wy,
-            dob: dob.slice(at..),
-            do_width: sh.dv,
-            dht: Some(dhtw.slice(..)),
-        };
-        run_dh_scan(&dev.cuda_stream(), &src, &wide, &plan, dest, None, None)?;
-    }
+    let out = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
+    let dest = DhDest {
+        chunks: None,
+        dh0: Some(&out),
+        widened: None,
+    };
+    let src = DhInputs {
+        inp: &inp,
+        table: &table,
+        wy: &wy,
+        dob: (dob, at),
+        do_width: sh.dv,
+        dht: Some((&dhtw, 0)),
+    };
+    let main = dev.cuda_stream();
+    run_dh_scan(On::device(&main), &src, &wide, &plan, dest, None, None)?;
     let mut all = dev.clone_dtoh(&out)?;
     all.truncate(wide.state_len());
     Ok(Some(all))

@@ -114,21 +114,13 @@ impl Widened {
         let order = sub.chunks_time_major();
         let pipeline =
             Pipeline::plan_sharing(dev, wide, &table, &self.plan, self.sms, order, cfg, sub.dv)?;
-        let mut wy = WyFactors::alloc(dev, &table, sub, keep)?;
+        let wy = WyFactors::alloc(dev, &table, sub, keep)?;
         let src = ScanInputs {
             inp,
             table: &table,
             h0_override: Some(h0w),
         };
-        wy_then_scan(
-            pipeline.as_ref(),
-            &src,
-            &mut wy,
-            wide,
-            scale,
-            &self.plan,
-            dest,
-        )?;
+        wy_then_scan(pipeline.as_ref(), &src, &wy, wide, scale, &self.plan, dest)?;
         Ok(wy)
     }
 }
@@ -355,10 +347,51 @@ pub(super) struct WidenedDh<'a> {
     pub(super) cfg: &'a KernelConfig,
 }
 
+/// The buffers of a widened state-gradient scan, held by the caller so that they outlive the
+/// side stream the scan runs on: its chunk rows `[x⁰ | x̃]` (bf16 `[slots, K, V + K]` and
+/// `[slots, 64, V + K]`), its initial-state gradients `[γ | Mᵀ]` (f32 `[N, H, K, V + K]`) and
+/// the end-state gradients it starts from, `[dht | I]`.
+pub(super) struct WidenedBufs {
+    dhs_w: CudaSlice<bf16>,
+    ddn_w: CudaSlice<bf16>,
+    dh0w: CudaSlice<f32>,
+    dhtw: CudaSlice<f32>,
+}
+
 impl<'a> WidenedDh<'a> {
-    /// Launches the widened scan on a side stream forked from the device's (what runs on the
-    /// device's stream until [`WidenedRun::finish`] runs beside it).
-    pub(super) fn launch(self, dev: &CudaDevice) -> Result<WidenedRun<'a>> {
+    /// The buffers of this scan ([`WidenedBufs`]), `[dht | I]` filled.
+    pub(super) fn buffers(&self, dev: &CudaDevice) -> Result<WidenedBufs> {
+        let sh = self.sh;
+        let (k, v) = (sh.dk, sh.dv);
+        let slots = self.table.slots(sh);
+        let wide_states = sh.num_seqs() * sh.heads * k * (v + k);
+        // SAFETY: the scan writes every element of every slot of the table's chunks; slots of
+        // no chunk are never read.
+        let (dhs_w, ddn_w) = unsafe {
+            (
+                dev.alloc::<bf16>(slots * k * (v + k))?,
+                dev.alloc::<bf16>(slots * CHUNK * (v + k))?,
+            )
+        };
+        Ok(WidenedBufs {
+            dhs_w,
+            ddn_w,
+            dh0w: dev.alloc_zeros::<f32>(wide_states.max(1))?,
+            dhtw: widened_states_dev(dev, self.dht_src, sh)?,
+        })
+    }
+
+    /// Launches the widened scan into `bufs` ([`WidenedDh::buffers`]) on a side stream forked
+    /// from the device's (what runs on the device's stream until [`WidenedRun::finish`] runs
+    /// beside it); `bufs` stays borrowed until then.
+    pub(super) fn launch<'b>(
+        self,
+        dev: &CudaDevice,
+        bufs: &'b WidenedBufs,
+    ) -> Result<WidenedRun<'a, 'b>>
+    where
+        'a: 'b,
+    {
         let sh = self.sh;
         let (k, v) = (sh.dk, sh.dv);
         let wide = GdpShape {
@@ -376,75 +409,55 @@ impl<'a> WidenedDh<'a> {
                 sh.n
             );
         };
-        let dhtw = widened_states_dev(dev, self.dht_src, sh)?;
-        let slots = self.table.slots(sh);
-        // SAFETY: the scan writes every element of every slot of the table's chunks; slots of
-        // no chunk are never read.
-        let (mut dhs_w, mut ddn_w) = unsafe {
-            (
-                dev.alloc::<bf16>(slots * k * (v + k))?,
-                dev.alloc::<bf16>(slots * CHUNK * (v + k))?,
-            )
-        };
-        let mut dh0w = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
         let side = SideStream::fork(dev, self.cfg.side_streams)?;
-        {
-            let mut d0 = dh0w.slice_mut(..);
-            let dest = DhDest {
-                chunks: Some((&mut dhs_w, &mut ddn_w)),
-                dh0: Some(&mut d0),
-                widened: Some(self.widened.clone()),
-            };
-            let src = DhInputs {
-                inp: self.inp,
-                table: self.table,
-                wy: self.wy,
-                dob: self.do_src.0.slice(self.do_src.1..),
-                do_width: v,
-                dht: Some(dhtw.slice(..)),
-            };
-            run_dh_scan(side.stream(), &src, &wide, &plan, dest, None, None)?;
-        }
+        let dest = DhDest {
+            chunks: Some((&bufs.dhs_w, &bufs.ddn_w)),
+            dh0: Some(&bufs.dh0w),
+            widened: Some(self.widened.clone()),
+        };
+        let src = DhInputs {
+            inp: self.inp,
+            table: self.table,
+            wy: self.wy,
+            dob: self.do_src,
+            do_width: v,
+            dht: Some((&bufs.dhtw, 0)),
+        };
+        run_dh_scan(side.on(), &src, &wide, &plan, dest, None, None)?;
         Ok(WidenedRun {
             sh,
             chunks: self.table.chunks,
+            slots: self.table.slots(sh),
             side,
-            dhs_w,
-            ddn_w,
-            dh0w,
-            _dhtw: dhtw,
+            bufs,
         })
     }
 }
 
-/// A launched [`WidenedDh`]: its side stream and widened outputs.
-pub(super) struct WidenedRun<'a> {
+/// A launched [`WidenedDh`]: its side stream and the buffers it writes.
+pub(super) struct WidenedRun<'a, 'b> {
     pub(super) sh: &'a GdpShape,
     pub(super) chunks: usize,
-    pub(super) side: SideStream,
-    pub(super) dhs_w: CudaSlice<bf16>,
-    pub(super) ddn_w: CudaSlice<bf16>,
-    pub(super) dh0w: CudaSlice<f32>,
-    /// `[dht | I]`, alive until the scan that reads it is joined.
-    pub(super) _dhtw: CudaSlice<f32>,
+    pub(super) slots: usize,
+    pub(super) side: SideStream<'b>,
+    pub(super) bufs: &'b WidenedBufs,
 }
 
-impl WidenedRun<'_> {
+impl WidenedRun<'_, '_> {
     /// Joins the scan, calls `fold` with its `[γ | Mᵀ]` and writes the corrected chunk rows into
-    /// `dhs [slots, K, V]` and `ddn [slots, 64, V]`; returns the initial-state gradients f32
-    /// `[N, H, K, V]`.
+    /// new buffers `dhs [slots, K, V]` and `ddn [slots, 64, V]` (bf16, for the gradient kernel);
+    /// returns them and the initial-state gradients f32 `[N, H, K, V]`.
     pub(super) fn finish(
         self,
         dev: &CudaDevice,
-        dhs: &mut CudaSlice<bf16>,
-        ddn: &mut CudaSlice<bf16>,
         fold: WidenedFold,
-    ) -> Result<Tensor> {
+    ) -> Result<(CudaSlice<bf16>, CudaSlice<bf16>, Tensor)> {
         use super::cp_fix::{fix_planned, plan_rows, FixDims};
         let sh = self.sh;
         let (ns, h, k, v) = (sh.num_seqs(), sh.heads, sh.dk, sh.dv);
         self.side.join()?;
-        let folded = (fold.exchange)(&self.dh0w)?;
+        let bufs = self.bufs;
+        let folded = (fold.exchange)(&bufs.dh0w)?;
         let (s, fixed) = match &folded {
             Some((s, r)) => (Some(s.slice(..)), r.clone()),
             None => (None, 0..0),
@@ -455,16 +468,24 @@ impl WidenedRun<'_> {
             dk: k,
             dv: v,
         };
-        for (dst, src, inner) in [(dhs, &self.dhs_w, k), (ddn, &self.ddn_w, CHUNK)] {
+        // SAFETY: the corrections below write every row of every slot of the table's chunks
+        // (the rows of the sequences not corrected copied); slots of no chunk are never read.
+        let (mut dhs, mut ddn) = unsafe {
+            (
+                dev.alloc::<bf16>(self.slots * k * v)?,
+                dev.alloc::<bf16>(self.slots * CHUNK * v)?,
+            )
+        };
+        for (dst, src, inner) in [(&mut dhs, &bufs.dhs_w, k), (&mut ddn, &bufs.ddn_w, CHUNK)] {
             let rows = plan_rows(&spans, self.chunks, fixed.clone(), inner)?;
             let src = src.slice(..);
             fix_planned(dev, (&src, &mut dst.slice_mut(..)), s.as_ref(), dims, &rows)?;
         }
         // The initial-state gradients: γ⁰ + Mᵀ dS for the corrected sequences.
-        let t = super::device::tensor_of(dev, &self.dh0w, &[ns, h, k, v + k])?;
+        let t = super::device::tensor_of(dev, &bufs.dh0w, &[ns, h, k, v + k])?;
         let dh0 = t.narrow(3, 0, v)?;
         let Some((s, r)) = &folded else {
-            return dh0.contiguous();
+            return Ok((dhs, ddn, dh0.contiguous()?));
         };
         let ds = super::device::tensor_of(dev, s, &[r.len(), h, k, v])?;
         let fixed = corrected_summary(&t, r.clone(), &ds)?;
@@ -476,7 +497,7 @@ impl WidenedRun<'_> {
         if r.end < ns {
             parts.push(dh0.narrow(0, r.end, ns - r.end)?);
         }
-        Tensor::cat(&parts, 0)
+        Ok((dhs, ddn, Tensor::cat(&parts, 0)?))
     }
 }
 

@@ -41,7 +41,7 @@ impl WyFactors {
         scale: f32,
         with_ainv: bool,
     ) -> Result<Self> {
-        let mut f = Self::alloc(dev, table, sh, with_ainv)?;
+        let f = Self::alloc(dev, table, sh, with_ainv)?;
         f.launch(dev, inp, table, sh, scale, None)?;
         Ok(f)
     }
@@ -77,7 +77,7 @@ impl WyFactors {
     /// in its readiness counters for a scan running beside it (`pipeline::Pipeline`).
     /// The outputs and counters are untracked (`module::Launch::untracked`).
     pub fn launch(
-        &mut self,
+        &self,
         dev: &CudaDevice,
         inp: &Bf16Inputs,
         table: &ChunkTable,
