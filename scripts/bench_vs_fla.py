@@ -3,11 +3,13 @@ flash-linear-attention's `chunk_gated_delta_product` on the same inputs, in the 
 
     python3 scripts/bench_vs_fla.py --gdp ./gdp [--reps 20] [--shapes all|small|long|I,J,...]
                                     [--timing events|host] [--variant "NAME --flag ..."]...
-                                    [--qwen]
+                                    [--qwen | --few-heads]
 
 `--qwen` times the GDN layers of Qwen3.5-9B and -27B instead (n = 1, 16 key heads, 32 or 48
 value heads): gdp on q, k with 16 heads (grouped value heads), FLA's `chunk_gated_delta_rule`
 on q, k repeated to the value heads inside the timed call, as a model on FLA runs it.
+`--few-heads` times the shapes where the sequential scan is alone on the GPU (B·H <= 16,
+T 32K-256K, n = 1, 2, 4).
 
 Needs a CUDA build of `gdp` (`cargo build --release --features cuda --bin gdp`) and the
 flash-linear-attention + fla-core wheels on PYTHONPATH. For each shape it writes q k v g beta do
@@ -57,6 +59,11 @@ from triton.testing import do_bench
 chunk_o.TRITON_ABOVE_3_7_1 = True
 
 SHAPES = [(4, 4096, 16, 128, 1), (4, 4096, 16, 128, 2), (4, 4096, 16, 128, 3), (1, 32768, 16, 128, 2)]
+# `--few-heads`: where the sequential scan is alone on the GPU (B·H <= 16, T 32K-256K, n = 1, 2,
+# 4): long-context training at one sequence per GPU, prefill of one long prompt.
+FEW_HEADS_SHAPES = [(1, 32768, 8, 128, 1), (1, 65536, 8, 128, 1), (1, 65536, 8, 128, 2),
+                    (1, 131072, 4, 128, 1), (1, 262144, 4, 128, 2), (2, 32768, 8, 128, 2),
+                    (1, 32768, 16, 128, 4), (1, 65536, 16, 128, 1)]
 # `--qwen`: the GDN layers of Qwen3.5-9B (Hk 16 / Hv 32) and Qwen3.5-27B (Hk 16 / Hv 48), n = 1:
 # (B, T, Hv, K = V, Hk).
 QWEN_SHAPES = [(1, 4096, 32, 128, 16), (8, 4096, 32, 128, 16), (1, 32768, 32, 128, 16),
@@ -148,12 +155,16 @@ def main():
     ap.add_argument("--qwen", action="store_true",
                     help="Qwen3.5 GDN shapes (n = 1, Hk = 16 key heads, Hv = 32 or 48 value heads): "
                          "FLA's chunk_gated_delta_rule on q, k repeated to Hv heads, gdp on Hk heads")
+    ap.add_argument("--few-heads", action="store_true",
+                    help="few heads and long sequences (B·H <= 16, T 32K-256K, n = 1, 2, 4)")
     ap.add_argument("--shared-tuning", action="store_true",
                     help="keep FLA's autotuned configurations across shapes (tuned on the first)")
     args = ap.parse_args()
     table = [(B, T, H, D, n, None) for B, T, H, D, n in SHAPES]
     if args.qwen:
         table = [(B, T, Hv, D, 1, Hk) for B, T, Hv, D, Hk in QWEN_SHAPES]
+    elif args.few_heads:
+        table = [(B, T, H, D, n, None) for B, T, H, D, n in FEW_HEADS_SHAPES]
     named = {"all": table, "small": table[:1], "long": table[-1:]}
     if args.shapes in named:
         shapes = named[args.shapes]
