@@ -26,7 +26,7 @@ use super::fwd_scan::{run_scan, ScanDest, ScanInputs, ScanOut};
 use super::grads::{GradLayout, Grads, GradsLaunch, PipeArgs, QkGrads, GRADS_PIPE_COUNTERS};
 use super::inputs::{Bf16Inputs, ChunkTable, Cotangent, CudaCall, QkIn};
 use super::module::On;
-use super::pipeline::{OverlapRun, Pipeline};
+use super::pipeline::{OverlapRun, Pipeline, WyRoom};
 use super::plan::{grads_tiles, query_rows, split_plan, SplitPlan};
 use super::side::SideStream;
 use super::widened::{WidenedDh, WidenedFold, WidenedRun};
@@ -274,7 +274,10 @@ pub(super) fn try_backward_bf16(
     };
     let sms = smem_and_sms(dev, None)?.1;
     let pipeline = match widened {
-        None => Pipeline::plan(dev, sh, &table, &dh, sms, sh.chunks_from_the_end(), cfg)?,
+        None => {
+            let order = sh.chunks_from_the_end();
+            Pipeline::plan(dev, sh, &table, &dh, order, cfg, WyRoom::Apart)?
+        }
         Some(_) => None,
     };
     // With a pipeline, the WY kernel runs beside the state-gradient scan only where the scan

@@ -7,7 +7,7 @@ use super::device::{check_states, smem_and_sms};
 use super::fused_fwd::launch;
 use super::fwd_scan::{ScanDest, ScanInputs, ScanOut};
 use super::inputs::{Bf16Inputs, ChunkTable, CudaCall, QkIn};
-use super::pipeline::{wy_then_scan, Pipeline};
+use super::pipeline::{wy_then_scan, Pipeline, WyRoom};
 use super::plan::{scan_plan, wy_smem_bytes, FWD_SCAN};
 use super::wy::WyFactors;
 use crate::op::config::{KernelConfig, KernelPath};
@@ -149,7 +149,7 @@ pub(crate) fn try_forward_bf16(
                 _ => None,
             };
             let order = sh.chunks_time_major();
-            let pipeline = Pipeline::plan(dev, sh, &table, &plan, sms, order, cfg)?;
+            let pipeline = Pipeline::plan(dev, sh, &table, &plan, order, cfg, WyRoom::Apart)?;
             let wy = WyFactors::alloc(dev, &table, sh, cache.is_some())?;
             let mut states = cache
                 .filter(|slot| slot.states)

@@ -31,7 +31,7 @@
 //! launched one after the other, each segment's WY factors computed beside the previous scan:
 //! the relaunches cost ~30 µs per segment.
 
-use super::device::device_attr;
+use super::device::{device_attr, smem_and_sms};
 use super::fwd_scan::{run_scan, Beside, ScanDest, ScanInputs};
 use super::inputs::ChunkTable;
 use super::module::{load_kernel, GdpFunc};
@@ -46,6 +46,16 @@ use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::Result;
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, OnceLock};
+
+/// Where the WY kernel's blocks may run beside a scan that waits for them.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum WyRoom {
+    /// On the multiprocessors the scan leaves: the scan must leave more than half of them.
+    Apart,
+    /// Also on the scan's multiprocessors, where a WY block of `wy_dv` value columns fits
+    /// beside a scan block (a context-parallel rank's widened forward scan).
+    Shared { wy_dv: usize },
+}
 
 /// A WY kernel beside a scan that waits for its chunks: the WY kernel's chunk order on the
 /// device and the number of readiness counters.
@@ -62,7 +72,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 /// A context-parallel rank's widened forward scan has blocks for nearly every multiprocessor
 /// (B1 H16 K = V = 128: 128 blocks of 32 columns on the H200's 132); there the WY kernel runs on
 /// the multiprocessors the waiting scan blocks hold, one WY block beside each where the two fit
-/// on one multiprocessor ([`Pipeline::plan_sharing`]).
+/// on one multiprocessor ([`WyRoom::Shared`]).
 pub(super) struct Pipeline {
     order: CudaSlice<i32>,
     counters: usize,
@@ -76,47 +86,28 @@ pub(super) struct Pipeline {
 impl Pipeline {
     /// The pipeline of a WY kernel taking the chunks of `table` in `order` beside a scan planned
     /// as `plan`, or `None` where `cfg` does not want it ([`KernelConfig::overlap`]) or it is
-    /// not safe and useful: the scan's blocks must fill fewer than half of the `sms`
-    /// multiprocessors.
+    /// not safe and useful: the scan's blocks must fill fewer than half of the device's
+    /// multiprocessors, or with [`WyRoom::Shared`] leave some and have a WY block fit beside
+    /// each of theirs ([`wy_fits_beside`]).
     pub fn plan(
         dev: &CudaDevice,
         sh: &GdpShape,
         table: &ChunkTable,
         plan: &ScanPlan,
-        sms: usize,
         order: Vec<usize>,
         cfg: &KernelConfig,
-    ) -> Result<Option<Self>> {
-        if !(cfg.overlap && overlap_useful(sh, table, plan, sms)) {
-            return Ok(None);
-        }
-        Self::new(dev, sh, table, order, cfg, true).map(Some)
-    }
-
-    /// [`Pipeline::plan`] for a scan whose blocks may also take more than half of the `sms`
-    /// multiprocessors, as long as they leave some to themselves and a WY block (of `wy_dv`
-    /// value columns) fits beside one of them on a multiprocessor ([`wy_fits_beside`]): then the
-    /// WY blocks run on the multiprocessors the waiting scan blocks hold too, and on the others.
-    #[expect(
-        clippy::too_many_arguments,
-        reason = "Pipeline::plan's arguments and the WY kernel's width"
-    )]
-    pub fn plan_sharing(
-        dev: &CudaDevice,
-        sh: &GdpShape,
-        table: &ChunkTable,
-        plan: &ScanPlan,
-        sms: usize,
-        order: Vec<usize>,
-        cfg: &KernelConfig,
-        wy_dv: usize,
+        room: WyRoom,
     ) -> Result<Option<Self>> {
         if !cfg.overlap || table.chunks == 0 {
             return Ok(None);
         }
+        let sms = smem_and_sms(dev, None)?.1;
         if overlap_useful(sh, table, plan, sms) {
             return Self::new(dev, sh, table, order, cfg, true).map(Some);
         }
+        let WyRoom::Shared { wy_dv } = room else {
+            return Ok(None);
+        };
         let blocks = sh.num_seqs() * sh.heads * sh.dv.div_ceil(plan.bv);
         if blocks >= sms || !wy_fits_beside(dev, sh.dk, wy_dv, plan)? {
             return Ok(None);

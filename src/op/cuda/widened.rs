@@ -15,7 +15,7 @@ use super::device::{smem_and_sms, In};
 use super::dh_scan::{run_dh_scan, DhDest, DhInputs};
 use super::fwd_scan::{ScanDest, ScanInputs, ScanOut};
 use super::inputs::{Bf16Inputs, ChunkTable, CudaCall, QkIn};
-use super::pipeline::{wy_then_scan, Pipeline};
+use super::pipeline::{wy_then_scan, Pipeline, WyRoom};
 use super::plan::{widened_scan_plan, wy_smem_bytes, ScanKind, ScanPlan, DH_SCAN, FWD_SCAN};
 use super::side::SideStream;
 use super::wy::WyFactors;
@@ -54,8 +54,6 @@ pub(super) struct Widened {
     pub(super) sub: GdpShape,
     pub(super) wide: GdpShape,
     pub(super) plan: ScanPlan,
-    /// The device's multiprocessors.
-    sms: usize,
 }
 
 impl Widened {
@@ -63,7 +61,7 @@ impl Widened {
     /// of blocks that fills the GPU where there is one ([`widened_scan_plan`]);
     /// [`Widened::forward_scan`] runs the scan beside the WY kernel where the blocks leave more
     /// than half the multiprocessors idle, or where a WY block fits beside a scan block on one
-    /// multiprocessor ([`Pipeline::plan_sharing`]). (Narrowing the blocks to make room for the
+    /// multiprocessor ([`WyRoom::Shared`]). (Narrowing the blocks to make room for the
     /// WY kernel does not pay: at B1 H16 K = V = 128 on the H200 the widened scan of 64-column
     /// tiles took 1.68x the 32-column one, more than the WY kernel it hid; `docs/cp.md`.)
     pub(super) fn plan(
@@ -86,12 +84,7 @@ impl Widened {
             return Ok(None);
         }
         let plan = widened_scan_plan(kind, &wide, max_smem, sms, sms, &cfg.tiles)?;
-        Ok(plan.map(|plan| Self {
-            sub,
-            wide,
-            plan,
-            sms,
-        }))
+        Ok(plan.map(|plan| Self { sub, wide, plan }))
     }
 
     /// Runs the WY kernel over the sub-problem's chunks (keeping `Ainv` with `keep`) and the
@@ -112,8 +105,8 @@ impl Widened {
         let (sub, wide, dev) = (&self.sub, &self.wide, &inp.dev);
         let table = ChunkTable::new(dev, sub)?;
         let order = sub.chunks_time_major();
-        let pipeline =
-            Pipeline::plan_sharing(dev, wide, &table, &self.plan, self.sms, order, cfg, sub.dv)?;
+        let room = WyRoom::Shared { wy_dv: sub.dv };
+        let pipeline = Pipeline::plan(dev, wide, &table, &self.plan, order, cfg, room)?;
         let wy = WyFactors::alloc(dev, &table, sub, keep)?;
         let src = ScanInputs {
             inp,
