@@ -101,14 +101,16 @@ impl Pipeline {
         if !cfg.overlap || table.chunks == 0 {
             return Ok(None);
         }
+        // The waiting scan blocks must leave the WY kernel most of the GPU, or (shared) some of
+        // it and room beside each of theirs.
         let sms = smem_and_sms(dev, None)?.1;
-        if overlap_useful(sh, table, plan, sms) {
+        let blocks = sh.num_seqs() * sh.heads * sh.dv.div_ceil(plan.bv);
+        if 2 * blocks < sms {
             return Self::new(dev, sh, table, order, cfg, true).map(Some);
         }
         let WyRoom::Shared { wy_dv } = room else {
             return Ok(None);
         };
-        let blocks = sh.num_seqs() * sh.heads * sh.dv.div_ceil(plan.bv);
         if blocks >= sms || !wy_fits_beside(dev, sh.dk, wy_dv, plan)? {
             return Ok(None);
         }
@@ -231,14 +233,6 @@ pub(super) fn wy_then_scan(
     }
 }
 
-/// Whether the shape suits a scan `plan` beside a WY kernel: some chunks, and scan blocks for
-/// fewer than half of the `sms` multiprocessors (the waiting blocks must leave the WY kernel
-/// most of the GPU).
-fn overlap_useful(sh: &GdpShape, table: &ChunkTable, plan: &ScanPlan, sms: usize) -> bool {
-    let blocks = sh.num_seqs() * sh.heads * sh.dv.div_ceil(plan.bv);
-    table.chunks > 0 && 2 * blocks < sms
-}
-
 /// Whether a block of the scan `plan` and a block of the WY kernel (`dk`, `wy_dv` columns, its
 /// unpadded shared memory) fit on one multiprocessor of `dev` together: shared memory (with
 /// the per-block reservation), registers (allocated per warp in units of 256) and threads.
@@ -300,8 +294,8 @@ pub(super) struct OverlapRun<'b> {
 
 impl<'b> OverlapRun<'b> {
     /// Starts one with the zeroed readiness counters `ready` (the side stream forks after the
-    /// work queued so far), or `None`, queuing nothing, where this GPU's previous overlapped launch was
-    /// queued on another stream and may still be running: its waiting blocks and these could
+    /// work queued so far), or `None`, queuing nothing, where this GPU's previous overlapped
+    /// launch was queued on another stream and may still be running: its waiting blocks and these could
     /// fill every multiprocessor. One queued on the same stream cannot overlap this one
     /// (stream order starts this one's side stream after the previous one's join).
     fn start(
