@@ -125,8 +125,8 @@ fn f32_matches_cpu_op() -> Result<()> {
         check(&c, "o vs cpu", &o, &o_cpu, 1e-5)?;
         check(&c, "ht vs cpu", &ht, &ht_cpu, 1e-5)?;
         let (o_ref, ht_ref) = reference(&c, &x)?;
-        check(&c, "o vs f64", &o, &o_ref, 1e-4)?;
-        check(&c, "ht vs f64", &ht, &ht_ref, 1e-4)?;
+        check(&c, "o vs f64", &o, &o_ref, 1e-5)?;
+        check(&c, "ht vs f64", &ht, &ht_ref, 1e-5)?;
     }
     Ok(())
 }
@@ -251,7 +251,7 @@ fn backward_f32_matches_cpu_op() -> Result<()> {
                     c.name
                 );
             }
-            check(&c, &format!("{name} vs f64"), a, r, 1e-4)?;
+            check(&c, &format!("{name} vs f64"), a, r, 1e-5)?;
         }
     }
     Ok(())
@@ -263,7 +263,7 @@ fn without_final_state_matches_f64_reference() -> Result<()> {
     // directly), and the backward from a plain `do` (bf16: straight to bf16 dqk, dv).
     let dev = cuda()?;
     for dtype in [DType::F32, DType::BF16, DType::F16] {
-        let tol = if dtype == DType::F32 { 1e-4 } else { 1e-2 };
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
         for c in cases() {
             let x = inputs(&c, dtype)?;
             let got = run_op_plain_on(&c, &x, dtype, &dev)?;
@@ -353,7 +353,7 @@ fn explicit_backward_equals_autograd() -> Result<()> {
     // above), with and without the final state and `save_intermediates` (bf16 only). Against
     // f64 at the tolerances of the tests above.
     let dev = cuda()?;
-    for (dtype, tol) in [(DType::BF16, 1e-2), (DType::F32, 1e-4)] {
+    for (dtype, tol) in [(DType::BF16, 1e-2), (DType::F32, 1e-5)] {
         for c in cases() {
             let x = inputs(&c, dtype)?;
             let saves = [

@@ -183,7 +183,12 @@ fn cuda_matches_reference() -> Result<()> {
     };
     let on = |t: &Tensor| t.to_device(&dev);
     let (q, k, v, g, beta) = (on(&x.q)?, on(&x.k)?, on(&x.v)?, on(&x.g)?, on(&x.beta)?);
-    let (o, ht) = gated_delta_product(&q, &k, &v, &g, &beta, &opts)?;
+    let h0 = x.h0.as_ref().map(on).transpose()?;
+    let on_gpu = GdpOptions {
+        initial_state: h0.as_ref(),
+        ..opts.clone()
+    };
+    let (o, ht) = gated_delta_product(&q, &k, &v, &g, &beta, &on_gpu)?;
     let cp = candle_gdp::ContextParallel::new(vec![dev.clone(), Device::new_cuda(0)?])?;
     let got = cp.gated_delta_product(&x.q, &x.k, &x.v, &x.g, &x.beta, &opts, None)?;
     assert!(

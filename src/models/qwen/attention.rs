@@ -145,8 +145,10 @@ impl GatedAttention {
         let (r, s) = (hq / hkv, k.dim(2)?);
         // GQA without repeating the keys and values: query head g·r + j is row j·T + i of its
         // key/value head g's group, `[B, Hkv, r·T, hd]`.
+        // CUDA's matmul takes contiguous operands (or their transposes) only.
         let q = p.q.reshape((b, hkv, r * t, hd))?.to_dtype(DType::F32)?;
-        let scores = (q.matmul(&k.to_dtype(DType::F32)?.t()?)? * (hd as f64).powf(-0.5))?;
+        let k = k.to_dtype(DType::F32)?.contiguous()?;
+        let scores = (q.contiguous()?.matmul(&k.t()?)? * (hd as f64).powf(-0.5))?;
         let mask = causal_mask(t, s, offset, p.q.device())?;
         let scores = scores
             .reshape((b, hkv, r, t, s))?
@@ -154,7 +156,7 @@ impl GatedAttention {
             .reshape((b, hkv, r * t, s))?;
         let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
         let o = probs
-            .matmul(v)?
+            .matmul(&v.contiguous()?)?
             .reshape((b, hq, t, hd))?
             .transpose(1, 2)?
             .reshape((b, t, hq * hd))?;

@@ -132,7 +132,7 @@ fn gather_time(x: &Tensor, lens: &[usize], ctx: &CpContext) -> Result<Tensor> {
         .enumerate()
         .map(|(r, &len)| all.get(r)?.narrow(2, 0, len))
         .collect::<Result<Vec<_>>>()?;
-    Tensor::cat(&parts, 2)?.to_dtype(x.dtype())
+    Tensor::cat(&parts, 2)?.to_dtype(x.dtype())?.contiguous()
 }
 
 /// Prefills `input_ids [B, T]` (u32) over the ranks of `cp` (near-equal contiguous shards) and

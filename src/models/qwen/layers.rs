@@ -55,10 +55,10 @@ impl PartialRope {
         })
     }
 
-    /// `x [B, H, T, hd]` at positions `offset..offset + T`.
+    /// `x [B, H, T, hd]` at positions `offset..offset + T`; the result is contiguous.
     pub fn forward(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
         if self.dim == 0 {
-            return Ok(x.clone());
+            return x.contiguous();
         }
         let (_, _, t, hd) = x.dims4()?;
         let pos = Tensor::arange(offset as u32, (offset + t) as u32, x.device())?
@@ -74,7 +74,9 @@ impl PartialRope {
         if self.dim == hd {
             return Ok(rot);
         }
-        Tensor::cat(&[&rot, &x.narrow(3, self.dim, hd - self.dim)?], 3)
+        // Both parts contiguous, so the concatenation is too (CUDA's matmul needs that).
+        let pass = x.narrow(3, self.dim, hd - self.dim)?.contiguous()?;
+        Tensor::cat(&[&rot, &pass], 3)
     }
 }
 
