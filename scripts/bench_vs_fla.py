@@ -3,13 +3,14 @@ flash-linear-attention's `chunk_gated_delta_product` on the same inputs, in the 
 
     python3 scripts/bench_vs_fla.py --gdp ./gdp [--reps 20] [--shapes all|small|long|I,J,...]
                                     [--timing events|host] [--variant "NAME --flag ..."]...
-                                    [--qwen | --few-heads]
+                                    [--qwen | --few-heads] [--no-fla]
 
 `--qwen` times the GDN layers of Qwen3.5-9B and -27B instead (n = 1, 16 key heads, 32 or 48
 value heads): gdp on q, k with 16 heads (grouped value heads), FLA's `chunk_gated_delta_rule`
 on q, k repeated to the value heads inside the timed call, as a model on FLA runs it.
 `--few-heads` times the shapes where the sequential scan is alone on the GPU (B·H <= 16,
-T 32K-256K, n = 1, 2, 4).
+T 32K-256K, n = 1, 2, 4). `--no-fla` times gdp alone (its variants side by side, FLA's
+columns empty), e.g. to compare `--segments` settings in little device time.
 
 Needs a CUDA build of `gdp` (`cargo build --release --features cuda --bin gdp`) and the
 flash-linear-attention + fla-core wheels on PYTHONPATH. For each shape it writes q k v g beta do
@@ -157,6 +158,8 @@ def main():
                          "FLA's chunk_gated_delta_rule on q, k repeated to Hv heads, gdp on Hk heads")
     ap.add_argument("--few-heads", action="store_true",
                     help="few heads and long sequences (B·H <= 16, T 32K-256K, n = 1, 2, 4)")
+    ap.add_argument("--no-fla", action="store_true",
+                    help="time gdp alone (its rows and variants; FLA columns left empty)")
     ap.add_argument("--shared-tuning", action="store_true",
                     help="keep FLA's autotuned configurations across shapes (tuned on the first)")
     args = ap.parse_args()
@@ -181,7 +184,10 @@ def main():
         q, k, v, g, beta, do = inputs(B, T, H, D, n, Hk)
         if not args.shared_tuning:
             reset_autotuning()
-        o_fla, f_fwd, f_fb, g_fla = fla_times(q, k, v, g, beta, do, n)
+        if args.no_fla:
+            o_fla, f_fwd, f_fb, g_fla = None, float("nan"), float("nan"), {}
+        else:
+            o_fla, f_fwd, f_fb, g_fla = fla_times(q, k, v, g, beta, do, n)
         path, out = os.path.join(tmp, "in.safetensors"), os.path.join(tmp, "out.safetensors")
         cpu = lambda x: x.detach().cpu().contiguous()
         save_file({"q": cpu(q), "k": cpu(k), "v": cpu(v), "g": cpu(g), "beta": cpu(beta), "do": cpu(do)}, path)
@@ -194,7 +200,7 @@ def main():
                 continue
             res = load_file(out)
             rel = lambda a, b: ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
-            e_o = rel(res["o"].cuda().float(), o_fla)
+            e_o = rel(res["o"].cuda().float(), o_fla) if o_fla is not None else float("nan")
             e_g = [(rel(res[k].cuda().float(), g_fla[k]), k) for k in g_fla if k in res]
             worst = f", {max(e_g)[1]} {max(e_g)[0]:.1e}" if e_g else ""
             fb = f"{g_fb:9.3f} {f_fb / g_fb:6.2f}" if g_fb else f"{'-':>9} {'-':>6}"

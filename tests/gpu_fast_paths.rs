@@ -11,7 +11,7 @@ mod common;
 use anyhow::{Context as _, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_gdp::op::recurrent::{gated_delta_product_step, gated_delta_product_step_fused};
-use candle_gdp::op::{KernelConfig, KernelPath, TileConfig};
+use candle_gdp::op::{KernelConfig, KernelPath, Segments, TileConfig};
 use candle_gdp::SaveIntermediates;
 use common::{
     assert_close, inputs, median_ms, rel_rms, run_op_configured_on, run_op_on, run_reference,
@@ -80,6 +80,79 @@ fn bf16_paths_match_f64_reference() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The forward split into segments (`KernelConfig::segments`), forced to 2, 3 and 5 per
+/// sequence on lengths that are no multiple of the segment length (an empty and a one-segment
+/// sequence among packed ones, n = 1..4, K != V, grouped key heads read in place, an initial
+/// state or none), with and without the final state, with the WY factors kept for the backward
+/// and without: every output and gradient against the f64 reference, the same bits on a second
+/// run, and other bits than the unsplit forward's (so the split ran).
+#[test]
+fn segmented_forward_matches_f64_reference() -> Result<()> {
+    let dev = cuda()?;
+    let cases = [
+        Case::new("n1 T1000 K64 V48 h0", 2, 1000, 2, 64, 48, 1)
+            .h0()
+            .seed(61),
+        Case::new("n2 T700 K128 V128 h0", 1, 700, 2, 128, 128, 2)
+            .h0()
+            .seed(67),
+        Case::new("packed n3 strong K32 V40 h0", 1, 900, 2, 32, 40, 3)
+            .packed(&[0, 130, 130, 777, 800, 900])
+            .strong_gates()
+            .h0()
+            .seed(71),
+        Case::new("n4 T513 K64 V64", 1, 513, 3, 64, 64, 4).seed(73),
+        Case::new("grouped r2 n1 T600 K128 V128 h0", 1, 600, 4, 128, 128, 1)
+            .key_heads(2)
+            .h0()
+            .seed(79),
+    ];
+    let save = [SaveIntermediates::Nothing, SaveIntermediates::WyFactors];
+    for c in &cases {
+        let x = inputs(c, DType::BF16)?;
+        for plain in [false, true] {
+            let want = match plain {
+                true => run_reference(c, &x.without_dht()?)?,
+                false => run_reference(c, &x)?,
+            };
+            let off = KernelConfig {
+                segments: Segments::Off,
+                ..Default::default()
+            };
+            let unsplit = run_op_configured_on(c, &x, DType::BF16, &dev, plain, save[0], off)?;
+            for count in [2, 3, 5] {
+                let kernels = KernelConfig {
+                    segments: Segments::Count(count),
+                    ..Default::default()
+                };
+                for what in save {
+                    let run =
+                        || run_op_configured_on(c, &x, DType::BF16, &dev, plain, what, kernels);
+                    let got = run().with_context(|| format!("{}: {count} segments", c.name))?;
+                    println!("{}: {count} segments, plain {plain}, {what:?}", c.name);
+                    assert_close(c, &got, &want, 1e-2)?;
+                    let again = run()?;
+                    assert_eq!(bits(&got.o)?, bits(&again.o)?, "{}: o run to run", c.name);
+                    assert_eq!(
+                        bits(&got.ht)?,
+                        bits(&again.ht)?,
+                        "{}: ht run to run",
+                        c.name
+                    );
+                    assert_ne!(bits(&got.o)?, bits(&unsplit.o)?, "{}: not split", c.name);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A tensor's values as f32 bit patterns.
+fn bits(t: &Tensor) -> Result<Vec<u32>> {
+    let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    Ok(v.into_iter().map(f32::to_bits).collect())
 }
 
 /// Every value tile of the forward scan (`TileConfig::forward_scan`: three stages where they

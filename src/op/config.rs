@@ -31,6 +31,25 @@ pub struct TileConfig {
     pub dh_scan: Option<usize>,
 }
 
+/// How the chunked bf16 forward splits long sequences into segments that its scan runs side by
+/// side: each segment from `[0 | I_K]` on value columns widened by `K` (its output `[o⁰ | Q̃]` and
+/// its transition `[ΔS | M]`), then the segments' incoming states by a short fold
+/// `S_{j+1} = ΔS_j + M_j S_j` and the output `o = o⁰ + Q̃ S_j`, as a context-parallel rank does.
+/// This shortens the scan's chain of dependent chunk steps where its blocks would leave most
+/// multiprocessors idle (few heads, long sequences), at twice the scan's columns.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Segments {
+    /// Split where one wave of the widened scan's blocks can hold at least two segments per
+    /// sequence of at least 2048 tokens each, up to 16.
+    #[default]
+    Auto,
+    /// Never split.
+    Off,
+    /// Split each sequence into this many segments of equal length, rounded up to 64 tokens
+    /// (fewer where a sequence is shorter); 1 never splits, 0 is an error.
+    Count(usize),
+}
+
 /// Kernel choices of the CUDA op ([`crate::GdpOptions::kernels`]); `Default` is automatic
 /// everywhere and is what the benchmarks measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -48,6 +67,9 @@ pub struct KernelConfig {
     /// Run the kernels that can run side by side on a second stream of the device; `false`
     /// queues everything on the device's stream (bit-identical results either way).
     pub side_streams: bool,
+    /// Whether the chunked bf16 forward splits long sequences into segments scanned side by
+    /// side (results equal the unsplit forward's within the op's tolerances).
+    pub segments: Segments,
     /// Forced value tiles.
     pub tiles: TileConfig,
     /// Caps the shared memory one block may use, in bytes, below the device's opt-in limit:
@@ -64,6 +86,7 @@ impl Default for KernelConfig {
             summaries: KernelPath::Auto,
             overlap: true,
             side_streams: true,
+            segments: Segments::Auto,
             tiles: TileConfig::default(),
             shared_memory_limit: None,
         }

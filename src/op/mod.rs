@@ -21,7 +21,7 @@ pub mod vjp;
 
 use crate::error::GdpError;
 use candle_core::{DType, Device, Result, Tensor};
-pub use config::{KernelConfig, KernelPath, TileConfig};
+pub use config::{KernelConfig, KernelPath, Segments, TileConfig};
 use custom::GdpForward;
 use shape::{validate_cu_seqlens, GdpShape};
 pub use vjp::{gated_delta_product_vjp, GdpGrads, GdpVjp};

@@ -5,7 +5,7 @@
 
 use crate::error::CliError;
 use candle_core::Device;
-use candle_gdp::op::{KernelConfig, KernelPath, TileConfig};
+use candle_gdp::op::{KernelConfig, KernelPath, Segments, TileConfig};
 use candle_gdp::SaveIntermediates;
 use clap::{Args, ValueEnum};
 
@@ -57,6 +57,20 @@ fn tile() -> clap::builder::PossibleValuesParser {
     clap::builder::PossibleValuesParser::new(["8", "16", "32", "64", "128"])
 }
 
+/// `--segments`: `auto`, `off` or a count of at least 1.
+fn segments(s: &str) -> Result<Segments, String> {
+    match s {
+        "auto" => Ok(Segments::Auto),
+        "off" => Ok(Segments::Off),
+        _ => match s.parse::<usize>() {
+            Ok(n) if n >= 1 => Ok(Segments::Count(n)),
+            _ => Err(format!(
+                "expected auto, off or a count of at least 1, got {s:?}"
+            )),
+        },
+    }
+}
+
 /// Kernel choices and memory settings (CUDA; the CPU ignores them).
 #[derive(Debug, Clone, Default, Args)]
 pub struct KernelArgs {
@@ -75,6 +89,9 @@ pub struct KernelArgs {
     /// Queue every kernel on the device's stream (no side stream).
     #[arg(long)]
     pub one_stream: bool,
+    /// Segments per sequence of the chunked bf16 forward: `auto`, `off`, or a count (1: none).
+    #[arg(long, value_name = "auto|off|N", default_value = "auto", value_parser = segments)]
+    pub segments: Segments,
     /// Value tile of the fused forward kernel.
     #[arg(long, value_name = "BV", value_parser = tile())]
     pub fused_fwd_tile: Option<String>,
@@ -114,6 +131,7 @@ impl KernelArgs {
             summaries: self.summary_kernels.into(),
             overlap: !self.no_overlap,
             side_streams: !self.one_stream,
+            segments: self.segments,
             tiles: TileConfig {
                 fused_forward: bv(&self.fused_fwd_tile),
                 fused_backward: bv(&self.fused_bwd_tile),

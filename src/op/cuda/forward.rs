@@ -9,6 +9,7 @@ use super::fwd_scan::{ScanDest, ScanInputs, ScanOut};
 use super::inputs::{Bf16Inputs, ChunkTable, CudaCall, QkIn};
 use super::pipeline::{wy_then_scan, Pipeline, WyRoom};
 use super::plan::{scan_plan, wy_smem_bytes, FWD_SCAN};
+use super::segmented::SegmentPlan;
 use super::wy::WyFactors;
 use crate::op::config::{KernelConfig, KernelPath};
 use crate::op::shape::GdpShape;
@@ -142,6 +143,13 @@ pub(crate) fn try_forward_bf16(
         (Some(plan), _) => {
             let inp = Bf16Inputs::new(qk, v, aux, sh, has_h0)?;
             check_states(h0_override, sh, "initial-state override")?;
+            // Segments where the scan would leave the GPU idle; not for a context-parallel
+            // rank's override, nor where the backward wants the chunk states kept.
+            if h0_override.is_none() && cache.is_none_or(|slot| !slot.states) {
+                if let Some(segments) = SegmentPlan::new(dev, sh, cfg)? {
+                    return segments.forward(&inp, aux, call, cache).map(Some);
+                }
+            }
             let table = ChunkTable::new(dev, sh)?;
             // Keep the intermediates only where the split backward will read them.
             let cache = match cache {

@@ -32,6 +32,7 @@ mod wy;
 // The stages composed: forward, backward, context parallelism's summaries.
 mod backward;
 mod forward;
+mod segmented;
 mod summary;
 mod tensors;
 mod widened;

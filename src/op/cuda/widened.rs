@@ -497,7 +497,7 @@ impl WidenedRun<'_, '_> {
 /// `x⁰ + x̃ S` for the sequences `fixed` of a widened scan's per-sequence rows `t = [x⁰ | x̃]`
 /// (f32 `[N, H, K, V + K]`), given the state `s` they lacked (f32 `[fixed.len(), H, K, V]`):
 /// `ΔS + M S_in` forward, `γ⁰ + Mᵀ dS_out` backward. f32 `[fixed.len(), H, K, V]`.
-fn corrected_summary(t: &Tensor, fixed: Range<usize>, s: &Tensor) -> Result<Tensor> {
+pub(super) fn corrected_summary(t: &Tensor, fixed: Range<usize>, s: &Tensor) -> Result<Tensor> {
     let (k, v) = (t.dim(2)?, s.dim(3)?);
     let part = t.narrow(0, fixed.start, fixed.len())?;
     part.narrow(3, 0, v)? + part.narrow(3, v, k)?.contiguous()?.matmul(s)?

@@ -1,0 +1,303 @@
+//! The chunked bf16 forward over segments of long sequences ([`Segments`]): where the forward
+//! scan's blocks would leave most multiprocessors idle, each sequence is split into segments
+//! that one widened scan runs side by side, each from `[0 | I_K]` on `[U | 0_K]` (a
+//! context-parallel rank's pass, [`super::widened`]), writing `[o⁰ | Q̃]` and `[ΔS | M]`. A
+//! short fold over each sequence's segments, `S_{j+1} = ΔS_j + M_j S_j` from the initial state,
+//! gives their incoming states, and the output is `o = o⁰ + Q̃ S_j` ([`super::cp_fix`]). The
+//! chain of dependent chunk steps shrinks by the segment count, for twice the scan's columns.
+
+use super::cache::{CacheSlot, ForwardCache};
+use super::cp_fix::{fix_planned, FixDims, FixOut, FixRows};
+use super::device::{copy_tensor_into, In};
+use super::device::{initial_states_device, slice_of, smem_and_sms, tensor_of};
+use super::fwd_scan::{ScanDest, ScanOut};
+use super::inputs::{Bf16Inputs, CudaCall};
+use super::plan::{split_backward_fits, FWD_SCAN};
+use super::widened::{corrected_summary, token_spans, widened_states_dev, Widened};
+use crate::op::config::{KernelConfig, Segments};
+use crate::op::shape::{GdpShape, SeqSpan};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{CudaStorage, DType, Device, Result, Tensor};
+use half::bf16;
+use std::ops::Range;
+
+/// Segment boundaries fall on multiples of this many tokens from a sequence's start, so that
+/// a segment's 64-row chunks (`64 / n` tokens each) are those of the unsplit sequence, and the
+/// WY factors computed over the segments serve the unsplit backward.
+const ALIGN: usize = 64;
+/// `Segments::Auto`: segments of at least this many tokens (shorter ones save less chain than
+/// the widened columns, the fold and the correction cost).
+const MIN_AUTO_TOKENS: usize = 2048;
+/// `Segments::Auto`: at most this many segments per sequence.
+const MAX_AUTO_SEGMENTS: usize = 16;
+/// `Segments::Auto`: the widened scan's value tile assumed when counting its blocks.
+const AUTO_TILE: usize = 64;
+
+/// Segments per sequence under `cfg.segments` for `sh` on `sms` multiprocessors (1: no split).
+/// `Auto` takes as many as one wave of the widened scan's blocks holds, each segment at least
+/// [`MIN_AUTO_TOKENS`] of the longest sequence, at most [`MAX_AUTO_SEGMENTS`].
+fn segment_count(sh: &GdpShape, cfg: &KernelConfig, sms: usize) -> Result<usize> {
+    match cfg.segments {
+        Segments::Off => Ok(1),
+        Segments::Count(0) => candle_core::bail!(
+            "gdp cuda: KernelConfig::segments = Count(0): give at least 1 (1 or Off: no split)"
+        ),
+        Segments::Count(p) => Ok(p),
+        Segments::Auto => {
+            let longest = sh.seqs.iter().map(|s| s.len).max().unwrap_or(0);
+            let blocks = sh.num_seqs() * sh.heads * (sh.dv + sh.dk).div_ceil(AUTO_TILE);
+            let by_blocks = sms / blocks.max(1);
+            let by_length = longest / MIN_AUTO_TOKENS;
+            Ok(by_blocks.min(by_length).clamp(1, MAX_AUTO_SEGMENTS))
+        }
+    }
+}
+
+/// Each sequence of `seqs` split into consecutive segments of `len` tokens (the last shorter;
+/// an empty sequence stays one empty segment), in order, and the segments of each sequence.
+fn split(seqs: &[SeqSpan], len: usize) -> (Vec<SeqSpan>, Vec<Range<usize>>) {
+    let mut segments = Vec::new();
+    let mut owners = Vec::with_capacity(seqs.len());
+    for s in seqs {
+        let first = segments.len();
+        let mut at = 0;
+        loop {
+            let l = len.min(s.len - at);
+            segments.push(SeqSpan {
+                batch: s.batch,
+                start: s.start + at,
+                len: l,
+            });
+            at += l;
+            if at >= s.len {
+                break;
+            }
+        }
+        owners.push(first..segments.len());
+    }
+    (segments, owners)
+}
+
+/// A forward split into segments: the widened scan over the segments (the sequences of its
+/// sub-problem, each original sequence's in order, so that the chunk table's chunks are the
+/// unsplit one's) and the segments of each original sequence.
+pub(super) struct SegmentPlan {
+    widened: Widened,
+    owners: Vec<Range<usize>>,
+}
+
+impl SegmentPlan {
+    /// The split of `sh` that `cfg.segments` asks for on `dev`; `None` where nothing is split
+    /// (`Off`, `Auto` with blocks enough, sequences of at most one segment) or, under `Auto`,
+    /// where the widened kernels do not fit. A forced count that the kernels cannot run is an
+    /// error.
+    pub(super) fn new(dev: &CudaDevice, sh: &GdpShape, cfg: &KernelConfig) -> Result<Option<Self>> {
+        let (_, sms) = smem_and_sms(dev, cfg.shared_memory_limit)?;
+        let count = segment_count(sh, cfg, sms)?;
+        let longest = sh.seqs.iter().map(|s| s.len).max().unwrap_or(0);
+        if count < 2 || longest <= ALIGN {
+            return Ok(None);
+        }
+        let (segments, owners) = split(&sh.seqs, longest.div_ceil(count).next_multiple_of(ALIGN));
+        if segments.len() == sh.num_seqs() {
+            return Ok(None);
+        }
+        let seg = GdpShape {
+            seqs: segments,
+            ..sh.clone()
+        };
+        let every: Vec<usize> = (0..seg.num_seqs()).collect();
+        match Widened::plan(dev, &seg, &every, &FWD_SCAN, cfg)? {
+            Some(widened) => Ok(Some(Self { widened, owners })),
+            None if matches!(cfg.segments, Segments::Count(_)) => candle_core::bail!(
+                "gdp cuda: KernelConfig::segments = {:?}: the widened forward scan does not fit \
+                 K = {}, V = {}, n = {} on this device",
+                cfg.segments,
+                sh.dk,
+                sh.dv,
+                sh.n
+            ),
+            None => Ok(None),
+        }
+    }
+
+    /// The forward of `call` over the segments: the packed f32 `[o | final states]`, or with
+    /// `call.plain` `o` alone in bf16. With `cache` (a slot for the WY factors alone), the WY
+    /// factors stay for the backward, which reruns the states unsplit.
+    pub(super) fn forward(
+        &self,
+        inp: &Bf16Inputs,
+        aux: In,
+        call: &CudaCall,
+        cache: Option<&CacheSlot>,
+    ) -> Result<CudaStorage> {
+        let (sh, cfg, dev) = (call.shape, call.kernels, &inp.dev);
+        let (seg, wide) = (&self.widened.sub, &self.widened.wide);
+        let keep = match cache {
+            Some(slot) if split_backward_fits(dev, sh, cfg)? => Some(slot),
+            _ => None,
+        };
+        let h0w = widened_states_dev(dev, None, seg)?;
+        // SAFETY: the scan writes `[o⁰ | Q̃]` for every query row (the segments cover every
+        // token of every sequence, as `cu_seqlens` covers every token).
+        let mut o = unsafe { dev.alloc::<bf16>(wide.o_len().max(1))? };
+        let mut fin = dev.alloc_zeros::<f32>(wide.state_len().max(1))?;
+        let dest = ScanDest {
+            out: ScanOut::PlainFinal(&mut o, &mut fin),
+            states: None,
+            widened: Some(0..seg.num_seqs()),
+        };
+        let wy = self
+            .widened
+            .forward_scan(inp, call.scale, &h0w, dest, keep.is_some(), cfg)?;
+        if let Some(slot) = keep {
+            slot.put(ForwardCache::wy_only(wy));
+        }
+        let Folded { incoming, finals } = self.fold(dev, &fin, aux, call)?;
+        let x = o.slice(..);
+        let dims = FixDims {
+            heads: sh.heads,
+            dk: sh.dk,
+            dv: sh.dv,
+        };
+        let spans = token_spans(seg);
+        if call.plain {
+            // SAFETY: the corrections below write every token row of o.
+            let mut out = unsafe { dev.alloc::<bf16>(sh.o_len().max(1))? };
+            fix_segments(dev, &x, &mut out.slice_mut(..), &incoming, &spans, dims)?;
+            return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
+        }
+        let o_len = sh.o_len();
+        // SAFETY: the corrections write every token row of o, the copy every final state.
+        let mut out = unsafe { dev.alloc::<f32>((o_len + sh.state_len()).max(1))? };
+        fix_segments(
+            dev,
+            &x,
+            &mut out.slice_mut(..o_len),
+            &incoming,
+            &spans,
+            dims,
+        )?;
+        if sh.num_seqs() > 0 {
+            copy_tensor_into(&Tensor::cat(&finals, 0)?, &mut out, o_len)?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+
+    /// The state each segment starts from (`None`: zero, so that its output needs no
+    /// correction) and each sequence's final state, folded in f32 from the segments' `[ΔS | M]`
+    /// (`fin`, `[segments, H, K, V + K]`) and the initial states of `aux`.
+    fn fold(
+        &self,
+        dev: &CudaDevice,
+        fin: &CudaSlice<f32>,
+        aux: In,
+        call: &CudaCall,
+    ) -> Result<Folded> {
+        let sh = call.shape;
+        let (h, k, v) = (sh.heads, sh.dk, sh.dv);
+        let seg = &self.widened.sub;
+        let fin = tensor_of(dev, fin, &[seg.num_seqs(), h, k, v + k])?;
+        let h0 = match call.has_h0 {
+            true => {
+                let states = initial_states_device(aux, sh)?;
+                Some(tensor_of(dev, &states, &[sh.num_seqs(), h, k, v])?)
+            }
+            false => None,
+        };
+        let mut incoming = Vec::with_capacity(seg.num_seqs());
+        let mut finals = Vec::with_capacity(sh.num_seqs());
+        for (i, segments) in self.owners.iter().enumerate() {
+            let mut s = h0.as_ref().map(|h0| h0.narrow(0, i, 1)).transpose()?;
+            for j in segments.clone() {
+                incoming.push(s.as_ref().map(slice_of).transpose()?);
+                if seg.seqs[j].len == 0 {
+                    continue; // an empty sequence: its state passes unchanged
+                }
+                s = Some(match &s {
+                    Some(s) => corrected_summary(&fin, j..j + 1, s)?,
+                    None => fin.narrow(0, j, 1)?.narrow(3, 0, v)?.contiguous()?,
+                });
+            }
+            let zero = || Tensor::zeros((1, h, k, v), DType::F32, &Device::Cuda(dev.clone()));
+            finals.push(s.map_or_else(zero, Ok)?);
+        }
+        Ok(Folded { incoming, finals })
+    }
+}
+
+/// [`SegmentPlan::fold`]'s result.
+struct Folded {
+    /// Per segment, the state it starts from (`None`: zero).
+    incoming: Vec<Option<CudaSlice<f32>>>,
+    /// Per sequence, its final state `[1, H, K, V]`.
+    finals: Vec<Tensor>,
+}
+
+/// `y = x[.., :V] + x[.., V:] · S` over each segment's token rows (`spans`: first row and
+/// rows), with the segment's incoming state `S`, or a copy of `x[.., :V]` where it is zero.
+fn fix_segments<T: FixOut>(
+    dev: &CudaDevice,
+    x: &CudaView<bf16>,
+    y: &mut CudaViewMut<T>,
+    incoming: &[Option<CudaSlice<f32>>],
+    spans: &[(usize, usize)],
+    dims: FixDims,
+) -> Result<()> {
+    for (s, &(first, rows)) in incoming.iter().zip(spans) {
+        let rows = FixRows {
+            outer0: first,
+            outer_per_seq: rows,
+            inner: 1,
+            seqs: 1,
+        };
+        let s = s.as_ref().map(|s| s.slice(..));
+        fix_planned(dev, (x, &mut *y), s.as_ref(), dims, &[(rows, s.is_some())])?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(batch: usize, start: usize, len: usize) -> SeqSpan {
+        SeqSpan { batch, start, len }
+    }
+
+    #[test]
+    fn segments_cover_each_sequence_in_order() {
+        let seqs = [span(0, 0, 300), span(0, 300, 0), span(0, 300, 64)];
+        let (segments, owners) = split(&seqs, 128);
+        let want = [
+            span(0, 0, 128),
+            span(0, 128, 128),
+            span(0, 256, 44),
+            span(0, 300, 0),
+            span(0, 300, 64),
+        ];
+        assert_eq!(segments, want);
+        assert_eq!(owners, [0..3, 3..4, 4..5]);
+    }
+
+    #[test]
+    fn auto_splits_only_what_leaves_the_gpu_idle() -> Result<()> {
+        let cfg = KernelConfig::default();
+        // B1 H8 K = V = 128 over 64K tokens on 132 multiprocessors: 32 blocks per segment.
+        let few = GdpShape::new(1, 65_536, 8, 128, 128, 1, None);
+        assert_eq!(segment_count(&few, &cfg, 132)?, 4);
+        // Short sequences: no segment of 2048 tokens or more to gain.
+        let short = GdpShape::new(1, 3000, 8, 128, 128, 1, None);
+        assert_eq!(segment_count(&short, &cfg, 132)?, 1);
+        // Many heads already fill the GPU.
+        let many = GdpShape::new(4, 65_536, 16, 128, 128, 1, None);
+        assert_eq!(segment_count(&many, &cfg, 132)?, 1);
+        let forced = KernelConfig {
+            segments: Segments::Count(0),
+            ..cfg
+        };
+        assert!(segment_count(&few, &forced, 132).is_err());
+        Ok(())
+    }
+}
