@@ -89,8 +89,9 @@ pub struct KernelArgs {
     /// Queue every kernel on the device's stream (no side stream).
     #[arg(long)]
     pub one_stream: bool,
-    /// Segments per sequence of the chunked bf16 forward: `auto`, `off`, or a count (1: none).
-    #[arg(long, value_name = "auto|off|N", default_value = "auto", value_parser = segments)]
+    /// Segments per sequence of the chunked bf16 forward: `auto`, `off` (the library's
+    /// default), or a count (1: none).
+    #[arg(long, value_name = "auto|off|N", default_value = "off", value_parser = segments)]
     pub segments: Segments,
     /// Value tile of the fused forward kernel.
     #[arg(long, value_name = "BV", value_parser = tile())]

@@ -1,0 +1,112 @@
+//! How a long sequence is cut into segments that the chunked bf16 forward scans side by side
+//! (`KernelConfig::segments`, `op::cuda` runs them): how many per sequence, and where each
+//! segment starts. Device-independent, so that its rules are tested without a GPU.
+
+use crate::op::config::{KernelConfig, Segments};
+use crate::op::shape::{GdpShape, SeqSpan};
+use candle_core::Result;
+use std::ops::Range;
+
+/// Segment boundaries fall on multiples of this many tokens from a sequence's start, so that
+/// a segment's 64-row chunks (`64 / n` tokens each) are those of the unsplit sequence, and the
+/// WY factors computed over the segments serve the unsplit backward.
+pub(crate) const ALIGN: usize = 64;
+/// `Segments::Auto`: segments of at least this many tokens (shorter ones save less chain than
+/// the widened columns, the fold and the correction cost).
+const MIN_AUTO_TOKENS: usize = 2048;
+/// `Segments::Auto`: at most this many segments per sequence.
+const MAX_AUTO_SEGMENTS: usize = 16;
+/// `Segments::Auto`: the widened scan's value tile assumed when counting its blocks.
+const AUTO_TILE: usize = 64;
+
+/// Segments per sequence under `cfg.segments` for `sh` on `sms` multiprocessors (1: no split).
+/// `Auto` takes as many as one wave of the widened scan's blocks holds, each segment at least
+/// [`MIN_AUTO_TOKENS`] of the longest sequence, at most [`MAX_AUTO_SEGMENTS`].
+pub(crate) fn segment_count(sh: &GdpShape, cfg: &KernelConfig, sms: usize) -> Result<usize> {
+    match cfg.segments {
+        Segments::Off => Ok(1),
+        Segments::Count(0) => candle_core::bail!(
+            "gdp cuda: KernelConfig::segments = Count(0): give at least 1 (1 or Off: no split)"
+        ),
+        Segments::Count(p) => Ok(p),
+        Segments::Auto => {
+            let longest = sh.seqs.iter().map(|s| s.len).max().unwrap_or(0);
+            let blocks = sh.num_seqs() * sh.heads * (sh.dv + sh.dk).div_ceil(AUTO_TILE);
+            let by_blocks = sms / blocks.max(1);
+            let by_length = longest / MIN_AUTO_TOKENS;
+            Ok(by_blocks.min(by_length).clamp(1, MAX_AUTO_SEGMENTS))
+        }
+    }
+}
+
+/// Each sequence of `seqs` split into consecutive segments of `len` tokens (the last shorter;
+/// an empty sequence stays one empty segment), in order, and the segments of each sequence.
+pub(crate) fn split(seqs: &[SeqSpan], len: usize) -> (Vec<SeqSpan>, Vec<Range<usize>>) {
+    let mut segments = Vec::new();
+    let mut owners = Vec::with_capacity(seqs.len());
+    for s in seqs {
+        let first = segments.len();
+        let mut at = 0;
+        loop {
+            let l = len.min(s.len - at);
+            segments.push(SeqSpan {
+                batch: s.batch,
+                start: s.start + at,
+                len: l,
+            });
+            at += l;
+            if at >= s.len {
+                break;
+            }
+        }
+        owners.push(first..segments.len());
+    }
+    (segments, owners)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(batch: usize, start: usize, len: usize) -> SeqSpan {
+        SeqSpan { batch, start, len }
+    }
+
+    #[test]
+    fn segments_cover_each_sequence_in_order() {
+        let seqs = [span(0, 0, 300), span(0, 300, 0), span(0, 300, 64)];
+        let (segments, owners) = split(&seqs, 128);
+        let want = [
+            span(0, 0, 128),
+            span(0, 128, 128),
+            span(0, 256, 44),
+            span(0, 300, 0),
+            span(0, 300, 64),
+        ];
+        assert_eq!(segments, want);
+        assert_eq!(owners, [0..3, 3..4, 4..5]);
+    }
+
+    #[test]
+    fn auto_splits_only_what_leaves_the_gpu_idle() -> Result<()> {
+        let cfg = KernelConfig {
+            segments: Segments::Auto,
+            ..Default::default()
+        };
+        // B1 H8 K = V = 128 over 64K tokens on 132 multiprocessors: 32 blocks per segment.
+        let few = GdpShape::new(1, 65_536, 8, 128, 128, 1, None);
+        assert_eq!(segment_count(&few, &cfg, 132)?, 4);
+        // Short sequences: no segment of 2048 tokens or more to gain.
+        let short = GdpShape::new(1, 3000, 8, 128, 128, 1, None);
+        assert_eq!(segment_count(&short, &cfg, 132)?, 1);
+        // Many heads already fill the GPU.
+        let many = GdpShape::new(4, 65_536, 16, 128, 128, 1, None);
+        assert_eq!(segment_count(&many, &cfg, 132)?, 1);
+        let forced = KernelConfig {
+            segments: Segments::Count(0),
+            ..cfg
+        };
+        assert!(segment_count(&few, &forced, 132).is_err());
+        Ok(())
+    }
+}
