@@ -898,6 +898,147 @@ void run_step(int B, int H, int K, int V, int n) {
   report(name, "bf16 in state", rel(out16.data() + BH * V, S.data(), BH * K * V), 1e-5);
 }
 
+// The forward in segments (src/op/cuda/segmented.rs), as the op runs it: every sequence cut
+// into segments of `len` tokens (a multiple of 64; the last one shorter, an empty sequence one
+// empty segment), the segments' WY factors (which must be the unsplit table's bit for bit: the
+// backward reads them), one widened forward scan of BV `bv` over every segment from [0 | I_K] on
+// [U | 0_K] into [o⁰ | Q̃] (bf16) and [ΔS | M] (f32), the segments' incoming states by the f32
+// fold S_{j+1} = ΔS_j + M_j S_j from h0, and o = o⁰ + Q̃ S_j per segment (gdp_cp_fix_f32; a copy
+// where S_j is zero). o and the final states against the f64 reference of the unsplit problem;
+// `split`: q, k read in place (FLA's layout, grouped heads where the case has them).
+void run_bf16_segments(const Case& c, int len, int bv, bool split) {
+  Prob P = make(c, 4321 + c.K + c.T);
+  const auto qkb = to_bf16(P.qk);
+  const auto vb = to_bf16(P.v);
+  const long K = c.K, V = c.V, n = c.n, H = c.H, N = P.N, BTH = P.BTH, W = V + K;
+  const long sl = N * H * K * V;
+  std::vector<double> h0d;
+  if (c.h0) h0d.assign(P.aux.begin() + BTH * (1 + n), P.aux.end());
+  Ref R;
+  naive(P, c.h0 ? h0d.data() : nullptr, nullptr, R, false);
+  const float scale = 1.f / sqrtf((float)K);
+  Prob S = P;
+  S.seqs.clear();
+  std::vector<std::pair<long, long>> owners;  // each sequence's segments [first, end)
+  for (const Seq& q : P.seqs) {
+    const long first = S.seqs.size();
+    int at = 0;
+    do {
+      const int l = std::min(len, q.len - at);
+      S.seqs.push_back({q.b, q.start + at, l});
+      at += l;
+    } while (at < q.len);
+    owners.push_back({first, (long)S.seqs.size()});
+  }
+  S.N = S.seqs.size();
+  const long Ns = S.N;
+  long total = 0, total_s = 0;
+  const std::vector<int> tab = chunk_table(P, total), tab_s = chunk_table(S, total_s);
+  const long slots = std::max(total, 1L) * H;
+  const SplitQk sq(qkb, BTH / H, n, H, K, c.grp);
+  const QkArgs a = qk_args(qkb, sq, split, H, K);
+  struct Wy {
+    std::vector<__nv_bfloat16> w, u, p;
+    std::vector<float> c;
+  };
+  auto wy_of = [&](const Prob& Q, const std::vector<int>& t, long chunks) {
+    Wy f{std::vector<__nv_bfloat16>(slots * 64 * K, {0x7f7f}),
+         std::vector<__nv_bfloat16>(slots * 64 * V, {0x7f7f}),
+         std::vector<__nv_bfloat16>(slots * 64 * 64, {0x7f7f}),
+         std::vector<float>(slots * 3 * 64, 3e38f)};
+    const GdpWyParams wp = wy_params(Q, a, vb, t, f.w, f.u, f.p, f.c, nullptr, scale, nullptr,
+                                     nullptr);
+    if (chunks > 0)
+      launch(chunks, H, 128, [&] { gdp_fwd_wy_bf16(GDP_ARGS_OF(GDP_WY_FIELDS, wp)); });
+    return f;
+  };
+  const Wy whole = wy_of(P, tab, total), wy = wy_of(S, tab_s, total_s);
+  auto bits = [](const auto& x, const auto& y) {
+    return x.size() == y.size() && memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
+  };
+  const bool same_wy = total == total_s && bits(whole.w, wy.w) && bits(whole.u, wy.u) &&
+                       bits(whole.p, wy.p) && bits(whole.c, wy.c);
+  char name[48];
+  snprintf(name, sizeof name, "%s /%d", c.name, len);
+  printf("%-26s %-8s %s\n", name, "seg wy",
+         same_wy ? "the unsplit table's, identical" : "DIFFERENT from the unsplit table's");
+  if (!same_wy) ++fails;
+  // [0 | I_K] per (segment, head); the widened scan.
+  std::vector<float> h0w(Ns * H * K * W, 0.f), fin(Ns * H * K * W, 3e38f);
+  for (long b = 0; b < Ns * H; ++b)
+    for (long k = 0; k < K; ++k) h0w[(b * K + k) * W + V + k] = 1.f;
+  std::vector<__nv_bfloat16> ow(BTH * W, __nv_bfloat16{0x7f7f});
+  const int QR = 16 * (((64 + c.n - 1) / c.n + 15) / 16);
+  const int KPT = c.K <= 64 ? 64 : c.K <= 128 ? 128 : 256;
+  GdpScanParams sp = scan_params(S, a, tab_s, wy.w, wy.u, wy.p, wy.c, nullptr, ow.data(),
+                                 fin.data(), nullptr, nullptr, QR, 2, nullptr);
+  sp.h0_override = h0w.data(); sp.use_h0_override = 1; sp.dv = W; sp.dv_in = V;
+  sp.wide_from = 0; sp.wide_to = Ns;
+  launch(Ns * H, (W + bv - 1) / bv, bv == 16 ? 128 : 256, [&] {
+#define ARGS GDP_ARGS_OF(GDP_SCAN_FIELDS, sp)
+    if (bv == 16 && KPT == 64) gdp_fwd_scan_bf16_16_64(ARGS);
+    if (bv == 16 && KPT == 128) gdp_fwd_scan_bf16_16_128(ARGS);
+    if (bv == 32 && KPT == 64) gdp_fwd_scan_bf16_32_64(ARGS);
+    if (bv == 32 && KPT == 128) gdp_fwd_scan_bf16_32_128(ARGS);
+    if (bv == 64 && KPT == 64) gdp_fwd_scan_bf16_64_64(ARGS);
+    if (bv == 64 && KPT == 128) gdp_fwd_scan_bf16_64_128(ARGS);
+#undef ARGS
+  });
+  // The fold, in f32 as Candle's matmul runs it on the device.
+  const long KV = K * V;
+  std::vector<float> incoming(Ns * H * KV, 0.f), ht(sl, 0.f);
+  std::vector<char> has_in(Ns, 0);
+  for (long i = 0; i < N; ++i) {
+    std::vector<float> st;
+    if (c.h0) st.assign(P.aux.begin() + BTH * (1 + n) + i * H * KV,
+                        P.aux.begin() + BTH * (1 + n) + (i + 1) * H * KV);
+    for (long j = owners[i].first; j < owners[i].second; ++j) {
+      if (!st.empty()) std::copy(st.begin(), st.end(), &incoming[j * H * KV]), has_in[j] = 1;
+      if (S.seqs[j].len == 0) continue;
+      std::vector<float> next(H * KV);
+      for (long h = 0; h < H; ++h)
+        for (long k = 0; k < K; ++k)
+          for (long v = 0; v < V; ++v) {
+            const float* row = &fin[((j * H + h) * K + k) * W];
+            float acc = row[v];
+            for (long m = 0; !st.empty() && m < K; ++m) acc += row[V + m] * st[h * KV + m * V + v];
+            next[h * KV + k * V + v] = acc;
+          }
+      st = next;
+    }
+    if (!st.empty()) std::copy(st.begin(), st.end(), &ht[i * H * KV]);
+  }
+  std::vector<float> o(BTH * V, 3e38f);
+  for (long j = 0; j < Ns; ++j) {
+    const Seq& q = S.seqs[j];
+    if (q.len == 0) continue;
+    GdpFixParams<float> fp{};
+    fp.x = ow.data(); fp.y = o.data(); fp.s = has_in[j] ? &incoming[j * H * KV] : nullptr;
+    fp.heads = H; fp.dk = K; fp.dv = V; fp.outer0 = (long)q.b * c.T + q.start;
+    fp.outer_per_seq = q.len; fp.inner = 1;
+    launch((q.len + 127) / 128, (V + GDP_FIX_COLS - 1) / GDP_FIX_COLS, GDP_FIX_THREADS,
+           [&] { gdp_cp_fix_f32(GDP_ARGS_OF(GDP_FIX_FIELDS, fp)); }, (unsigned)H);
+  }
+  // The unsplit two-kernel forward on the same inputs, for scale: bf16's own error here.
+  std::vector<float> base(BTH * V + sl, 0.f);
+  {
+    const GdpScanParams bp = scan_params(P, a, tab, whole.w, whole.u, whole.p, whole.c,
+                                         base.data(), nullptr, base.data() + BTH * V, nullptr,
+                                         nullptr, QR, 2, nullptr);
+    launch(N * H, (V + 15) / 16, 128, [&] {
+      (KPT == 64 ? gdp_fwd_scan_bf16_16_64 : gdp_fwd_scan_bf16_16_128)(
+          GDP_ARGS_OF(GDP_SCAN_FIELDS, bp));
+    });
+  }
+  char what[32];
+  report(name, "unsplit o", rel(base.data(), R.o.data(), BTH * V), 1e-2);
+  report(name, "unsplit ht", rel(base.data() + BTH * V, R.fin.data(), sl), 1e-2);
+  snprintf(what, sizeof what, "seg %ldx%d%s o", Ns, bv, split ? " q,k" : "");
+  report(name, what, rel(o.data(), R.o.data(), BTH * V), 1e-2);
+  snprintf(what, sizeof what, "seg %ldx%d ht", Ns, bv);
+  report(name, what, rel(ht.data(), R.fin.data(), sl), 1e-2);
+}
+
 // Context parallelism's row correction (cp_fix.cuh, launched as src/op/cuda/cp_fix.rs does):
 // y[row, :V] = x[row, :V] + x[row, V:V+K] · S[seq, head] over the rows of `seqs` sequences of
 // `ops` outer indices of `inner` rows each from `outer0` on, against a float64 loop on the same
@@ -1026,6 +1167,23 @@ static void run_cp() {
   run_cp_fix(2, 64, 40, 1, 2, 3, 64, 1, false);    // a copy in 16-byte rows
 }
 
+// The forward in segments (run_bf16_segments) on lengths that are no multiple of the segment
+// length: dense batches with h0, packed sequences with an empty one and strong gates, n = 1..3,
+// K = V = 128 (the widened scan's 64-column tiles), odd V, grouped heads read in place. Weak
+// gates elsewhere (gmax 0.02-0.05), so that a segment's transition M is far from zero and a
+// wrong fold shows in o and the final states.
+static void run_segments() {
+  run_bf16_segments({"seg n1 T300 K32 V48 h0", 2, 300, 2, 32, 48, 1, true, {}, 0.02f, 16}, 128, 32, false);
+  run_bf16_segments({"seg packed n3 K24 V20", 1, 400, 2, 24, 20, 3, false, {0, 130, 130, 333, 400},
+                     20.f, 16}, 64, 16, false);
+  run_bf16_segments({"seg n2 T200 K128 V128 h0", 1, 200, 2, 128, 128, 2, true, {}, 0.02f, 64}, 64,
+                    64, false);
+  run_bf16_segments({"seg odd V n2 T150 K12 V13 h0", 1, 150, 2, 12, 13, 2, true, {}, 0.05f, 16}, 64,
+                    16, false);
+  run_bf16_segments({"seg grp2 n1 T260 K24 V40 h0", 1, 260, 4, 24, 40, 1, true, {}, 0.02f, 16, 2},
+                    128, 32, true);
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   // Arguments: `rev` (reversed thread ids), `bf16` (only the bf16 kernels), `bwd` (with `bf16`:
@@ -1066,6 +1224,12 @@ int main(int argc, char** argv) {
     printf("fails: %d\n", fails);
     return fails != 0;
   }
+  for (int i = 1; i < argc; ++i)
+    if (!strcmp(argv[i], "seg")) {
+      run_segments();
+      printf("fails: %d\n", fails);
+      return fails != 0;
+    }
   if (only_cp) {
     run_cp();
     printf("fails: %d\n", fails);
@@ -1111,6 +1275,7 @@ int main(int argc, char** argv) {
   cases.push_back({"n1 T70 K200 V40 h0", 1, 70, 1, 200, 40, 1, true, {}, 1.f, 8});
   cases.insert(cases.end(), grouped.begin(), grouped.end());
   for (auto& c : cases) run_bf16(c);
+  run_segments();
   printf("fails: %d\n", fails);
   return fails != 0;
 }

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Builds and runs the CPU emulation test of the CUDA kernels (no GPU, no CUDA toolkit needed):
-#   sh cuda/emu/run.sh [rev] [bf16|step|f32dg|cp] [bwd]   (rev: reversed thread ids, to shake
+#   sh cuda/emu/run.sh [rev] [bf16|step|f32dg|cp|seg] [bwd]   (rev: reversed thread ids, to shake
 #   out ordering assumptions; bf16: the decode step, context parallelism's kernels and the bf16
 #   kernels only; step: the decode step only; bf16 bwd: the decode step and the split bf16
 #   backward only; f32dg: the f32 backward at K = 256 with strong gates four times, whose gate
