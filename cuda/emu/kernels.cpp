@@ -364,6 +364,23 @@ static GdpScanParams scan_params(const Prob& P, const QkArgs& a, const std::vect
   return p;
 }
 
+// Launches the forward scan gdp_fwd_scan_bf16_<bv>_<KPT> with `sp` over `rows` (sequence,
+// head) blocks and `cols` value columns.
+static void launch_fwd_scan(const GdpScanParams& sp, long rows, long cols, int bv, int KPT) {
+  launch(rows, (cols + bv - 1) / bv, bv == 16 ? 128 : 256, [&] {
+#define ARGS GDP_ARGS_OF(GDP_SCAN_FIELDS, sp)
+    if (bv == 16 && KPT == 64) gdp_fwd_scan_bf16_16_64(ARGS);
+    if (bv == 16 && KPT == 128) gdp_fwd_scan_bf16_16_128(ARGS);
+    if (bv == 16 && KPT == 256) gdp_fwd_scan_bf16_16_256(ARGS);
+    if (bv == 32 && KPT == 64) gdp_fwd_scan_bf16_32_64(ARGS);
+    if (bv == 32 && KPT == 128) gdp_fwd_scan_bf16_32_128(ARGS);
+    if (bv == 32 && KPT == 256) gdp_fwd_scan_bf16_32_256(ARGS);
+    if (bv == 64 && KPT == 64) gdp_fwd_scan_bf16_64_64(ARGS);
+    if (bv == 64 && KPT == 128) gdp_fwd_scan_bf16_64_128(ARGS);
+#undef ARGS
+  });
+}
+
 // The bf16 forwards: gdp_fwd_bf16 (one kernel) and gdp_fwd_wy_bf16 + gdp_fwd_scan_bf16 (two
 // kernels, BV = 32 and 64) against the f64 reference on the bf16-rounded inputs.
 void run_bf16(const Case& c) {
@@ -431,18 +448,7 @@ void run_bf16(const Case& c) {
         scan_params(P, a, tab, wg, ug, pg, cg, plain ? nullptr : out.data(),
                     plain ? ob.data() : nullptr, out.data() + BTH * V, nullptr, nullptr, QR, NS,
                     nullptr);
-    launch(N * H, (V + bv - 1) / bv, bv == 16 ? 128 : 256, [&] {
-#define ARGS GDP_ARGS_OF(GDP_SCAN_FIELDS, sp)
-      if (bv == 16 && KPT == 64) gdp_fwd_scan_bf16_16_64(ARGS);
-      if (bv == 16 && KPT == 128) gdp_fwd_scan_bf16_16_128(ARGS);
-      if (bv == 16 && KPT == 256) gdp_fwd_scan_bf16_16_256(ARGS);
-      if (bv == 32 && KPT == 64) gdp_fwd_scan_bf16_32_64(ARGS);
-      if (bv == 32 && KPT == 128) gdp_fwd_scan_bf16_32_128(ARGS);
-      if (bv == 32 && KPT == 256) gdp_fwd_scan_bf16_32_256(ARGS);
-      if (bv == 64 && KPT == 64) gdp_fwd_scan_bf16_64_64(ARGS);
-      if (bv == 64 && KPT == 128) gdp_fwd_scan_bf16_64_128(ARGS);
-#undef ARGS
-    });
+    launch_fwd_scan(sp, N * H, V, bv, KPT);
     for (long i = 0; plain && i < BTH * V; ++i) out[i] = __bfloat162float(ob[i]);
     char what[32];
     snprintf(what, sizeof what, "bf16 2k%d/%d%s o%s", bv, NS, split ? " q,k" : "", plain ? " bf16" : "");
@@ -462,10 +468,7 @@ void run_bf16(const Case& c) {
     auto scan = [&](std::vector<float>& out, const int* ready) {
       const GdpScanParams sp = scan_params(P, a, tab, wg, ug, pg, cg, out.data(), nullptr,
                                            out.data() + BTH * V, nullptr, nullptr, QR, 3, ready);
-      launch(N * H, (V + 31) / 32, 256, [&] {
-        (KPT == 64 ? gdp_fwd_scan_bf16_32_64 : gdp_fwd_scan_bf16_32_128)(
-            GDP_ARGS_OF(GDP_SCAN_FIELDS, sp));
-      });
+      launch_fwd_scan(sp, N * H, V, 32, KPT);
     };
     wy_factors(true);
     std::vector<float> plain(BTH * V + sl, 0.f), overlapped(BTH * V + sl, 0.f);
@@ -974,16 +977,7 @@ void run_bf16_segments(const Case& c, int len, int bv, bool split) {
                                  fin.data(), nullptr, nullptr, QR, 2, nullptr);
   sp.h0_override = h0w.data(); sp.use_h0_override = 1; sp.dv = W; sp.dv_in = V;
   sp.wide_from = 0; sp.wide_to = Ns;
-  launch(Ns * H, (W + bv - 1) / bv, bv == 16 ? 128 : 256, [&] {
-#define ARGS GDP_ARGS_OF(GDP_SCAN_FIELDS, sp)
-    if (bv == 16 && KPT == 64) gdp_fwd_scan_bf16_16_64(ARGS);
-    if (bv == 16 && KPT == 128) gdp_fwd_scan_bf16_16_128(ARGS);
-    if (bv == 32 && KPT == 64) gdp_fwd_scan_bf16_32_64(ARGS);
-    if (bv == 32 && KPT == 128) gdp_fwd_scan_bf16_32_128(ARGS);
-    if (bv == 64 && KPT == 64) gdp_fwd_scan_bf16_64_64(ARGS);
-    if (bv == 64 && KPT == 128) gdp_fwd_scan_bf16_64_128(ARGS);
-#undef ARGS
-  });
+  launch_fwd_scan(sp, Ns * H, W, bv, KPT);
   // The fold, in f32 as Candle's matmul runs it on the device.
   const long KV = K * V;
   std::vector<float> incoming(Ns * H * KV, 0.f), ht(sl, 0.f);
@@ -1025,10 +1019,7 @@ void run_bf16_segments(const Case& c, int len, int bv, bool split) {
     const GdpScanParams bp = scan_params(P, a, tab, whole.w, whole.u, whole.p, whole.c,
                                          base.data(), nullptr, base.data() + BTH * V, nullptr,
                                          nullptr, QR, 2, nullptr);
-    launch(N * H, (V + 15) / 16, 128, [&] {
-      (KPT == 64 ? gdp_fwd_scan_bf16_16_64 : gdp_fwd_scan_bf16_16_128)(
-          GDP_ARGS_OF(GDP_SCAN_FIELDS, bp));
-    });
+    launch_fwd_scan(bp, N * H, V, 16, KPT);
   }
   char what[32];
   report(name, "unsplit o", rel(base.data(), R.o.data(), BTH * V), 1e-2);
