@@ -333,7 +333,9 @@ fn training_steps_equal_single_device() -> Result<()> {
                 let mut worst = (0f64, "");
                 for &(n, num, den, len) in &errs {
                     let e = (num / len).sqrt() / (den / len).sqrt().max(whole_rms);
-                    assert!(e <= 5e-4, "{name} R={r} step {s}: {n} rel {e:.2e}");
+                    // Measured (2026-12-05) at most 4.4e-5, on A_log and dt_bias: sums over
+                    // every token and head whose terms cancel, so the f32 sums' order shows.
+                    assert!(e <= 2e-4, "{name} R={r} step {s}: {n} rel {e:.2e}");
                     if e > worst.0 {
                         worst = (e, n);
                     }
@@ -343,9 +345,9 @@ fn training_steps_equal_single_device() -> Result<()> {
                      L2 {whole:.1e}, worst parameter {:.1e} ({})",
                     worst.0, worst.1
                 );
-                let bound = if s == 0 { 1e-5 } else { 1e-4 };
+                // Measured at most 2.4e-6 over every step (the trajectories stay together).
                 assert!(
-                    whole <= bound,
+                    whole <= 1e-5,
                     "{name} R={r} step {s}: gradient rel L2 {whole:.2e}"
                 );
             }
