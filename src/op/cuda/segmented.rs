@@ -37,6 +37,9 @@ impl SegmentPlan {
     /// where the widened kernels do not fit. A forced count that the kernels cannot run is an
     /// error.
     pub(super) fn new(dev: &CudaDevice, sh: &GdpShape, cfg: &KernelConfig) -> Result<Option<Self>> {
+        if cfg.segments == Segments::Off {
+            return Ok(None); // no device query on the default path
+        }
         let (_, sms) = smem_and_sms(dev, cfg.shared_memory_limit)?;
         let count = segment_count(sh, cfg, sms)?;
         let longest = sh.seqs.iter().map(|s| s.len).max().unwrap_or(0);
