@@ -10,7 +10,7 @@ use std::ops::Range;
 /// Segment boundaries fall on multiples of this many tokens from a sequence's start, so that
 /// a segment's 64-row chunks (`64 / n` tokens each) are those of the unsplit sequence, and the
 /// WY factors computed over the segments serve the unsplit backward.
-pub(crate) const ALIGN: usize = 64;
+const ALIGN: usize = 64;
 /// `Segments::Auto`: segments of at least this many tokens (shorter ones save less chain than
 /// the widened columns, the fold and the correction cost).
 const MIN_AUTO_TOKENS: usize = 2048;
@@ -19,10 +19,32 @@ const MAX_AUTO_SEGMENTS: usize = 16;
 /// `Segments::Auto`: the widened scan's value tile assumed when counting its blocks.
 const AUTO_TILE: usize = 64;
 
+/// The segments `cfg.segments` asks for on `sms` multiprocessors: every sequence of `sh` cut
+/// into segments of one length (a multiple of [`ALIGN`] tokens; the last of a sequence shorter),
+/// in order, and the segments of each sequence; `None` where nothing is split.
+pub(crate) fn plan(sh: &GdpShape, cfg: &KernelConfig, sms: usize) -> Result<Option<Split>> {
+    let count = segment_count(sh, cfg, sms)?;
+    let longest = sh.seqs.iter().map(|s| s.len).max().unwrap_or(0);
+    if count < 2 || longest <= ALIGN {
+        return Ok(None);
+    }
+    let cut = split(&sh.seqs, longest.div_ceil(count).next_multiple_of(ALIGN));
+    Ok((cut.segments.len() > sh.num_seqs()).then_some(cut))
+}
+
+/// Sequences cut into segments ([`plan`]).
+#[derive(Debug)]
+pub(crate) struct Split {
+    /// The segments, each sequence's in order.
+    pub segments: Vec<SeqSpan>,
+    /// Per sequence, the indices of its segments.
+    pub owners: Vec<Range<usize>>,
+}
+
 /// Segments per sequence under `cfg.segments` for `sh` on `sms` multiprocessors (1: no split).
 /// `Auto` takes as many as one wave of the widened scan's blocks holds, each segment at least
 /// [`MIN_AUTO_TOKENS`] of the longest sequence, at most [`MAX_AUTO_SEGMENTS`].
-pub(crate) fn segment_count(sh: &GdpShape, cfg: &KernelConfig, sms: usize) -> Result<usize> {
+fn segment_count(sh: &GdpShape, cfg: &KernelConfig, sms: usize) -> Result<usize> {
     match cfg.segments {
         Segments::Off => Ok(1),
         Segments::Count(0) => candle_core::bail!(
@@ -41,7 +63,7 @@ pub(crate) fn segment_count(sh: &GdpShape, cfg: &KernelConfig, sms: usize) -> Re
 
 /// Each sequence of `seqs` split into consecutive segments of `len` tokens (the last shorter;
 /// an empty sequence stays one empty segment), in order, and the segments of each sequence.
-pub(crate) fn split(seqs: &[SeqSpan], len: usize) -> (Vec<SeqSpan>, Vec<Range<usize>>) {
+fn split(seqs: &[SeqSpan], len: usize) -> Split {
     let mut segments = Vec::new();
     let mut owners = Vec::with_capacity(seqs.len());
     for s in seqs {
@@ -61,7 +83,7 @@ pub(crate) fn split(seqs: &[SeqSpan], len: usize) -> (Vec<SeqSpan>, Vec<Range<us
         }
         owners.push(first..segments.len());
     }
-    (segments, owners)
+    Split { segments, owners }
 }
 
 #[cfg(test)]
@@ -75,7 +97,7 @@ mod tests {
     #[test]
     fn segments_cover_each_sequence_in_order() {
         let seqs = [span(0, 0, 300), span(0, 300, 0), span(0, 300, 64)];
-        let (segments, owners) = split(&seqs, 128);
+        let Split { segments, owners } = split(&seqs, 128);
         let want = [
             span(0, 0, 128),
             span(0, 128, 128),
@@ -85,6 +107,26 @@ mod tests {
         ];
         assert_eq!(segments, want);
         assert_eq!(owners, [0..3, 3..4, 4..5]);
+    }
+
+    #[test]
+    fn forced_segments_are_aligned_and_short_sequences_stay_whole() -> Result<()> {
+        let cfg = KernelConfig {
+            segments: Segments::Count(3),
+            ..Default::default()
+        };
+        // The longest sequence (300 tokens) in thirds, rounded up to 64: segments of 128.
+        let sh = GdpShape::new(1, 400, 2, 16, 16, 2, Some(&[0, 300, 340, 400]));
+        let Split { segments, owners } = plan(&sh, &cfg, 132)?.expect("a split");
+        assert_eq!(
+            segments.iter().map(|s| s.len).collect::<Vec<_>>(),
+            [128, 128, 44, 40, 60]
+        );
+        assert_eq!(owners, [0..3, 3..4, 4..5]);
+        // Nothing longer than one segment: no split.
+        let short = GdpShape::new(2, 64, 2, 16, 16, 1, None);
+        assert!(plan(&short, &cfg, 132)?.is_none());
+        Ok(())
     }
 
     #[test]

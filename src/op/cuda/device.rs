@@ -162,10 +162,23 @@ pub(crate) fn tensor_of(
     dev.cuda_stream()
         .memcpy_dtod(&s.slice(..len), &mut copy.slice_mut(..len))
         .map_err(candle_core::Error::wrap)?;
-    let st = candle_core::CudaStorage::wrap_cuda_slice(copy, dev.clone());
+    tensor_from(dev, copy, dims)
+}
+
+/// A device buffer's first elements as an f32 tensor of `dims`, the buffer itself (no copy).
+pub(crate) fn tensor_from(
+    dev: &candle_core::CudaDevice,
+    s: candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>,
+    dims: &[usize],
+) -> candle_core::Result<candle_core::Tensor> {
+    let (len, have): (usize, usize) = (dims.iter().product(), s.len());
+    if have < len {
+        candle_core::bail!("gdp cuda: a buffer of {have} elements viewed as {dims:?}");
+    }
+    let st = candle_core::CudaStorage::wrap_cuda_slice(s, dev.clone());
     let t = candle_core::Tensor::from_storage(
         candle_core::Storage::Cuda(st),
-        candle_core::Shape::from(vec![len.max(1)]),
+        candle_core::Shape::from(vec![have]),
         candle_core::op::BackpropOp::none(),
         false,
     );

@@ -9,13 +9,13 @@
 use super::cache::{CacheSlot, ForwardCache};
 use super::cp_fix::{fix_planned, FixDims, FixOut, FixRows};
 use super::device::{copy_tensor_into, In};
-use super::device::{initial_states_device, slice_of, smem_and_sms, tensor_of};
+use super::device::{initial_states_device, slice_of, smem_and_sms, tensor_from};
 use super::fwd_scan::{ScanDest, ScanOut};
 use super::inputs::{Bf16Inputs, CudaCall};
 use super::plan::{split_backward_fits, FWD_SCAN};
 use super::widened::{corrected_summary, token_spans, widened_states_dev, Widened};
 use crate::op::config::{KernelConfig, Segments};
-use crate::op::segments::{segment_count, split, ALIGN};
+use crate::op::segments;
 use crate::op::shape::GdpShape;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use candle_core::cuda_backend::CudaDevice;
@@ -41,15 +41,9 @@ impl SegmentPlan {
             return Ok(None); // no device query on the default path
         }
         let (_, sms) = smem_and_sms(dev, cfg.shared_memory_limit)?;
-        let count = segment_count(sh, cfg, sms)?;
-        let longest = sh.seqs.iter().map(|s| s.len).max().unwrap_or(0);
-        if count < 2 || longest <= ALIGN {
+        let Some(segments::Split { segments, owners }) = segments::plan(sh, cfg, sms)? else {
             return Ok(None);
-        }
-        let (segments, owners) = split(&sh.seqs, longest.div_ceil(count).next_multiple_of(ALIGN));
-        if segments.len() == sh.num_seqs() {
-            return Ok(None);
-        }
+        };
         let seg = GdpShape {
             seqs: segments,
             ..sh.clone()
@@ -101,7 +95,7 @@ impl SegmentPlan {
         if let Some(slot) = keep {
             slot.put(ForwardCache::wy_only(wy));
         }
-        let Folded { incoming, finals } = self.fold(dev, &fin, aux, call)?;
+        let Folded { incoming, finals } = self.fold(dev, fin, aux, call)?;
         let x = o.slice(..);
         let dims = FixDims {
             heads: sh.heads,
@@ -134,22 +128,22 @@ impl SegmentPlan {
 
     /// The state each segment starts from (`None`: zero, so that its output needs no
     /// correction) and each sequence's final state, folded in f32 from the segments' `[ΔS | M]`
-    /// (`fin`, `[segments, H, K, V + K]`) and the initial states of `aux`.
+    /// (`fin`, `[segments, H, K, V + K]`, taken without a copy) and the initial states of `aux`.
     fn fold(
         &self,
         dev: &CudaDevice,
-        fin: &CudaSlice<f32>,
+        fin: CudaSlice<f32>,
         aux: In,
         call: &CudaCall,
     ) -> Result<Folded> {
         let sh = call.shape;
         let (h, k, v) = (sh.heads, sh.dk, sh.dv);
         let seg = &self.widened.sub;
-        let fin = tensor_of(dev, fin, &[seg.num_seqs(), h, k, v + k])?;
+        let fin = tensor_from(dev, fin, &[seg.num_seqs(), h, k, v + k])?;
         let h0 = match call.has_h0 {
             true => {
                 let states = initial_states_device(aux, sh)?;
-                Some(tensor_of(dev, &states, &[sh.num_seqs(), h, k, v])?)
+                Some(tensor_from(dev, states, &[sh.num_seqs(), h, k, v])?)
             }
             false => None,
         };
