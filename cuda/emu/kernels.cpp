@@ -1,8 +1,8 @@
 // Checks the CUDA kernels of cuda/ on the CPU (cuda/emu/emu.h) against a float64 token-by-token
 // reference: the f32 forward and backward (every gradient), the two CP summaries, the bf16
 // forwards (one-kernel and two-kernel) and the split bf16 backward (every gradient), the decode
-// step, and context parallelism's row correction and widened states (cp_fix.cuh). Build and
-// run: `sh cuda/emu/run.sh` (C++20 compiler).
+// step, context parallelism's row correction and widened states (cp_fix.cuh), and the forward
+// and backward in segments of long sequences. Build and run: `sh cuda/emu/run.sh` (C++20 compiler).
 #include "gdp.cu"
 
 #include <cstdio>
@@ -901,28 +901,13 @@ void run_step(int B, int H, int K, int V, int n) {
   report(name, "bf16 in state", rel(out16.data() + BH * V, S.data(), BH * K * V), 1e-5);
 }
 
-// The forward in segments (src/op/cuda/segmented.rs), as the op runs it: every sequence cut
-// into segments of `len` tokens (a multiple of 64; the last one shorter, an empty sequence one
-// empty segment), the segments' WY factors (which must be the unsplit table's bit for bit: the
-// backward reads them), one widened forward scan of BV `bv` over every segment from [0 | I_K] on
-// [U | 0_K] into [o⁰ | Q̃] (bf16) and [ΔS | M] (f32), the segments' incoming states by the f32
-// fold S_{j+1} = ΔS_j + M_j S_j from h0, and o = o⁰ + Q̃ S_j per segment (gdp_cp_fix_f32; a copy
-// where S_j is zero). o and the final states against the f64 reference of the unsplit problem;
-// `split`: q, k read in place (FLA's layout, grouped heads where the case has them).
-void run_bf16_segments(const Case& c, int len, int bv, bool split) {
-  Prob P = make(c, 4321 + c.K + c.T);
-  const auto qkb = to_bf16(P.qk);
-  const auto vb = to_bf16(P.v);
-  const long K = c.K, V = c.V, n = c.n, H = c.H, N = P.N, BTH = P.BTH, W = V + K;
-  const long sl = N * H * K * V;
-  std::vector<double> h0d;
-  if (c.h0) h0d.assign(P.aux.begin() + BTH * (1 + n), P.aux.end());
-  Ref R;
-  naive(P, c.h0 ? h0d.data() : nullptr, nullptr, R, false);
-  const float scale = 1.f / sqrtf((float)K);
+// Every sequence of `P` cut into segments of `len` tokens (a multiple of 64; the last one
+// shorter, an empty sequence one empty segment), as src/op/segments.rs cuts them: the segments
+// as the sequences of a problem, and each sequence's segments [first, end) in `owners`.
+static Prob segments_of(const Prob& P, int len, std::vector<std::pair<long, long>>& owners) {
   Prob S = P;
   S.seqs.clear();
-  std::vector<std::pair<long, long>> owners;  // each sequence's segments [first, end)
+  owners.clear();
   for (const Seq& q : P.seqs) {
     const long first = S.seqs.size();
     int at = 0;
@@ -934,60 +919,68 @@ void run_bf16_segments(const Case& c, int len, int bv, bool split) {
     owners.push_back({first, (long)S.seqs.size()});
   }
   S.N = S.seqs.size();
-  const long Ns = S.N;
-  long total = 0, total_s = 0;
-  const std::vector<int> tab = chunk_table(P, total), tab_s = chunk_table(S, total_s);
-  const long slots = std::max(total, 1L) * H;
-  const SplitQk sq(qkb, BTH / H, n, H, K, c.grp);
-  const QkArgs a = qk_args(qkb, sq, split, H, K);
-  struct Wy {
-    std::vector<__nv_bfloat16> w, u, p;
-    std::vector<float> c;
-  };
-  auto wy_of = [&](const Prob& Q, const std::vector<int>& t, long chunks) {
-    Wy f{std::vector<__nv_bfloat16>(slots * 64 * K, {0x7f7f}),
-         std::vector<__nv_bfloat16>(slots * 64 * V, {0x7f7f}),
-         std::vector<__nv_bfloat16>(slots * 64 * 64, {0x7f7f}),
-         std::vector<float>(slots * 3 * 64, 3e38f)};
-    const GdpWyParams wp = wy_params(Q, a, vb, t, f.w, f.u, f.p, f.c, nullptr, scale, nullptr,
-                                     nullptr);
-    if (chunks > 0)
-      launch(chunks, H, 128, [&] { gdp_fwd_wy_bf16(GDP_ARGS_OF(GDP_WY_FIELDS, wp)); });
-    return f;
-  };
-  const Wy whole = wy_of(P, tab, total), wy = wy_of(S, tab_s, total_s);
-  auto bits = [](const auto& x, const auto& y) {
-    return x.size() == y.size() && memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
-  };
-  const bool same_wy = total == total_s && bits(whole.w, wy.w) && bits(whole.u, wy.u) &&
-                       bits(whole.p, wy.p) && bits(whole.c, wy.c);
-  char name[48];
-  snprintf(name, sizeof name, "%s /%d", c.name, len);
-  printf("%-26s %-8s %s\n", name, "seg wy",
-         same_wy ? "the unsplit table's, identical" : "DIFFERENT from the unsplit table's");
-  if (!same_wy) ++fails;
-  // [0 | I_K] per (segment, head); the widened scan.
+  return S;
+}
+
+// The WY factors of the bf16 kernels (w, u, p in bf16, the gate coefficients in f32) and, where
+// the backward reads it, Ainv.
+struct Wy {
+  std::vector<__nv_bfloat16> w, u, p, ainv;
+  std::vector<float> c;
+};
+static Wy wy_of(const Prob& Q, const QkArgs& a, const std::vector<__nv_bfloat16>& vb,
+                const std::vector<int>& t, long chunks, long slots, float scale, bool ainv) {
+  const long K = Q.c.K, V = Q.c.V;
+  const __nv_bfloat16 poison{0x7f7f};
+  Wy f{std::vector<__nv_bfloat16>(slots * 64 * K, poison),
+       std::vector<__nv_bfloat16>(slots * 64 * V, poison),
+       std::vector<__nv_bfloat16>(slots * 64 * 64, poison),
+       std::vector<__nv_bfloat16>(ainv ? slots * 64 * 64 : 0, poison),
+       std::vector<float>(slots * 3 * 64, 3e38f)};
+  const GdpWyParams wp = wy_params(Q, a, vb, t, f.w, f.u, f.p, f.c,
+                                   ainv ? f.ainv.data() : nullptr, scale, nullptr, nullptr);
+  if (chunks > 0)
+    launch(chunks, Q.c.H, 128, [&] { gdp_fwd_wy_bf16(GDP_ARGS_OF(GDP_WY_FIELDS, wp)); });
+  return f;
+}
+
+// The forward in segments up to its correction, as src/op/cuda/segmented.rs runs it: one
+// widened forward scan of BV `bv` over every segment of `S` from [0 | I_K] on [U | 0_K] into
+// [o⁰ | Q̃] (bf16, `ow`) and [ΔS | M] (f32), then the segments' incoming states by the f32 fold
+// S_{j+1} = ΔS_j + M_j S_j from h0 (`incoming`, zero where `has_in` is not set: a sequence's
+// first segment without h0) and the sequences' final states `ht`.
+struct SegForward {
+  std::vector<__nv_bfloat16> ow;
+  std::vector<float> incoming, ht;
+  std::vector<char> has_in;
+};
+static SegForward segment_forward(const Prob& P, const Prob& S,
+                                  const std::vector<std::pair<long, long>>& owners,
+                                  const QkArgs& a, const std::vector<int>& tab_s, const Wy& wy,
+                                  int bv) {
+  const Case& c = P.c;
+  const long K = c.K, V = c.V, n = c.n, H = c.H, N = P.N, BTH = P.BTH, W = V + K, Ns = S.N;
+  const long KV = K * V;
   std::vector<float> h0w(Ns * H * K * W, 0.f), fin(Ns * H * K * W, 3e38f);
   for (long b = 0; b < Ns * H; ++b)
     for (long k = 0; k < K; ++k) h0w[(b * K + k) * W + V + k] = 1.f;
-  std::vector<__nv_bfloat16> ow(BTH * W, __nv_bfloat16{0x7f7f});
+  SegForward f{std::vector<__nv_bfloat16>(BTH * W, __nv_bfloat16{0x7f7f}),
+               std::vector<float>(Ns * H * KV, 0.f), std::vector<float>(N * H * KV, 0.f),
+               std::vector<char>(Ns, 0)};
   const int QR = 16 * (((64 + c.n - 1) / c.n + 15) / 16);
   const int KPT = c.K <= 64 ? 64 : c.K <= 128 ? 128 : 256;
-  GdpScanParams sp = scan_params(S, a, tab_s, wy.w, wy.u, wy.p, wy.c, nullptr, ow.data(),
+  GdpScanParams sp = scan_params(S, a, tab_s, wy.w, wy.u, wy.p, wy.c, nullptr, f.ow.data(),
                                  fin.data(), nullptr, nullptr, QR, 2, nullptr);
   sp.h0_override = h0w.data(); sp.use_h0_override = 1; sp.dv = W; sp.dv_in = V;
   sp.wide_from = 0; sp.wide_to = Ns;
   launch_fwd_scan(sp, Ns * H, W, bv, KPT);
   // The fold, in f32 as Candle's matmul runs it on the device.
-  const long KV = K * V;
-  std::vector<float> incoming(Ns * H * KV, 0.f), ht(sl, 0.f);
-  std::vector<char> has_in(Ns, 0);
   for (long i = 0; i < N; ++i) {
     std::vector<float> st;
     if (c.h0) st.assign(P.aux.begin() + BTH * (1 + n) + i * H * KV,
                         P.aux.begin() + BTH * (1 + n) + (i + 1) * H * KV);
     for (long j = owners[i].first; j < owners[i].second; ++j) {
-      if (!st.empty()) std::copy(st.begin(), st.end(), &incoming[j * H * KV]), has_in[j] = 1;
+      if (!st.empty()) std::copy(st.begin(), st.end(), &f.incoming[j * H * KV]), f.has_in[j] = 1;
       if (S.seqs[j].len == 0) continue;
       std::vector<float> next(H * KV);
       for (long h = 0; h < H; ++h)
@@ -1000,22 +993,75 @@ void run_bf16_segments(const Case& c, int len, int bv, bool split) {
           }
       st = next;
     }
-    if (!st.empty()) std::copy(st.begin(), st.end(), &ht[i * H * KV]);
+    if (!st.empty()) std::copy(st.begin(), st.end(), &f.ht[i * H * KV]);
   }
+  return f;
+}
+
+// y = x[.., :V] + x[.., V:] · s over `ops` outer indices of `inner` rows from `outer0` on, for
+// one sequence (gdp_cp_fix_*, rows of width V + K; a copy where s is null).
+template <typename TO>
+static void fix_one(const __nv_bfloat16* x, TO* y, const float* s, long H, long K, long V,
+                    long outer0, long ops, long inner) {
+  if (ops == 0) return;
+  GdpFixParams<TO> fp{};
+  fp.x = x; fp.y = y; fp.s = s; fp.heads = H; fp.dk = K; fp.dv = V; fp.outer0 = outer0;
+  fp.outer_per_seq = ops; fp.inner = inner;
+  launch((ops * inner + 127) / 128, (V + GDP_FIX_COLS - 1) / GDP_FIX_COLS, GDP_FIX_THREADS, [&] {
+    if constexpr (std::is_same_v<TO, float>) gdp_cp_fix_f32(GDP_ARGS_OF(GDP_FIX_FIELDS, fp));
+    else gdp_cp_fix_bf16(GDP_ARGS_OF(GDP_FIX_FIELDS, fp));
+  }, (unsigned)H);
+}
+
+// The forward in segments (src/op/cuda/segmented.rs), as the op runs it: the segments' WY
+// factors (which must be the unsplit table's bit for bit: the backward reads them), the
+// widened scan and the fold (segment_forward), and o = o⁰ + Q̃ S_j per segment
+// (gdp_cp_fix_f32; a copy where S_j is zero). o and the final states against the f64 reference
+// of the unsplit problem; `split`: q, k read in place (FLA's layout, grouped heads where the
+// case has them).
+void run_bf16_segments(const Case& c, int len, int bv, bool split) {
+  Prob P = make(c, 4321 + c.K + c.T);
+  const auto qkb = to_bf16(P.qk);
+  const auto vb = to_bf16(P.v);
+  const long K = c.K, V = c.V, n = c.n, H = c.H, N = P.N, BTH = P.BTH;
+  const long sl = N * H * K * V, KV = K * V;
+  std::vector<double> h0d;
+  if (c.h0) h0d.assign(P.aux.begin() + BTH * (1 + n), P.aux.end());
+  Ref R;
+  naive(P, c.h0 ? h0d.data() : nullptr, nullptr, R, false);
+  const float scale = 1.f / sqrtf((float)K);
+  std::vector<std::pair<long, long>> owners;
+  const Prob S = segments_of(P, len, owners);
+  const long Ns = S.N;
+  long total = 0, total_s = 0;
+  const std::vector<int> tab = chunk_table(P, total), tab_s = chunk_table(S, total_s);
+  const long slots = std::max(total, 1L) * H;
+  const SplitQk sq(qkb, BTH / H, n, H, K, c.grp);
+  const QkArgs a = qk_args(qkb, sq, split, H, K);
+  const Wy whole = wy_of(P, a, vb, tab, total, slots, scale, false);
+  const Wy wy = wy_of(S, a, vb, tab_s, total_s, slots, scale, false);
+  auto bits = [](const auto& x, const auto& y) {
+    return x.size() == y.size() && memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
+  };
+  const bool same_wy = total == total_s && bits(whole.w, wy.w) && bits(whole.u, wy.u) &&
+                       bits(whole.p, wy.p) && bits(whole.c, wy.c);
+  char name[48];
+  snprintf(name, sizeof name, "%s /%d", c.name, len);
+  printf("%-26s %-8s %s\n", name, "seg wy",
+         same_wy ? "the unsplit table's, identical" : "DIFFERENT from the unsplit table's");
+  if (!same_wy) ++fails;
+  const SegForward f = segment_forward(P, S, owners, a, tab_s, wy, bv);
   std::vector<float> o(BTH * V, 3e38f);
   for (long j = 0; j < Ns; ++j) {
     const Seq& q = S.seqs[j];
-    if (q.len == 0) continue;
-    GdpFixParams<float> fp{};
-    fp.x = ow.data(); fp.y = o.data(); fp.s = has_in[j] ? &incoming[j * H * KV] : nullptr;
-    fp.heads = H; fp.dk = K; fp.dv = V; fp.outer0 = (long)q.b * c.T + q.start;
-    fp.outer_per_seq = q.len; fp.inner = 1;
-    launch((q.len + 127) / 128, (V + GDP_FIX_COLS - 1) / GDP_FIX_COLS, GDP_FIX_THREADS,
-           [&] { gdp_cp_fix_f32(GDP_ARGS_OF(GDP_FIX_FIELDS, fp)); }, (unsigned)H);
+    fix_one(f.ow.data(), o.data(), f.has_in[j] ? &f.incoming[j * H * KV] : nullptr, H, K, V,
+            (long)q.b * c.T + q.start, q.len, 1);
   }
   // The unsplit two-kernel forward on the same inputs, for scale: bf16's own error here.
   std::vector<float> base(BTH * V + sl, 0.f);
   {
+    const int QR = 16 * (((64 + c.n - 1) / c.n + 15) / 16);
+    const int KPT = c.K <= 64 ? 64 : c.K <= 128 ? 128 : 256;
     const GdpScanParams bp = scan_params(P, a, tab, whole.w, whole.u, whole.p, whole.c,
                                          base.data(), nullptr, base.data() + BTH * V, nullptr,
                                          nullptr, QR, 2, nullptr);
@@ -1027,7 +1073,184 @@ void run_bf16_segments(const Case& c, int len, int bv, bool split) {
   snprintf(what, sizeof what, "seg %ldx%d%s o", Ns, bv, split ? " q,k" : "");
   report(name, what, rel(o.data(), R.o.data(), BTH * V), 1e-2);
   snprintf(what, sizeof what, "seg %ldx%d ht", Ns, bv);
-  report(name, what, rel(ht.data(), R.fin.data(), sl), 1e-2);
+  report(name, what, rel(f.ht.data(), R.fin.data(), sl), 1e-2);
+}
+
+// The backward in segments (src/op/cuda/segmented.rs), as the op runs it after a forward in
+// segments that kept the segments' WY factors (with Ainv) and incoming states: the states
+// rerun over every segment from its incoming state (gdp_fwd_states_bf16, h0 overridden), one
+// widened state-gradient scan of BV `bv` over every segment from [dht | I_K] (dht at a
+// sequence's last segment, zero elsewhere) on [dO | 0_K] into chunk rows [x⁰ | x̃] and
+// [γ | Mᵀ], the reverse f32 fold e_j = γ_{j+1} + Mᵀ_{j+1} e_{j+1} (the end-state gradient
+// that segment j's scan lacked), the chunk rows corrected x = x⁰ + x̃ e_j (gdp_cp_fix_bf16; a
+// copy at a sequence's last segment), dh0 of each sequence its first segment's corrected γ,
+// and the gradient kernel over the segments' chunks. Every gradient against the f64 reference
+// of the unsplit problem.
+struct SegGrads {
+  std::vector<float> out, dh0;
+  long segments;
+};
+static SegGrads segments_bwd(Prob& P, int len, int bv) {
+  const Case& c = P.c;
+  auto qkb = to_bf16(P.qk);
+  auto vb = to_bf16(P.v);
+  auto dob = to_bf16(P.dout);
+  const long K = c.K, V = c.V, n = c.n, H = c.H, N = P.N, BTH = P.BTH, W = V + K;
+  const long sl = N * H * K * V, KV = K * V;
+  const long qk_len = BTH * (n + 1) * K, v_len = BTH * n * V;
+  const float scale = 1.f / sqrtf((float)K);
+  std::vector<std::pair<long, long>> owners;
+  const Prob S = segments_of(P, len, owners);
+  const long Ns = S.N;
+  long total = 0;
+  const std::vector<int> tab = chunk_table(S, total);
+  const long slots = std::max(total, 1L) * H;
+  const SplitQk sq(qkb, BTH / H, n, H, K, c.grp);
+  const QkArgs a = qk_args(qkb, sq, false, H, K);
+  const Wy wy = wy_of(S, a, vb, tab, total, slots, scale, true);
+  const SegForward f = segment_forward(P, S, owners, a, tab, wy, std::min(bv, 64));
+  const int QR = 16 * (((64 + c.n - 1) / c.n + 15) / 16);
+  const int KPT = c.K <= 64 ? 64 : 128;
+  const int VPT = c.V <= 64 ? 64 : 128;
+  const int nthr = bv == 16 ? 128 : 256;
+  const __nv_bfloat16 poison{0x7f7f};
+  // The states rerun from the incoming states.
+  std::vector<__nv_bfloat16> hs(slots * KV, poison), dn(slots * 64 * V, poison);
+  {
+    GdpScanParams sp = scan_params(S, a, tab, wy.w, wy.u, wy.p, wy.c, nullptr, nullptr, nullptr,
+                                   hs.data(), dn.data(), 0, 2, nullptr);
+    sp.h0_override = f.incoming.data(); sp.use_h0_override = 1;
+    launch(Ns * H, (V + bv - 1) / bv, nthr, [&] {
+#define ARGS GDP_ARGS_OF(GDP_SCAN_FIELDS, sp)
+      if (bv == 16 && KPT == 64) gdp_fwd_states_bf16_16_64(ARGS);
+      if (bv == 16 && KPT == 128) gdp_fwd_states_bf16_16_128(ARGS);
+      if (bv == 32 && KPT == 64) gdp_fwd_states_bf16_32_64(ARGS);
+      if (bv == 32 && KPT == 128) gdp_fwd_states_bf16_32_128(ARGS);
+      if (bv == 64 && KPT == 64) gdp_fwd_states_bf16_64_64(ARGS);
+      if (bv == 64 && KPT == 128) gdp_fwd_states_bf16_64_128(ARGS);
+#undef ARGS
+    });
+  }
+  // [dht | I_K] at each sequence's last segment, [0 | I_K] before it; the widened scan.
+  std::vector<float> dhtw(Ns * H * K * W, 0.f), dh0w(Ns * H * K * W, 3e38f);
+  for (long i = 0; i < N; ++i)
+    for (long j = owners[i].first; j < owners[i].second; ++j)
+      for (long hk = 0; hk < H * K; ++hk) {
+        float* row = &dhtw[(j * H * K + hk) * W];
+        row[V + hk % K] = 1.f;
+        if (j + 1 == owners[i].second) std::copy_n(&P.dht[i * H * KV + hk * V], V, row);
+      }
+  std::vector<__nv_bfloat16> dhs_w(slots * K * W, poison), ddn_w(slots * 64 * W, poison);
+  {
+    GdpDhParams dp{};
+    dp.q = a.q; dp.k = a.k; dp.table = tab.data(); dp.w = wy.w.data(); dp.p = wy.p.data();
+    dp.coef = wy.c.data(); dp.dob = dob.data(); dp.dht = dhtw.data(); dp.dhs = dhs_w.data();
+    dp.ddn = ddn_w.data(); dp.dh0 = dh0w.data(); dp.split = a.split; dp.has_dht = 1;
+    dp.write_dh0 = 1; dp.batch = c.B; dp.tokens = c.T; dp.heads = c.H; dp.dk = c.K;
+    dp.dv = W; dp.dv_in = V; dp.wide_from = 0; dp.wide_to = Ns; dp.n = c.n; dp.qr = QR;
+    dp.ns = 2;
+    launch(Ns * H, (W + bv - 1) / bv, nthr, [&] {
+#define ARGS GDP_ARGS_OF(GDP_DH_FIELDS, dp)
+      if (bv == 16 && KPT == 64) gdp_bwd_dh_bf16_16_64(ARGS);
+      if (bv == 16 && KPT == 128) gdp_bwd_dh_bf16_16_128(ARGS);
+      if (bv == 32 && KPT == 64) gdp_bwd_dh_bf16_32_64(ARGS);
+      if (bv == 32 && KPT == 128) gdp_bwd_dh_bf16_32_128(ARGS);
+      if (bv == 64 && KPT == 64) gdp_bwd_dh_bf16_64_64(ARGS);
+      if (bv == 64 && KPT == 128) gdp_bwd_dh_bf16_64_128(ARGS);
+#undef ARGS
+    });
+  }
+  // The reverse fold in f32: e_j (the end-state gradient segment j lacked; none at a last
+  // segment), each segment's corrected γ, and dh0 of each sequence.
+  std::vector<float> e(Ns * H * KV, 0.f), dh0(sl, 0.f);
+  std::vector<char> has_e(Ns, 0);
+  for (long i = 0; i < N; ++i) {
+    std::vector<float> cur;  // the corrected γ of the segment after j
+    for (long j = owners[i].second - 1; j >= owners[i].first; --j) {
+      if (!cur.empty()) std::copy(cur.begin(), cur.end(), &e[j * H * KV]), has_e[j] = 1;
+      std::vector<float> g(H * KV);
+      for (long h = 0; h < H; ++h)
+        for (long k = 0; k < K; ++k)
+          for (long v = 0; v < V; ++v) {
+            const float* row = &dh0w[((j * H + h) * K + k) * W];
+            float acc = row[v];
+            for (long m = 0; !cur.empty() && m < K; ++m) acc += row[V + m] * cur[h * KV + m * V + v];
+            g[h * KV + k * V + v] = acc;
+          }
+      cur = g;
+    }
+    std::copy(cur.begin(), cur.end(), &dh0[i * H * KV]);
+  }
+  // The chunk rows corrected per segment: chunk states (K rows per slot), dDelta (64 rows).
+  std::vector<__nv_bfloat16> dhs(slots * KV, poison), ddn(slots * 64 * V, poison);
+  for (long j = 0; j < Ns; ++j) {
+    const long first = tab[4 * j + 3], chunks = (S.seqs[j].len * n + 63) / 64;
+    const float* ej = has_e[j] ? &e[j * H * KV] : nullptr;
+    fix_one(dhs_w.data(), dhs.data(), ej, H, K, V, first, chunks, K);
+    fix_one(ddn_w.data(), ddn.data(), ej, H, K, V, first, chunks, 64);
+  }
+  // Every gradient over the segments' chunks, into the packed f32.
+  std::vector<float> out(qk_len + v_len + BTH * (1 + n), 0.f);
+  if (total > 0) {
+    GdpGradsPipeParams gp{};
+    gp.q = a.q; gp.k = a.k; gp.v = vb.data(); gp.aux = P.aux.data(); gp.table = tab.data();
+    gp.ainv = wy.ainv.data(); gp.hs = hs.data(); gp.dhs = dhs.data(); gp.dn = dn.data();
+    gp.ddn = ddn.data(); gp.dob = dob.data(); gp.out = out.data();
+    gp.dgates = out.data() + qk_len + v_len; gp.split = a.split; gp.batch = c.B;
+    gp.tokens = c.T; gp.heads = c.H; gp.dk = c.K; gp.dv = c.V; gp.n = c.n; gp.nseq = Ns;
+    gp.scale = scale; gp.qr = QR;
+    launch(total, H, GDPG_THREADS, [&] {
+#define ARGS GDP_ARGS_OF(GDP_GRADS_FIELDS, gp)
+      if (KPT == 64 && VPT == 64) gdp_bwd_grads_bf16_64_64(ARGS);
+      if (KPT == 64 && VPT == 128) gdp_bwd_grads_bf16_64_128(ARGS);
+      if (KPT == 128 && VPT == 64) gdp_bwd_grads_bf16_128_64(ARGS);
+      if (KPT == 128 && VPT == 128 && c.n == 1) gdp_bwd_grads_bf16_128_128(ARGS);
+      if (KPT == 128 && VPT == 128 && c.n >= 2) gdp_bwd_grads_bf16_128_128_tiles(ARGS);
+#undef ARGS
+    });
+  }
+  return {out, dh0, Ns};
+}
+
+void run_bf16_segments_bwd(const Case& c, int len, int bv) {
+  Prob P = make(c, 8765 + c.K + c.T);
+  // Rounded to bf16 once (segments_bwd rounds again: a no-op), so that the reference sees the
+  // kernels' inputs.
+  for (auto* x : {&P.qk, &P.v, &P.dout}) to_bf16(*x);
+  const long K = c.K, V = c.V, n = c.n, H = c.H, N = P.N, BTH = P.BTH, sl = N * H * K * V;
+  const long qk_len = BTH * (n + 1) * K, v_len = BTH * n * V, ga = qk_len + v_len;
+  std::vector<double> h0d, dhtd(P.dht.begin(), P.dht.end());
+  if (c.h0) h0d.assign(P.aux.begin() + BTH * (1 + n), P.aux.end());
+  Ref R;
+  naive(P, c.h0 ? h0d.data() : nullptr, dhtd.data(), R, true);
+  // One segment per sequence (the unsplit backward's arithmetic: bf16's own error here), then
+  // `len`.
+  const int whole = (c.T + 63) / 64 * 64;
+  for (const int l : {whole, len}) {
+    const SegGrads g = segments_bwd(P, l, bv);
+    std::vector<float> gq, gk;
+    std::vector<double> rq, rk;
+    for (long tk = 0; tk < BTH / H; ++tk)
+      for (long s = 0; s <= n; ++s)
+        for (long i = 0; i < H * K; ++i) {
+          const long at = (tk * (n + 1) + s) * H * K + i;
+          (s == 0 ? gq : gk).push_back(g.out[at]);
+          (s == 0 ? rq : rk).push_back(R.grads[at]);
+        }
+    char name[64], what[32];
+    snprintf(name, sizeof name, "%s /%d bwd%d", c.name, len, bv);
+    auto rep = [&](const char* grad, double e) {
+      if (l == whole) snprintf(what, sizeof what, "unsplit %s", grad);
+      else snprintf(what, sizeof what, "seg %ld %s", g.segments, grad);
+      report(name, what, e, 1e-2);
+    };
+    rep("dq", rel(gq.data(), rq.data(), gq.size()));
+    rep("dk", rel(gk.data(), rk.data(), gk.size()));
+    rep("dv", rel(g.out.data() + qk_len, R.grads.data() + qk_len, v_len));
+    rep("dg", rel(g.out.data() + ga, R.grads.data() + ga, BTH));
+    rep("db", rel(g.out.data() + ga + BTH, R.grads.data() + ga + BTH, BTH * n));
+    if (c.h0) rep("dh0", rel(g.dh0.data(), R.grads.data() + ga + BTH * (1 + n), sl));
+  }
 }
 
 // Context parallelism's row correction (cp_fix.cuh, launched as src/op/cuda/cp_fix.rs does):
@@ -1175,6 +1398,20 @@ static void run_segments() {
                     128, 32, true);
 }
 
+// The backward in segments (run_bf16_segments_bwd): the same kinds of cases as the forward's.
+static void run_segments_bwd() {
+  run_bf16_segments_bwd({"seg n1 T300 K32 V48 h0", 2, 300, 2, 32, 48, 1, true, {}, 0.02f, 16}, 128,
+                        32);
+  run_bf16_segments_bwd({"seg packed n3 K24 V20", 1, 400, 2, 24, 20, 3, false,
+                         {0, 130, 130, 333, 400}, 20.f, 16}, 64, 16);
+  run_bf16_segments_bwd({"seg n2 T200 K128 V128 h0", 1, 200, 2, 128, 128, 2, true, {}, 0.02f, 64},
+                        64, 64);
+  // K 20, not the forward's 12: at K 12 V 13 with these weak gates the unsplit bf16 backward's
+  // own dg error is 1.0-1.3e-2 (the segmented one's the same), over the bf16 tolerance.
+  run_bf16_segments_bwd({"seg odd V n2 T150 K20 V13 h0", 1, 150, 2, 20, 13, 2, true, {}, 0.05f, 16},
+                        64, 16);
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   // Arguments: `rev` (reversed thread ids), `bf16` (only the bf16 kernels), `bwd` (with `bf16`:
@@ -1217,7 +1454,8 @@ int main(int argc, char** argv) {
   }
   for (int i = 1; i < argc; ++i)
     if (!strcmp(argv[i], "seg")) {
-      run_segments();
+      if (!only_bwd) run_segments();
+      run_segments_bwd();
       printf("fails: %d\n", fails);
       return fails != 0;
     }
@@ -1267,6 +1505,7 @@ int main(int argc, char** argv) {
   cases.insert(cases.end(), grouped.begin(), grouped.end());
   for (auto& c : cases) run_bf16(c);
   run_segments();
+  run_segments_bwd();
   printf("fails: %d\n", fails);
   return fails != 0;
 }

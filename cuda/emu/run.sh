@@ -4,7 +4,8 @@
 #   out ordering assumptions; bf16: the decode step, context parallelism's kernels and the bf16
 #   kernels only; step: the decode step only; bf16 bwd: the decode step and the split bf16
 #   backward only; f32dg: the f32 backward at K = 256 with strong gates four times, whose gate
-#   gradient must not depend on thread timing; cp: context parallelism's kernels only)
+#   gradient must not depend on thread timing; cp: context parallelism's kernels only; seg: the
+#   forward and the backward in segments; seg bwd: the backward in segments only)
 set -e
 cd "$(dirname "$0")"
 out="${TMPDIR:-/tmp}/gdp-emu-kernels"
