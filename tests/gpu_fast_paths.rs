@@ -86,14 +86,15 @@ fn bf16_paths_match_f64_reference() -> Result<()> {
     Ok(())
 }
 
-/// The forward split into segments (`KernelConfig::segments`), forced to 2, 3 and 5 per
-/// sequence on lengths that are no multiple of the segment length (an empty and a one-segment
-/// sequence among packed ones, n = 1..4, K != V, odd V, grouped key heads read in place, an initial
-/// state or none), with and without the final state, with the WY factors kept for the backward
-/// and without: every output and gradient against the f64 reference, the same bits on a second
-/// run, and other bits than the unsplit forward's (so the split ran).
+/// The op split into segments (`KernelConfig::segments`), forced to 2, 3 and 5 per sequence
+/// on lengths that are no multiple of the segment length (an empty and a one-segment sequence
+/// among packed ones, n = 1..4, K != V, odd V, grouped key heads read in place, an initial state
+/// or none), with and without the final state, with the WY factors kept for the backward (which
+/// then runs in the same segments) and without (the backward unsplit): every output and
+/// gradient against the f64 reference, the same bits on a second run (but for the gradients
+/// summed with float atomics), and other bits than the unsplit op's where it ran split.
 #[test]
-fn segmented_forward_matches_f64_reference() -> Result<()> {
+fn segments_match_f64_reference() -> Result<()> {
     let dev = cuda()?;
     let cases = [
         Case::new("n1 T1000 K64 V48 h0", 2, 1000, 2, 64, 48, 1)
@@ -146,6 +147,18 @@ fn segmented_forward_matches_f64_reference() -> Result<()> {
                         c.name
                     );
                     assert_ne!(bits(&got.o)?, bits(&unsplit.o)?, "{}: not split", c.name);
+                    // dg and dbeta sum with float atomics; the others are the same bits.
+                    for ((name, a), (_, b)) in got.grads.iter().zip(&again.grads) {
+                        if !["dg", "dbeta"].contains(name) {
+                            assert_eq!(bits(a)?, bits(b)?, "{}: {name} run to run", c.name);
+                        }
+                    }
+                    // With the WY factors kept, the backward runs in the same segments.
+                    let split_bwd = what == SaveIntermediates::WyFactors;
+                    let (dq, dq0) = (&got.grads[0], &unsplit.grads[0]);
+                    assert_eq!(dq.0, "dq");
+                    let same = bits(&dq.1)? == bits(&dq0.1)?;
+                    assert_eq!(same, !split_bwd, "{}: backward in segments", c.name);
                 }
             }
         }

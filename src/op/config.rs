@@ -31,15 +31,19 @@ pub struct TileConfig {
     pub dh_scan: Option<usize>,
 }
 
-/// How the chunked bf16 forward splits long sequences into segments that its scan runs side by
-/// side: each segment from `[0 | I_K]` on value columns widened by `K` (its output `[o⁰ | Q̃]` and
-/// its transition `[ΔS | M]`), then the segments' incoming states by a short fold
-/// `S_{j+1} = ΔS_j + M_j S_j` and the output `o = o⁰ + Q̃ S_j`, as a context-parallel rank does.
-/// This shortens the scan's chain of dependent chunk steps where its blocks would leave most
-/// multiprocessors idle (few heads, long sequences), at twice the scan's columns.
+/// How the chunked bf16 op splits long sequences into segments that its scans run side by
+/// side. Forward: each segment from `[0 | I_K]` on value columns widened by `K` (its output
+/// `[o⁰ | Q̃]` and its transition `[ΔS | M]`), then the segments' incoming states by a short
+/// fold `S_{j+1} = ΔS_j + M_j S_j` and the output `o = o⁰ + Q̃ S_j`, as a context-parallel
+/// rank does. Backward (where the forward kept the WY factors,
+/// [`crate::SaveIntermediates::WyFactors`]): the states rerun from each segment's incoming
+/// state, the state-gradient scan widened the same way from each segment's end, a reverse fold
+/// of the end-state gradients and a correction of the chunk rows. This shortens the scans'
+/// chains of dependent chunk steps where their blocks would leave most multiprocessors idle
+/// (few heads, long sequences), at twice the scans' columns.
 ///
 /// The default is `Off` until the split has run on a GPU (its test,
-/// `segmented_forward_matches_f64_reference`, and its timing are written, not yet run).
+/// `segments_match_f64_reference`, and its timing are written, not yet run).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum Segments {
     /// Split where one wave of the widened scan's blocks can hold at least two segments per

@@ -18,6 +18,9 @@ pub(crate) mod pack;
 pub mod recurrent;
 // Without CUDA only its tests read it.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod row_fix;
+// Without CUDA only its tests read it.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod segments;
 pub mod shape;
 pub mod vjp;

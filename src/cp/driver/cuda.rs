@@ -217,7 +217,12 @@ impl CpLink {
                 return Ok(None);
             }
             let ds = fold_on_device(&all, self.bwd_slice.clone().rev(), k, v, self.composition)?;
-            Ok(Some((cuda::slice_of(&ds)?, outgoing.clone())))
+            let states = cuda::slice_of(&ds)?;
+            Ok(Some(cuda::EndGrads::for_range(
+                states,
+                ns,
+                outgoing.clone(),
+            )))
         };
         Ok(CpOverrides {
             h0: self.saved_initial_states_device(dev)?,

@@ -201,22 +201,32 @@ pub(super) fn try_backward_bf16(
         widened,
     } = extras;
     let dev = &qk.lead().0.device().clone();
+    let (kept_wy, kept_states, segments) = match cache {
+        Some(cache) => {
+            let (wy, states, segments) = cache.into_parts();
+            (Some(wy), states, segments)
+        }
+        None => (None, None, None),
+    };
+    // A forward in segments kept their incoming states: the plain op's backward runs in the
+    // same segments (`super::segmented`), its scans and kernels over the sub-problem `tsh`
+    // whose sequences are the segments; the gradients keep the op's layout.
+    let segments =
+        segments.filter(|_| widened.is_none() && h0_override.is_none() && dht_override.is_none());
+    let tsh = segments.as_ref().map_or(sh, |s| &s.sub);
     let Some(SplitPlan {
         kp,
         vp,
         rerun: rerun_alone,
         dh: dh_alone,
         side_by_side,
-    }) = split_plan(dev, sh, cfg)?
+    }) = split_plan(dev, tsh, cfg)?
     else {
         return Ok(None);
     };
-    let (kept_wy, kept_states) = match cache {
-        Some(cache) => {
-            let (wy, states) = cache.into_parts();
-            (Some(wy), states)
-        }
-        None => (None, None),
+    let widened = match &segments {
+        Some(s) => Some(s.fold(dev)),
+        None => widened,
     };
     // Rerun the forward scan for the chunk states unless the forward kept them; compute the WY
     // factors unless it kept those (it keeps the states only with them).
@@ -227,8 +237,8 @@ pub(super) fn try_backward_bf16(
     check_states(h0_override, sh, "initial-state override")?;
     check_states(dht_override, sh, "dht override")?;
     let (o_len, s_len) = (sh.o_len(), sh.state_len());
-    let table = ChunkTable::new(dev, sh)?;
-    let slots = table.slots(sh);
+    let table = ChunkTable::new(dev, tsh)?;
+    let slots = table.slots(tsh);
     let kv = sh.dk * sh.dv;
     let aux_len = sh.aux_len(has_h0);
     // SAFETY: the kernels below write every element of the gradients: `cu_seqlens` covers
@@ -302,11 +312,11 @@ pub(super) fn try_backward_bf16(
     };
     let wy = match kept_wy {
         Some(wy) => wy,
-        None => WyFactors::alloc(dev, &table, sh, true)?,
+        None => WyFactors::alloc(dev, &table, tsh, true)?,
     };
     let mut states = match kept_states {
         Some(states) => states,
-        None => ChunkStates::alloc(dev, &table, sh)?,
+        None => ChunkStates::alloc(dev, &table, tsh)?,
     };
 
     // dO in bf16 (the tensor cores' operand type), and dht (f32) when given: each as a view
@@ -344,20 +354,29 @@ pub(super) fn try_backward_bf16(
     let mut dh0 = None;
     // A context-parallel rank's widened scan (`WidenedDh`) or the plain op's, launched on a side
     // stream; then the rerun on the device's stream, beside it.
+    let segment_dht;
     let launched = if let Some(fold) = widened {
         if wy_again {
-            wy.launch(dev, &inp, &table, sh, scale, None)?;
+            wy.launch(dev, &inp, &table, tsh, scale, None)?;
         }
+        // In segments, each sequence's dht goes to its last segment.
+        let dht_src = match &segments {
+            Some(s) => {
+                segment_dht = s.scatter_dht(dev, dht_src)?;
+                segment_dht.as_ref().map(|d| (d, 0))
+            }
+            None => dht_src,
+        };
         let ctx = WidenedDh {
             inp: &inp,
             table: &table,
             wy: &wy,
-            sh,
+            sh: tsh,
             do_src,
             dht_src,
             widened: fold.outgoing.clone(),
             beside_blocks: if rerun {
-                sh.num_seqs() * sh.heads * sh.dv.div_ceil(rerun_plan.bv)
+                tsh.num_seqs() * tsh.heads * tsh.dv.div_ceil(rerun_plan.bv)
             } else {
                 0
             },
@@ -436,9 +455,9 @@ pub(super) fn try_backward_bf16(
         let src = ScanInputs {
             inp: &inp,
             table: &table,
-            h0_override,
+            h0_override: segments.as_ref().map(|s| &s.incoming).or(h0_override),
         };
-        run_scan(&src, &wy, sh, &rerun_plan, dest, None)?;
+        run_scan(&src, &wy, tsh, &rerun_plan, dest, None)?;
     }
     // The plain scan still running beside what follows, and the chunk rows the gradient kernel
     // reads (the widened scan's, corrected once it is joined and the exchange has run).
@@ -448,6 +467,10 @@ pub(super) fn try_backward_bf16(
         Launched::Widened(run, fold) => {
             let (dhs, ddn, dh0) = run.finish(dev, fold)?;
             if has_h0 {
+                let dh0 = match &segments {
+                    Some(s) => s.first_segments(&dh0)?,
+                    None => dh0,
+                };
                 out.copy_states_in(&dh0, sh, dh0_at)?;
             }
             fixed_rows = (dhs, ddn);
@@ -475,7 +498,7 @@ pub(super) fn try_backward_bf16(
     let grads = GradsLaunch {
         inp: &inp,
         table: &table,
-        sh,
+        sh: tsh,
         kp,
         vp,
         qr,

@@ -8,6 +8,7 @@ use candle_core::cuda_backend::cudarc::driver::CudaSlice;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::Result;
 use half::bf16;
+use std::ops::Range;
 
 /// Each chunk's start state `[slots, K, V]` and Delta `[slots, 64, V]` in bf16, which the
 /// backward's gradient kernel reads.
@@ -32,23 +33,42 @@ impl ChunkStates {
     }
 }
 
+/// What a forward in segments keeps for a backward in the same segments
+/// ([`crate::op::config::Segments`]): the segments, as the sequences of a sub-problem of the
+/// op's shape, each original sequence's segments, and the state each segment starts from.
+pub(super) struct SegmentStates {
+    /// The op's shape with the segments as its sequences (each sequence's in order).
+    pub sub: GdpShape,
+    /// Per original sequence, the indices of its segments.
+    pub owners: Vec<Range<usize>>,
+    /// Each segment's incoming state, f32 `[segments, H, K, V]` (zero where a sequence starts
+    /// without an initial state).
+    pub incoming: CudaSlice<f32>,
+}
+
 /// What the chunked forward leaves for the backward when asked to (`save_intermediates`): the
 /// WY factors with Ainv (about `780 n` bytes per token and head at K = V = 128), so that the
 /// backward skips its WY kernel, and where the slot says so every chunk's start state and Delta
-/// too (about `1548 n` bytes in all), so that it skips its rerun of the forward scan as well.
+/// too (about `1548 n` bytes in all), so that it skips its rerun of the forward scan as well. A
+/// forward in segments keeps its segments' incoming states instead of the chunk states.
 pub struct ForwardCache {
     pub(super) wy: WyFactors,
     pub(super) states: Option<ChunkStates>,
+    pub(super) segments: Option<SegmentStates>,
 }
 
 impl ForwardCache {
     /// A cache of the WY factors alone (the backward reruns the state scan).
     pub(super) fn wy_only(wy: WyFactors) -> Self {
-        Self { wy, states: None }
+        Self {
+            wy,
+            states: None,
+            segments: None,
+        }
     }
 
-    pub(super) fn into_parts(self) -> (WyFactors, Option<ChunkStates>) {
-        (self.wy, self.states)
+    pub(super) fn into_parts(self) -> (WyFactors, Option<ChunkStates>, Option<SegmentStates>) {
+        (self.wy, self.states, self.segments)
     }
 }
 

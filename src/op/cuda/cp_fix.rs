@@ -6,29 +6,17 @@
 use super::device::{allow_smem, grid_dim, to_i32, GRID_YZ};
 use super::module::load_kernel;
 use crate::op::kernel_params::FixParams;
+use crate::op::row_fix::FixRows;
 use candle_core::cuda_backend::cudarc::driver::{CudaView, CudaViewMut, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::Result;
 use half::bf16;
-use std::ops::Range;
 
 /// Rows of one warp's tile, and warps per block.
 const ROWS: usize = 16;
 const WARPS: usize = 8;
 const COLS: usize = 128;
 const THREADS: u32 = 32 * WARPS as u32;
-
-/// Which rows a correction covers: `seqs` sequences of `outer_per_seq · inner` rows per head,
-/// row `i` of sequence `s` at row `(outer · H + h) · inner + i % inner` of its buffer with
-/// `outer = outer0 + s · outer_per_seq + i / inner` (`o [B·T, H, V]`: inner 1; chunk states
-/// `[slots, H, K, V]`: inner K; dDelta `[slots, H, 64, V]`: inner 64).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct FixRows {
-    pub outer0: usize,
-    pub outer_per_seq: usize,
-    pub inner: usize,
-    pub seqs: usize,
-}
 
 /// Output element types of the correction.
 pub(crate) trait FixOut: DeviceRepr {
@@ -130,70 +118,29 @@ fn fix_rows<T: FixOut>(
     Ok(())
 }
 
-/// The launches that correct the sequences `fixed` and copy the others, for rows grouped by
-/// sequence: sequence `s` covers the outer indices `spans[s] = (first, count)` (in order,
-/// contiguous), `total` outer indices in all, `inner` rows each. The fixed sequences must have
-/// equal counts and follow each other (all of a dense batch, or one packed sequence).
-pub(crate) fn plan_rows(
-    spans: &[(usize, usize)],
-    total: usize,
-    fixed: Range<usize>,
-    inner: usize,
-) -> Result<Vec<(FixRows, bool)>> {
-    let copy = |outer0: usize, end: usize| {
-        (end > outer0).then_some((
-            FixRows {
-                outer0,
-                outer_per_seq: end - outer0,
-                inner,
-                seqs: 1,
-            },
-            false,
-        ))
-    };
-    if fixed.is_empty() {
-        return Ok(copy(0, total).into_iter().collect());
-    }
-    let fs = &spans[fixed.clone()];
-    let (first, count) = fs[0];
-    let even = fs
-        .iter()
-        .enumerate()
-        .all(|(i, &(o, c))| c == count && o == first + i * count);
-    if !even {
-        candle_core::bail!(
-            "gdp cuda: the corrected sequences {fixed:?} are not of equal, consecutive spans"
-        );
-    }
-    let end = first + fixed.len() * count;
-    let mut out: Vec<(FixRows, bool)> = copy(0, first).into_iter().collect();
-    if count > 0 {
-        out.push((
-            FixRows {
-                outer0: first,
-                outer_per_seq: count,
-                inner,
-                seqs: fixed.len(),
-            },
-            true,
-        ));
-    }
-    out.extend(copy(end, total));
-    Ok(out)
-}
-
 /// `y = x[.., :V] + x[.., V:] · s` over every launch of [`plan_rows`] (`s` f32
-/// `[fixed.len(), H, K, V]` for its fixed sequences; the others copied).
+/// `[rows, H, K, V]`, read from each launch's state row on; the copies need none).
 pub(crate) fn fix_planned<T: FixOut>(
     dev: &CudaDevice,
     (x, y): (&CudaView<bf16>, &mut CudaViewMut<T>),
     s: Option<&CudaView<f32>>,
     dims: FixDims,
-    plan: &[(FixRows, bool)],
+    plan: &[(FixRows, Option<usize>)],
 ) -> Result<()> {
-    for &(rows, with_state) in plan {
-        let st = if with_state { s } else { None };
-        fix_rows(dev, (x, &mut *y), st, dims, rows)?;
+    let per_state = dims.heads * dims.dk * dims.dv;
+    for &(rows, state) in plan {
+        let st = match (state, s) {
+            (Some(i), Some(s)) if s.len() >= (i + rows.seqs) * per_state => {
+                Some(s.slice(i * per_state..))
+            }
+            (Some(i), _) => candle_core::bail!(
+                "gdp cuda: cp correction wants state rows {i}..{} of {} elements",
+                i + rows.seqs,
+                s.map_or(0, |s| s.len())
+            ),
+            (None, _) => None,
+        };
+        fix_rows(dev, (x, &mut *y), st.as_ref(), dims, rows)?;
     }
     Ok(())
 }

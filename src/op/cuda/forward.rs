@@ -188,7 +188,11 @@ pub(crate) fn try_forward_bf16(
                 CudaStorage::wrap_cuda_slice(out, dev.clone())
             };
             if let Some(slot) = cache {
-                slot.put(ForwardCache { wy, states });
+                slot.put(ForwardCache {
+                    wy,
+                    states,
+                    segments: None,
+                });
             }
             Ok(Some(out))
         }

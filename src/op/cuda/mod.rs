@@ -55,5 +55,5 @@ pub(crate) use summary::{backward_summaries, forward_summaries};
 pub use summary::{dht_to_host, initial_states_to_host};
 pub(crate) use tensors::{try_backward_tensors, CpFinalGrads, CpOverrides};
 pub(crate) use widened::{
-    backward_summaries_served, finish_widened_forward, widened_forward, WidenedFold,
+    backward_summaries_served, finish_widened_forward, widened_forward, EndGrads, WidenedFold,
 };

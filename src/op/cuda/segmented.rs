@@ -1,20 +1,33 @@
-//! The chunked bf16 forward over segments of long sequences ([`Segments`]): where the forward
-//! scan's blocks would leave most multiprocessors idle, each sequence is split into segments
-//! that one widened scan runs side by side, each from `[0 | I_K]` on `[U | 0_K]` (a
-//! context-parallel rank's pass, [`super::widened`]), writing `[o⁰ | Q̃]` and `[ΔS | M]`. A
-//! short fold over each sequence's segments, `S_{j+1} = ΔS_j + M_j S_j` from the initial state,
-//! gives their incoming states, and the output is `o = o⁰ + Q̃ S_j` ([`super::cp_fix`]). The
-//! chain of dependent chunk steps shrinks by the segment count, for twice the scan's columns.
+//! The chunked bf16 op over segments of long sequences ([`Segments`]): where the scans' blocks
+//! would leave most multiprocessors idle, each sequence is split into segments that one
+//! widened scan runs side by side.
+//!
+//! Forward: the scan runs every segment from `[0 | I_K]` on `[U | 0_K]` (a context-parallel
+//! rank's pass, [`super::widened`]), writing `[o⁰ | Q̃]` and `[ΔS | M]`. A short fold over each
+//! sequence's segments, `S_{j+1} = ΔS_j + M_j S_j` from the initial state, gives their incoming
+//! states, and the output is `o = o⁰ + Q̃ S_j` ([`super::cp_fix`]). The incoming states stay
+//! for the backward ([`SegmentStates`]).
+//!
+//! Backward (`super::backward` with the forward's [`SegmentStates`]): the states rerun runs
+//! every segment from its incoming state, the state-gradient scan every segment from
+//! `[dht | I_K]` (`dht` at a sequence's last segment, zero before it) on `[do | 0_K]`, writing
+//! `[x⁰ | x̃]` and `[γ | Mᵀ]`; the reverse fold `e_j = γ_{j+1} + Mᵀ_{j+1} e_{j+1}` gives the
+//! end-state gradient each segment's scan lacked, the chunk rows are corrected
+//! (`x = x⁰ + x̃ e_j`) and the gradient kernel runs over the segments' chunks, which are the
+//! unsplit ones. Both chains of dependent chunk steps shrink by the segment count, for twice
+//! the scans' columns and the corrections.
 
-use super::cache::{CacheSlot, ForwardCache};
-use super::cp_fix::{fix_planned, FixDims, FixOut, FixRows};
+use super::cache::{CacheSlot, ForwardCache, SegmentStates};
+use super::cp_fix::{fix_planned, FixDims, FixOut};
 use super::device::{copy_tensor_into, In};
-use super::device::{initial_states_device, slice_of, smem_and_sms, tensor_from};
+use super::device::{initial_states_device, slice_of, smem_and_sms, tensor_from, tensor_of};
 use super::fwd_scan::{ScanDest, ScanOut};
 use super::inputs::{Bf16Inputs, CudaCall};
-use super::plan::{split_backward_fits, FWD_SCAN};
+use super::plan::{split_backward_fits, split_plan, DH_SCAN, FWD_SCAN};
 use super::widened::{corrected_summary, token_spans, widened_states_dev, Widened};
+use super::widened::{EndGrads, WidenedFold};
 use crate::op::config::{KernelConfig, Segments};
+use crate::op::row_fix::plan_rows;
 use crate::op::segments;
 use crate::op::shape::GdpShape;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
@@ -65,7 +78,8 @@ impl SegmentPlan {
 
     /// The forward of `call` over the segments: the packed f32 `[o | final states]`, or with
     /// `call.plain` `o` alone in bf16. With `cache` (a slot for the WY factors alone), the WY
-    /// factors stay for the backward, which reruns the states unsplit.
+    /// factors stay for the backward, and with them the segments' incoming states where the
+    /// backward in segments fits ([`SegmentStates`]; else it reruns the states unsplit).
     pub(super) fn forward(
         &self,
         inp: &Bf16Inputs,
@@ -92,43 +106,69 @@ impl SegmentPlan {
         let wy = self
             .widened
             .forward_scan(inp, call.scale, &h0w, dest, keep.is_some(), cfg)?;
-        if let Some(slot) = keep {
-            slot.put(ForwardCache::wy_only(wy));
-        }
-        let Folded { incoming, finals } = self.fold(dev, fin, aux, call)?;
+        let Folded {
+            incoming,
+            state_of,
+            finals,
+        } = self.fold(dev, fin, aux, call)?;
         let x = o.slice(..);
+        let s = incoming.slice(..);
         let dims = FixDims {
             heads: sh.heads,
             dk: sh.dk,
             dv: sh.dv,
         };
-        let spans = token_spans(seg);
-        if call.plain {
+        let out = if call.plain {
             // SAFETY: the corrections below write every token row of o.
             let mut out = unsafe { dev.alloc::<bf16>(sh.o_len().max(1))? };
-            fix_segments(dev, &x, &mut out.slice_mut(..), &incoming, &spans, dims)?;
-            return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
+            let y = &mut out.slice_mut(..);
+            fix_segments(dev, &x, y, &s, &state_of, seg, dims)?;
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        } else {
+            let o_len = sh.o_len();
+            // SAFETY: the corrections write every token row of o, the copy every final state.
+            let mut out = unsafe { dev.alloc::<f32>((o_len + sh.state_len()).max(1))? };
+            fix_segments(
+                dev,
+                &x,
+                &mut out.slice_mut(..o_len),
+                &s,
+                &state_of,
+                seg,
+                dims,
+            )?;
+            if sh.num_seqs() > 0 {
+                copy_tensor_into(&Tensor::cat(&finals, 0)?, &mut out, o_len)?;
+            }
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        };
+        if let Some(slot) = keep {
+            let segments = self.backward_fits(dev, cfg)?.then(|| SegmentStates {
+                sub: seg.clone(),
+                owners: self.owners.clone(),
+                incoming,
+            });
+            slot.put(ForwardCache {
+                wy,
+                states: None,
+                segments,
+            });
         }
-        let o_len = sh.o_len();
-        // SAFETY: the corrections write every token row of o, the copy every final state.
-        let mut out = unsafe { dev.alloc::<f32>((o_len + sh.state_len()).max(1))? };
-        fix_segments(
-            dev,
-            &x,
-            &mut out.slice_mut(..o_len),
-            &incoming,
-            &spans,
-            dims,
-        )?;
-        if sh.num_seqs() > 0 {
-            copy_tensor_into(&Tensor::cat(&finals, 0)?, &mut out, o_len)?;
-        }
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        Ok(out)
     }
 
-    /// The state each segment starts from (`None`: zero, so that its output needs no
-    /// correction) and each sequence's final state, folded in f32 from the segments' `[ΔS | M]`
-    /// (`fin`, `[segments, H, K, V + K]`, taken without a copy) and the initial states of `aux`.
+    /// Whether the backward runs in these segments too: the split backward and its widened
+    /// state-gradient scan fit them.
+    fn backward_fits(&self, dev: &CudaDevice, cfg: &KernelConfig) -> Result<bool> {
+        let seg = &self.widened.sub;
+        let every: Vec<usize> = (0..seg.num_seqs()).collect();
+        Ok(split_plan(dev, seg, cfg)?.is_some()
+            && Widened::plan(dev, seg, &every, &DH_SCAN, cfg)?.is_some())
+    }
+
+    /// The state each segment starts from and each sequence's final state, folded in f32
+    /// from the segments' `[ΔS | M]` (`fin`, `[segments, H, K, V + K]`, taken without a copy)
+    /// and the initial states of `aux`.
     fn fold(
         &self,
         dev: &CudaDevice,
@@ -147,12 +187,15 @@ impl SegmentPlan {
             }
             false => None,
         };
+        let zero = Tensor::zeros((1, h, k, v), DType::F32, &Device::Cuda(dev.clone()))?;
         let mut incoming = Vec::with_capacity(seg.num_seqs());
+        let mut state_of = Vec::with_capacity(seg.num_seqs());
         let mut finals = Vec::with_capacity(sh.num_seqs());
         for (i, segments) in self.owners.iter().enumerate() {
             let mut s = h0.as_ref().map(|h0| h0.narrow(0, i, 1)).transpose()?;
             for j in segments.clone() {
-                incoming.push(s.as_ref().map(slice_of).transpose()?);
+                state_of.push(s.is_some().then_some(j));
+                incoming.push(s.clone().unwrap_or_else(|| zero.clone()));
                 if seg.seqs[j].len == 0 {
                     continue; // an empty sequence: its state passes unchanged
                 }
@@ -161,40 +204,120 @@ impl SegmentPlan {
                     None => fin.narrow(0, j, 1)?.narrow(3, 0, v)?.contiguous()?,
                 });
             }
-            let zero = || Tensor::zeros((1, h, k, v), DType::F32, &Device::Cuda(dev.clone()));
-            finals.push(s.map_or_else(zero, Ok)?);
+            finals.push(s.unwrap_or_else(|| zero.clone()));
         }
-        Ok(Folded { incoming, finals })
+        Ok(Folded {
+            incoming: slice_of(&Tensor::cat(&incoming, 0)?)?,
+            state_of,
+            finals,
+        })
     }
 }
 
 /// [`SegmentPlan::fold`]'s result.
 struct Folded {
-    /// Per segment, the state it starts from (`None`: zero).
-    incoming: Vec<Option<CudaSlice<f32>>>,
+    /// Each segment's incoming state, f32 `[segments, H, K, V]` (zero where none).
+    incoming: CudaSlice<f32>,
+    /// Per segment, its row of `incoming` where it has an incoming state.
+    state_of: Vec<Option<usize>>,
     /// Per sequence, its final state `[1, H, K, V]`.
     finals: Vec<Tensor>,
 }
 
-/// `y = x[.., :V] + x[.., V:] · S` over each segment's token rows (`spans`: first row and
-/// rows), with the segment's incoming state `S`, or a copy of `x[.., :V]` where it is zero.
+/// `y = x[.., :V] + x[.., V:] · S_j` over the token rows of every segment `j` of `seg` with an
+/// incoming state (row `state_of[j]` of `s`), a copy of `x[.., :V]` elsewhere.
 fn fix_segments<T: FixOut>(
     dev: &CudaDevice,
     x: &CudaView<bf16>,
     y: &mut CudaViewMut<T>,
-    incoming: &[Option<CudaSlice<f32>>],
-    spans: &[(usize, usize)],
+    s: &CudaView<f32>,
+    state_of: &[Option<usize>],
+    seg: &GdpShape,
     dims: FixDims,
 ) -> Result<()> {
-    for (s, &(first, rows)) in incoming.iter().zip(spans) {
-        let rows = FixRows {
-            outer0: first,
-            outer_per_seq: rows,
-            inner: 1,
-            seqs: 1,
+    let plan = plan_rows(&token_spans(seg), seg.batch * seg.tokens, state_of, 1)?;
+    fix_planned(dev, (x, y), Some(s), dims, &plan)
+}
+
+/// The backward's side of a forward in segments ([`SegmentStates`]).
+impl SegmentStates {
+    /// The final-state gradients the widened state-gradient scan starts from, f32
+    /// `[segments, H, K, V]`: each sequence's (f32 `[N, H, K, V]` from element `at` of `dht`)
+    /// at its last segment, zero before it; `None` where no `dht` is given.
+    pub(super) fn scatter_dht(
+        &self,
+        dev: &CudaDevice,
+        dht: Option<(&CudaSlice<f32>, usize)>,
+    ) -> Result<Option<CudaSlice<f32>>> {
+        let Some((src, at)) = dht else {
+            return Ok(None);
         };
-        let s = s.as_ref().map(|s| s.slice(..));
-        fix_planned(dev, (x, &mut *y), s.as_ref(), dims, &[(rows, s.is_some())])?;
+        let per_seq = self.sub.heads * self.sub.dk * self.sub.dv;
+        let n = self.owners.len();
+        if src.len() < at + n * per_seq {
+            candle_core::bail!(
+                "gdp cuda: dht of {} elements from {at} for {n} sequences",
+                src.len()
+            );
+        }
+        let mut out = dev.alloc_zeros::<f32>((self.sub.num_seqs() * per_seq).max(1))?;
+        for (i, segments) in self.owners.iter().enumerate() {
+            let last = segments.end - 1;
+            let from = src.slice(at + i * per_seq..at + (i + 1) * per_seq);
+            let mut to = out.slice_mut(last * per_seq..(last + 1) * per_seq);
+            dev.cuda_stream()
+                .memcpy_dtod(&from, &mut to)
+                .map_err(candle_core::Error::wrap)?;
+        }
+        Ok(Some(out))
     }
-    Ok(())
+
+    /// The fold of the widened state-gradient scan over every segment: from each sequence's
+    /// last segment back, `e_j = γ_{j+1} + Mᵀ_{j+1} e_{j+1}` (none for the last), the
+    /// end-state gradient that segment `j`'s scan lacked.
+    pub(super) fn fold<'a>(&'a self, dev: &CudaDevice) -> WidenedFold<'a> {
+        let sub = &self.sub;
+        let (ns, h, k, v) = (sub.num_seqs(), sub.heads, sub.dk, sub.dv);
+        let dev = dev.clone();
+        let exchange = move |dh0w: &CudaSlice<f32>| -> Result<Option<EndGrads>> {
+            let t = tensor_of(&dev, dh0w, &[ns, h, k, v + k])?;
+            let mut rows = Vec::new();
+            let mut state_of = vec![None; ns];
+            for segments in &self.owners {
+                // From the last segment back; the rows then go in segment order.
+                let mut lacked = Vec::new();
+                let mut e: Option<Tensor> = None;
+                for j in segments.clone().rev() {
+                    if let Some(e) = &e {
+                        lacked.push((j, e.clone()));
+                    }
+                    e = Some(match &e {
+                        Some(e) => corrected_summary(&t, j..j + 1, e)?,
+                        None => t.narrow(0, j, 1)?.narrow(3, 0, v)?.contiguous()?,
+                    });
+                }
+                for (j, e) in lacked.into_iter().rev() {
+                    state_of[j] = Some(rows.len());
+                    rows.push(e);
+                }
+            }
+            if rows.is_empty() {
+                return Ok(None);
+            }
+            let states = slice_of(&Tensor::cat(&rows, 0)?)?;
+            Ok(Some(EndGrads { states, state_of }))
+        };
+        WidenedFold {
+            outgoing: 0..ns,
+            exchange: Box::new(exchange),
+        }
+    }
+
+    /// Each sequence's initial-state gradient, f32 `[N, H, K, V]`: the corrected `γ` of its
+    /// first segment, from `dh0` (f32 `[segments, H, K, V]`).
+    pub(super) fn first_segments(&self, dh0: &Tensor) -> Result<Tensor> {
+        let firsts: Vec<u32> = self.owners.iter().map(|r| r.start as u32).collect();
+        let idx = Tensor::new(firsts.as_slice(), dh0.device())?;
+        dh0.index_select(&idx, 0)
+    }
 }

@@ -256,7 +256,8 @@ pub(crate) fn finish_widened_forward(
     s_in: Option<&CudaSlice<f32>>,
     plain: bool,
 ) -> Result<candle_core::CudaStorage> {
-    use super::cp_fix::{fix_planned, plan_rows, FixDims};
+    use super::cp_fix::{fix_planned, FixDims};
+    use crate::op::row_fix::{plan_rows, states_of_range};
     let (h, k, v) = (sh.heads, sh.dk, sh.dv);
     let dims = FixDims {
         heads: h,
@@ -264,7 +265,8 @@ pub(crate) fn finish_widened_forward(
         dv: v,
     };
     let fixed = if s_in.is_some() { fixed } else { 0..0 };
-    let plan = plan_rows(&token_spans(sh), sh.batch * sh.tokens, fixed.clone(), 1)?;
+    let state_of = states_of_range(sh.num_seqs(), fixed.clone());
+    let plan = plan_rows(&token_spans(sh), sh.batch * sh.tokens, &state_of, 1)?;
     let x = wf.o.slice(..);
     let s = s_in.map(|s| s.slice(..));
     if plain {
@@ -303,25 +305,41 @@ pub(crate) fn finish_widened_forward(
     Ok(candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
-/// A context-parallel rank's backward in one widened pass: the state-gradient scan runs from
-/// `[dht | I_K]` on `[do | 0_K]`, so its initial-state gradients are the rank's `[γ | Mᵀ]` (f32
-/// `[N, H, K, V + K]`) and every chunk row it writes is `[x⁰ | x̃]`. `exchange` exchanges
-/// those and returns what the following ranks send into the final states of the sequences
-/// `range` (f32 `[range.len(), H, K, V]`), or `None`; the chunk rows are then corrected with
-/// it (`x = x⁰ + x̃ dS`, [`super::cp_fix`]) and no second state-gradient scan runs.
+/// A backward in one widened pass (a context-parallel rank's, or the plain op's over the
+/// segments of long sequences): the state-gradient scan runs from `[dht | I_K]` on
+/// `[do | 0_K]`, so its initial-state gradients are `[γ | Mᵀ]` (f32 `[N, H, K, V + K]`) and
+/// every chunk row it writes is `[x⁰ | x̃]`. `exchange` exchanges or folds those and returns
+/// the final-state gradients that the scanned sequences lacked ([`EndGrads`]), or `None`; the
+/// chunk rows are then corrected with them (`x = x⁰ + x̃ dS`, [`super::cp_fix`]) and no
+/// second state-gradient scan runs.
 pub(crate) struct WidenedFold<'a> {
-    /// The sequences that continue on a later rank: the only ones whose scan runs widened
-    /// (their `x̃` corrects their chunk rows, their `Mᵀ` goes to the earlier ranks; the
-    /// transition of a fragment that ends on this rank multiplies nothing).
+    /// The sequences whose scan runs widened: those whose final-state gradient comes later
+    /// (their `x̃` corrects their chunk rows) or whose `Mᵀ` is wanted (a context-parallel
+    /// rank's fragments that continue on a later rank, whose `Mᵀ` goes to the earlier ranks).
     pub outgoing: Range<usize>,
-    /// The exchange and the fold, given `[γ | Mᵀ]`.
+    /// The exchange or the fold, given `[γ | Mᵀ]`.
     pub exchange: Box<FoldFn<'a>>,
 }
 
-/// [`WidenedFold::exchange`]: `[γ | Mᵀ]` in, the folded final-state gradients and the
-/// sequences they belong to out.
-pub(crate) type FoldFn<'a> =
-    dyn FnOnce(&CudaSlice<f32>) -> Result<Option<(CudaSlice<f32>, Range<usize>)>> + 'a;
+/// [`WidenedFold::exchange`]: `[γ | Mᵀ]` in, the final-state gradients the scan lacked out.
+pub(crate) type FoldFn<'a> = dyn FnOnce(&CudaSlice<f32>) -> Result<Option<EndGrads>> + 'a;
+
+/// The final-state gradients that a widened state-gradient scan lacked: `states` (f32
+/// `[rows, H, K, V]`), and per scanned sequence its row of them (`None`: it lacked none).
+pub(crate) struct EndGrads {
+    pub states: CudaSlice<f32>,
+    pub state_of: Vec<Option<usize>>,
+}
+
+impl EndGrads {
+    /// `states` for the sequences `range` of `n`, in order.
+    pub(crate) fn for_range(states: CudaSlice<f32>, n: usize, range: Range<usize>) -> Self {
+        Self {
+            states,
+            state_of: crate::op::row_fix::states_of_range(n, range),
+        }
+    }
+}
 
 /// The widened state-gradient scan of a context-parallel rank ([`WidenedFold`]).
 pub(super) struct WidenedDh<'a> {
@@ -445,15 +463,16 @@ impl WidenedRun<'_, '_> {
         dev: &CudaDevice,
         fold: WidenedFold,
     ) -> Result<(CudaSlice<bf16>, CudaSlice<bf16>, Tensor)> {
-        use super::cp_fix::{fix_planned, plan_rows, FixDims};
+        use super::cp_fix::{fix_planned, FixDims};
+        use crate::op::row_fix::plan_rows;
         let sh = self.sh;
         let (ns, h, k, v) = (sh.num_seqs(), sh.heads, sh.dk, sh.dv);
         self.side.join()?;
         let bufs = self.bufs;
         let folded = (fold.exchange)(&bufs.dh0w)?;
-        let (s, fixed) = match &folded {
-            Some((s, r)) => (Some(s.slice(..)), r.clone()),
-            None => (None, 0..0),
+        let (s, state_of) = match &folded {
+            Some(e) => (Some(e.states.slice(..)), e.state_of.clone()),
+            None => (None, vec![None; ns]),
         };
         let spans = chunk_spans(sh);
         let dims = FixDims {
@@ -470,28 +489,61 @@ impl WidenedRun<'_, '_> {
             )
         };
         for (dst, src, inner) in [(&mut dhs, &bufs.dhs_w, k), (&mut ddn, &bufs.ddn_w, CHUNK)] {
-            let rows = plan_rows(&spans, self.chunks, fixed.clone(), inner)?;
+            let rows = plan_rows(&spans, self.chunks, &state_of, inner)?;
             let src = src.slice(..);
             fix_planned(dev, (&src, &mut dst.slice_mut(..)), s.as_ref(), dims, &rows)?;
         }
-        // The initial-state gradients: γ⁰ + Mᵀ dS for the corrected sequences.
+        // The initial-state gradients: γ⁰ + Mᵀ dS where a final-state gradient came.
         let t = super::device::tensor_of(dev, &bufs.dh0w, &[ns, h, k, v + k])?;
-        let dh0 = t.narrow(3, 0, v)?;
-        let Some((s, r)) = &folded else {
-            return Ok((dhs, ddn, dh0.contiguous()?));
+        let states = match &folded {
+            Some(e) => {
+                let rows = e.states.len() / (h * k * v).max(1);
+                Some(super::device::tensor_of(dev, &e.states, &[rows, h, k, v])?)
+            }
+            None => None,
         };
-        let ds = super::device::tensor_of(dev, s, &[r.len(), h, k, v])?;
-        let fixed = corrected_summary(&t, r.clone(), &ds)?;
-        let mut parts = vec![];
-        if r.start > 0 {
-            parts.push(dh0.narrow(0, 0, r.start)?);
-        }
-        parts.push(fixed);
-        if r.end < ns {
-            parts.push(dh0.narrow(0, r.end, ns - r.end)?);
-        }
-        Ok((dhs, ddn, Tensor::cat(&parts, 0)?))
+        let dh0 = corrected_rows(&t, states.as_ref(), &state_of)?;
+        Ok((dhs, ddn, dh0))
     }
+}
+
+/// `x⁰ + x̃ S` per sequence of a widened scan's per-sequence rows `t = [x⁰ | x̃]` (f32
+/// `[N, H, K, V + K]`) whose state row `state_of` names (of `s`, f32 `[rows, H, K, V]`), `x⁰`
+/// for the others: f32 `[N, H, K, V]`, one product per run of sequences with consecutive rows.
+pub(super) fn corrected_rows(
+    t: &Tensor,
+    s: Option<&Tensor>,
+    state_of: &[Option<usize>],
+) -> Result<Tensor> {
+    let v = t.dim(3)? - t.dim(2)?;
+    let n = state_of.len();
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < n {
+        let mut j = i + 1;
+        match state_of[i] {
+            None => {
+                while j < n && state_of[j].is_none() {
+                    j += 1;
+                }
+                parts.push(t.narrow(0, i, j - i)?.narrow(3, 0, v)?);
+            }
+            Some(row) => {
+                while j < n && state_of[j] == Some(row + j - i) {
+                    j += 1;
+                }
+                let Some(s) = s else {
+                    candle_core::bail!("gdp cuda: state row {row} named without states");
+                };
+                parts.push(corrected_summary(t, i..j, &s.narrow(0, row, j - i)?)?);
+            }
+        }
+        i = j;
+    }
+    if parts.is_empty() {
+        return t.narrow(3, 0, v)?.contiguous();
+    }
+    Tensor::cat(&parts, 0)
 }
 
 /// `x⁰ + x̃ S` for the sequences `fixed` of a widened scan's per-sequence rows `t = [x⁰ | x̃]`
