@@ -10,7 +10,8 @@
 # timing harness compiled elsewhere: `nvcc -O3 -std=c++17 -arch=sm_90 -Icuda -c
 # cuda/bench/kernels.cu -o kbench.o`; otherwise it is compiled here). Runs, each with a time
 # limit, logging to OUT_DIR (default $OUT or /tmp/gpu_check): the GPU tests (tests/gpu.rs, then
-# tests/gpu_fast_paths.rs with its ignored timing), the kernel-only timings, and the
+# tests/gpu_fast_paths.rs with its ignored timing), the kernel-only timings, the few-heads
+# shapes with `--segments` off and auto (gdp alone), and the
 # side-by-side benchmark against FLA with the no-pool-retention and per-value-tile-backward
 # variants (scripts/bench_vs_fla.py).
 set -u
@@ -31,6 +32,10 @@ if [ -f "$bin/kbench.o" ]; then
 else
   nvcc -O3 -std=c++17 -arch=sm_90 -Icuda cuda/bench/kernels.cu -o "$out/kbench"
 fi && timeout 120 "$out/kbench" 2>&1 | tee "$out/kbench.log"
+echo "== few heads: segments off and auto (gdp alone, forward and backward)"
+timeout 300 python3 -u scripts/bench_vs_fla.py --gdp "$bin/gdp" --reps 5 --few-heads --no-fla \
+  --variant "auto --segments auto" --variant "explicit --backward explicit" \
+  --variant "auto-explicit --segments auto --backward explicit" 2>&1 | tee "$out/segments.log"
 echo "== against FLA"
 timeout 600 python3 -u scripts/bench_vs_fla.py --gdp "$bin/gdp" --reps 5 \
   --variant "noretain --no-retain-pool" --variant "tilebwd --bwd-kernels fused" 2>&1 |
