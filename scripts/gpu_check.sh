@@ -35,7 +35,9 @@ fi && timeout 120 "$out/kbench" 2>&1 | tee "$out/kbench.log"
 echo "== few heads: segments off and auto (gdp alone, forward and backward)"
 timeout 300 python3 -u scripts/bench_vs_fla.py --gdp "$bin/gdp" --reps 5 --few-heads --no-fla \
   --variant "auto --segments auto" --variant "explicit --backward explicit" \
-  --variant "auto-explicit --segments auto --backward explicit" 2>&1 | tee "$out/segments.log"
+  --variant "auto-explicit --segments auto --backward explicit" \
+  --variant "auto-pair --segments auto --backward explicit --states-tile 128 --dh-tile 64" \
+  2>&1 | tee "$out/segments.log"
 echo "== against FLA"
 timeout 600 python3 -u scripts/bench_vs_fla.py --gdp "$bin/gdp" --reps 5 \
   --variant "noretain --no-retain-pool" --variant "tilebwd --bwd-kernels fused" 2>&1 |

@@ -944,6 +944,24 @@ static Wy wy_of(const Prob& Q, const QkArgs& a, const std::vector<__nv_bfloat16>
   return f;
 }
 
+// One step of a fold over segments, in f32 as Candle's matmul runs it on the device: x[.., :V] +
+// x[.., V:] · s per head, for a segment's rows x [H, K, V + K] (its [ΔS | M] or [γ | Mᵀ]) and
+// the state s [H, K, V] (empty: zero).
+static std::vector<float> fold_step(const float* x, const std::vector<float>& s, long H, long K,
+                                    long V) {
+  const long W = V + K, KV = K * V;
+  std::vector<float> out(H * KV);
+  for (long h = 0; h < H; ++h)
+    for (long k = 0; k < K; ++k)
+      for (long v = 0; v < V; ++v) {
+        const float* row = &x[(h * K + k) * W];
+        float acc = row[v];
+        for (long m = 0; !s.empty() && m < K; ++m) acc += row[V + m] * s[h * KV + m * V + v];
+        out[h * KV + k * V + v] = acc;
+      }
+  return out;
+}
+
 // The forward in segments up to its correction, as src/op/cuda/segmented.rs runs it: one
 // widened forward scan of BV `bv` over every segment of `S` from [0 | I_K] on [U | 0_K] into
 // [o⁰ | Q̃] (bf16, `ow`) and [ΔS | M] (f32), then the segments' incoming states by the f32 fold
@@ -982,16 +1000,7 @@ static SegForward segment_forward(const Prob& P, const Prob& S,
     for (long j = owners[i].first; j < owners[i].second; ++j) {
       if (!st.empty()) std::copy(st.begin(), st.end(), &f.incoming[j * H * KV]), f.has_in[j] = 1;
       if (S.seqs[j].len == 0) continue;
-      std::vector<float> next(H * KV);
-      for (long h = 0; h < H; ++h)
-        for (long k = 0; k < K; ++k)
-          for (long v = 0; v < V; ++v) {
-            const float* row = &fin[((j * H + h) * K + k) * W];
-            float acc = row[v];
-            for (long m = 0; !st.empty() && m < K; ++m) acc += row[V + m] * st[h * KV + m * V + v];
-            next[h * KV + k * V + v] = acc;
-          }
-      st = next;
+      st = fold_step(&fin[j * H * K * W], st, H, K, V);
     }
     if (!st.empty()) std::copy(st.begin(), st.end(), &f.ht[i * H * KV]);
   }
@@ -1168,16 +1177,7 @@ static SegGrads segments_bwd(Prob& P, int len, int bv) {
     std::vector<float> cur;  // the corrected γ of the segment after j
     for (long j = owners[i].second - 1; j >= owners[i].first; --j) {
       if (!cur.empty()) std::copy(cur.begin(), cur.end(), &e[j * H * KV]), has_e[j] = 1;
-      std::vector<float> g(H * KV);
-      for (long h = 0; h < H; ++h)
-        for (long k = 0; k < K; ++k)
-          for (long v = 0; v < V; ++v) {
-            const float* row = &dh0w[((j * H + h) * K + k) * W];
-            float acc = row[v];
-            for (long m = 0; !cur.empty() && m < K; ++m) acc += row[V + m] * cur[h * KV + m * V + v];
-            g[h * KV + k * V + v] = acc;
-          }
-      cur = g;
+      cur = fold_step(&dh0w[j * H * K * W], cur, H, K, V);
     }
     std::copy(cur.begin(), cur.end(), &dh0[i * H * KV]);
   }

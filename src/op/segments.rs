@@ -86,6 +86,22 @@ fn split(seqs: &[SeqSpan], len: usize) -> Split {
     Split { segments, owners }
 }
 
+/// Per segment of a [`Split`]'s `owners` (`segments` in all), its row among the end-state
+/// gradients that the backward in segments folds: every segment but a sequence's last (whose
+/// scan starts from the sequence's own final-state gradient), numbered in order.
+pub(crate) fn end_grad_rows(owners: &[Range<usize>], segments: usize) -> Vec<Option<usize>> {
+    let mut rows = vec![None; segments];
+    let mut next = 0;
+    for seg in owners {
+        let last = seg.end.saturating_sub(1).max(seg.start);
+        for row in &mut rows[seg.start..last] {
+            *row = Some(next);
+            next += 1;
+        }
+    }
+    rows
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,6 +123,16 @@ mod tests {
         ];
         assert_eq!(segments, want);
         assert_eq!(owners, [0..3, 3..4, 4..5]);
+    }
+
+    #[test]
+    fn every_segment_but_the_last_lacks_an_end_state_gradient() {
+        let owners = [0..3, 3..4, 4..6];
+        assert_eq!(
+            end_grad_rows(&owners, 6),
+            [Some(0), Some(1), None, None, Some(2), None]
+        );
+        assert_eq!(end_grad_rows(&[], 0), []);
     }
 
     #[test]

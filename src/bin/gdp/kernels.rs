@@ -89,8 +89,8 @@ pub struct KernelArgs {
     /// Queue every kernel on the device's stream (no side stream).
     #[arg(long)]
     pub one_stream: bool,
-    /// Segments per sequence of the chunked bf16 forward: `auto`, `off` (the library's
-    /// default), or a count (1: none).
+    /// Segments per sequence of the chunked bf16 op (the forward, and the backward where the
+    /// WY factors are kept): `auto`, `off` (the library's default), or a count (1: none).
     #[arg(long, value_name = "auto|off|N", default_value = "off", value_parser = segments)]
     pub segments: Segments,
     /// Value tile of the fused forward kernel.

@@ -281,26 +281,24 @@ impl SegmentStates {
         let dev = dev.clone();
         let exchange = move |dh0w: &CudaSlice<f32>| -> Result<Option<EndGrads>> {
             let t = tensor_of(&dev, dh0w, &[ns, h, k, v + k])?;
-            let mut rows = Vec::new();
-            let mut state_of = vec![None; ns];
-            for segments in &self.owners {
-                // From the last segment back; the rows then go in segment order.
-                let mut lacked = Vec::new();
+            let state_of = segments::end_grad_rows(&self.owners, ns);
+            let mut rows = vec![None; state_of.iter().flatten().count()];
+            for seg in &self.owners {
+                // From the last segment back: e is the corrected γ of the segment after j.
                 let mut e: Option<Tensor> = None;
-                for j in segments.clone().rev() {
-                    if let Some(e) = &e {
-                        lacked.push((j, e.clone()));
+                for j in seg.clone().rev() {
+                    if let (Some(e), Some(row)) = (&e, state_of[j]) {
+                        rows[row] = Some(e.clone());
                     }
                     e = Some(match &e {
                         Some(e) => corrected_summary(&t, j..j + 1, e)?,
                         None => t.narrow(0, j, 1)?.narrow(3, 0, v)?.contiguous()?,
                     });
                 }
-                for (j, e) in lacked.into_iter().rev() {
-                    state_of[j] = Some(rows.len());
-                    rows.push(e);
-                }
             }
+            let Some(rows) = rows.into_iter().collect::<Option<Vec<Tensor>>>() else {
+                candle_core::bail!("gdp cuda: a segment's end-state gradient was not folded");
+            };
             if rows.is_empty() {
                 return Ok(None);
             }
