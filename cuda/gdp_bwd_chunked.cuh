@@ -439,10 +439,12 @@ GDPD_SCAN_ENTRY(128, 128, 8)
 #define GDPG_THREADS 512
 #define GDPG_GROUPS 4  // column groups (GDPG_THREADS / 128)
 
+#define GDPG_WARPS (GDPG_THREADS / 32)
+
 // Shared memory (bytes) of gdp_bwd_grads_bf16 (the carve-up at its top).
 __host__ __device__ constexpr int gdpg_smem_bytes(int KP, int VP, int QR) {
   return 2 * ((64 + QR) * (KP + 8) + (KP + 4 * 64 + QR) * (VP + 8) + (64 + QR) * 72) +
-         4 * (64 * 68 + 5 * 64 + 6 * GDPG_GROUPS * 64 + 64 + 8);
+         4 * (64 * 68 + 5 * 64 + 6 * GDPG_GROUPS * 64 + 4 * 64 + GDPG_WARPS);
 }
 
 // Σ a_i b_i over eight bf16 pairs (16 bytes of each operand), in f32.
@@ -537,8 +539,10 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
   float* Eg = Bt + C;      // [C] e^G
   float* Dl = Eg + C;      // [C] e^{G_last - G}
   float* RED = Dl + C;     // [6][NG][C] per-row partial sums of the column groups
-  float* CS = RED + 6 * NG * C;  // [C] column sums of dM ⊙ β KKᵀ
-  float* MISC = CS + C;          // [8] MISC[0]: h·dS
+  // Partial sums kept apart and added in a fixed order, not by float atomics, so that the
+  // gate and beta gradients are the same bits run to run.
+  float* CS = RED + 6 * NG * C;  // [C / 16][C] column sums of dM ⊙ β KKᵀ per 16-row tile
+  float* HDS = CS + (C / 16) * C;  // [GDPG_WARPS] h·dS per warp
   enum { R_A1 = 0, R_A2, R_A3, R_KB, R_VB, R_MK };
   // TILES: the bf16 dv and dk leave through a dead tile as 16-byte row pieces where rows allow
   // (a quarter of the pair stores' instructions): dv through DM's space (written from phase 2
@@ -591,9 +595,7 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
     const int x = rows.r0 + i;  // row i counted from the token of row 0 (32-bit: no int64 div)
     G[i] = (i < c && x % n == 0) ? aux[(tok0 + rows.t0 + x / n) * H + head] : 0.f;
     Bt[i] = i < c ? aux[BTH + ((tok0 * n + p) * H + head)] : 0.f;
-    CS[i] = 0.f;
   }
-  if (tid < 8) MISC[tid] = 0.f;
   __syncthreads();
   if (warp == 0) gdpb_cumsum_warp(G, Gl, c, lane);
   __syncthreads();
@@ -774,8 +776,10 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
       }
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
+        // Every (row tile, column) written once: the four warps of a row tile take its four
+        // column tiles; those above the diagonal add zero.
         const float s = gdpg_column_sum(cs[e]);
-        if (live && g == 0) atomicAdd(&CS[n0 + 8 * j + 2 * t + e], s);
+        if (g == 0) CS[(r0 / 16) * C + n0 + 8 * j + 2 * t + e] = live ? s : 0.f;
       }
     }
     put_rows(R_MK, ct, r0, mk);
@@ -827,8 +831,8 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
       s += gdpg_dot8(*reinterpret_cast<const uint4*>(HB + r * LV + col),
                      *reinterpret_cast<const uint4*>(DHB + r * LV + col));
     }
-    s = gdpg_warp_sum(s);  // one shared-memory atomic per warp, not per thread
-    if (lane == 0) atomicAdd(&MISC[0], s);
+    s = gdpg_warp_sum(s);
+    if (lane == 0) HDS[warp] = s;
   }
   __syncthreads();
 
@@ -875,13 +879,19 @@ __device__ __forceinline__ void gdp_bwd_grads_bf16_impl(
     const float kb = sum2(R_KB), vb = sum2(R_VB), mk = sum2(R_MK);
     const int64_t p = p0 + i;
     db_out[(tok0 * n + p) * H + head] = Eg[i] * kb + vb + mk;
-    float dg = -sum2(R_A2) + Bt[i] * Eg[i] * kb + Bt[i] * mk - CS[i];
+    float cs = 0.f;
+    for (int rt = 0; rt < C / 16; ++rt) cs += CS[rt * C + i];
+    float dg = -sum2(R_A2) + Bt[i] * Eg[i] * kb + Bt[i] * mk - cs;
     if ((rows.r0 + i) % n == n - 1) {
       const int r = (i - first) / n;  // the query row of this token
       for (int grp = 0; grp < NG; ++grp)
         dg += split_dq ? red(R_A3, grp, r) + red(R_A3, grp, r + 32) : red(R_A3, grp, r);
     }
-    if (i == c - 1) dg += Eg[c - 1] * MISC[0];
+    if (i == c - 1) {
+      float hds = 0.f;
+      for (int w = 0; w < GDPG_WARPS; ++w) hds += HDS[w];
+      dg += Eg[c - 1] * hds;
+    }
     DG[i] = dg;
     A1[i] = sum2(R_A1);
   }

@@ -279,8 +279,8 @@ fn without_final_state_matches_f64_reference() -> Result<()> {
 }
 
 /// `got` from the same kernels as `base` (called `base_name`) run another way: `o`
-/// bit-identical, every gradient within 1e-3 relative RMS (the order of float atomics), and
-/// all within `tol` of the reference `want`.
+/// bit-identical, every gradient within 1e-3 relative RMS (the per-value-tile backward sums
+/// dq, dk over value tiles in another order), and all within `tol` of the reference `want`.
 fn check_same_kernels(
     c: &Case,
     what: &str,
@@ -308,10 +308,10 @@ fn check_same_kernels(
 fn saved_intermediates_give_the_same_results() -> Result<()> {
     // `save_intermediates`: the bf16 backward reads the forward's WY factors and chunk states
     // instead of recomputing them with the same kernels, so `o` is bit-identical to the
-    // recomputing op's and every gradient equal to it up to the order of float atomics (the
-    // split backward's dg, dbeta; the per-value-tile backward, which serves K, V > 128 and
-    // keeps nothing, sums dq, dk over value tiles: an element may round to the neighbouring
-    // bf16 value, ~3e-5 relative RMS in all; a wrong cache would differ by O(1)). Every result
+    // recomputing op's and every gradient equal to it up to the order of sums (the
+    // per-value-tile backward, which serves K, V > 128 and keeps nothing, sums dq, dk over
+    // value tiles: an element may round to the neighbouring bf16 value, ~3e-5 relative RMS in
+    // all; a wrong cache would differ by O(1)). Every result
     // is within the bf16 tolerance of the reference. At K = V = 128, n = 2 (two heads: few
     // state-gradient scan blocks) the saved backward runs its gradient kernel beside that scan
     // (persistent blocks waiting for each group of chunks' dS, then the rest after the scan:
@@ -349,8 +349,7 @@ fn saved_intermediates_give_the_same_results() -> Result<()> {
 #[test]
 fn explicit_backward_equals_autograd() -> Result<()> {
     // `gated_delta_product_vjp` runs the kernels of the op under autograd without a graph
-    // node: `o` bit-identical, every gradient equal up to the order of float atomics (see
-    // above), with and without the final state and `save_intermediates` (bf16 only). Against
+    // node: `o` bit-identical, every gradient equal up to the order of sums (see above), with and without the final state and `save_intermediates` (bf16 only). Against
     // f64 at the tolerances of the tests above.
     let dev = cuda()?;
     for (dtype, tol) in [(DType::BF16, 1e-2), (DType::F32, 1e-5)] {
@@ -390,8 +389,9 @@ fn overlapped_forward_is_bit_identical_and_matches_f64_reference() -> Result<()>
     // (`src/op/cuda/pipeline.rs`); the recomputing backward runs its state-gradient scan beside
     // its WY kernel the same way. Outputs, final states and (through the saved
     // intermediates, and recomputed) every gradient must be bit-identical to those of the
-    // kernels one after the other (`KernelConfig::overlap` off; dg and dβ up to the order of
-    // float atomics), and within the bf16 tolerance of the f64 reference; so must the
+    // kernels one after the other (`KernelConfig::overlap` off; dg and dβ too: the gradient
+    // kernel adds its partial sums in a fixed order), and within the bf16 tolerance of the
+    // f64 reference; so must the
     // overlapped launches queued on one stream (`side_streams` off). The small shapes of the
     // other tests take the overlapped path too.
     let dev = cuda()?;
@@ -438,10 +438,9 @@ fn overlapped_forward_is_bit_identical_and_matches_f64_reference() -> Result<()>
             let pairs = run.grads.iter().zip(&off_run.grads);
             for (((name, a), (_, b)), (_, w)) in pairs.zip(&want.grads) {
                 check(&c, &format!("{name} {value}{label}"), a, w, 1e-2)?;
-                // dg and dbeta sum float atomics in any order; the rest is exact.
                 let diff = rel_rms(a, b)?;
                 assert!(
-                    diff <= 1e-6,
+                    diff == 0.0,
                     "{name}{label} with {what} differs by {diff:.2e}"
                 );
             }
@@ -450,7 +449,7 @@ fn overlapped_forward_is_bit_identical_and_matches_f64_reference() -> Result<()>
         for ((name, a), (_, b)) in plain.grads.iter().zip(&off_plain.grads) {
             let diff = rel_rms(a, b)?;
             assert!(
-                diff <= 1e-6,
+                diff == 0.0,
                 "plain {name} with {what} differs by {diff:.2e}"
             );
         }
@@ -463,7 +462,7 @@ fn fla_layout_in_place_matches_the_packed_entry() -> Result<()> {
     // In bf16 where the chunked kernels serve both ways, `gated_delta_product` hands them `q`
     // and `k` in place; the packed entry point reads `qk` built by Candle's `cat`. The kernels
     // read the same values, so `o` and `ht` are bit-identical and every gradient equal up to
-    // the order of float atomics (as in `saved_intermediates_give_the_same_results`); K = 256
+    // the order of sums (as in `saved_intermediates_give_the_same_results`); K = 256
     // (no split backward) takes the packed copy on both sides.
     let dev = cuda()?;
     let dtype = DType::BF16;

@@ -91,8 +91,8 @@ fn bf16_paths_match_f64_reference() -> Result<()> {
 /// among packed ones, n = 1..4, K != V, odd V, grouped key heads read in place, an initial state
 /// or none), with and without the final state, with the WY factors kept for the backward (which
 /// then runs in the same segments) and without (the backward unsplit): every output and
-/// gradient against the f64 reference, the same bits on a second run (but for the gradients
-/// summed with float atomics), and other bits than the unsplit op's where it ran split.
+/// gradient against the f64 reference, the same bits on a second run (every output and
+/// gradient), and other bits than the unsplit op's where it ran split.
 #[test]
 fn segments_match_f64_reference() -> Result<()> {
     let dev = cuda()?;
@@ -147,11 +147,8 @@ fn segments_match_f64_reference() -> Result<()> {
                         c.name
                     );
                     assert_ne!(bits(&got.o)?, bits(&unsplit.o)?, "{}: not split", c.name);
-                    // dg and dbeta sum with float atomics; the others are the same bits.
                     for ((name, a), (_, b)) in got.grads.iter().zip(&again.grads) {
-                        if !["dg", "dbeta"].contains(name) {
-                            assert_eq!(bits(a)?, bits(b)?, "{}: {name} run to run", c.name);
-                        }
+                        assert_eq!(bits(a)?, bits(b)?, "{}: {name} run to run", c.name);
                     }
                     // With the WY factors kept, the backward runs in the same segments.
                     let split_bwd = what == SaveIntermediates::WyFactors;

@@ -17,6 +17,7 @@ use half::bf16;
 /// Threads per block of the gradient kernel (`GDPG_THREADS`) and its column groups
 /// (`GDPG_GROUPS`).
 pub(super) const GRAD_THREADS: u32 = 512;
+const _: () = assert!(GRAD_THREADS as usize / 32 == super::plan::GRAD_WARPS);
 
 /// Where the gradients go: the packed f32 `[dqk | dv | dg | dbeta | dh0?]` (packed `qk` only),
 /// or bf16 query/key gradients in the layout of the inputs and `dv` with the f32

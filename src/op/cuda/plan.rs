@@ -10,6 +10,8 @@ use candle_core::Result;
 
 /// Groups of the gradient kernel's per-chunk reductions (`GDPG_GROUPS`).
 pub(super) const GRAD_GROUPS: usize = 4;
+/// Warps per block of the gradient kernel (`GDPG_WARPS`), each with a partial sum of `h·dS`.
+pub(super) const GRAD_WARPS: usize = 16;
 /// f32 row stride of the inverse's tiles (`GDP_INV_LD`).
 pub(super) const INV_LD: usize = 68;
 
@@ -314,7 +316,7 @@ pub(super) const DH_SCAN: ScanKind = ScanKind {
 pub fn grads_smem_bytes(kp: usize, vp: usize, qr: usize) -> usize {
     let c = CHUNK;
     2 * ((c + qr) * (kp + 8) + (kp + 4 * c + qr) * (vp + 8) + (c + qr) * (c + 8))
-        + 4 * (c * 68 + 5 * c + 6 * GRAD_GROUPS * c + c + 8)
+        + 4 * (c * 68 + 5 * c + 6 * GRAD_GROUPS * c + (c / 16) * c + GRAD_WARPS)
 }
 
 /// K or V padded to the gradient kernel's tiles (64 or 128).
