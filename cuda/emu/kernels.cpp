@@ -364,19 +364,48 @@ static GdpScanParams scan_params(const Prob& P, const QkArgs& a, const std::vect
   return p;
 }
 
+// The kernel PREFIX_<bv>_<KPT> called with ARGS, for the tiles every scan has (BV 16, 32, 64;
+// KPT 64, 128); each launcher adds its own others.
+#define GDP_EMU_SCAN_TILES(PREFIX, ARGS)            \
+  if (bv == 16 && KPT == 64) PREFIX##_16_64(ARGS);   \
+  if (bv == 16 && KPT == 128) PREFIX##_16_128(ARGS); \
+  if (bv == 32 && KPT == 64) PREFIX##_32_64(ARGS);   \
+  if (bv == 32 && KPT == 128) PREFIX##_32_128(ARGS); \
+  if (bv == 64 && KPT == 64) PREFIX##_64_64(ARGS);   \
+  if (bv == 64 && KPT == 128) PREFIX##_64_128(ARGS);
+
 // Launches the forward scan gdp_fwd_scan_bf16_<bv>_<KPT> with `sp` over `rows` (sequence,
 // head) blocks and `cols` value columns.
 static void launch_fwd_scan(const GdpScanParams& sp, long rows, long cols, int bv, int KPT) {
   launch(rows, (cols + bv - 1) / bv, bv == 16 ? 128 : 256, [&] {
 #define ARGS GDP_ARGS_OF(GDP_SCAN_FIELDS, sp)
-    if (bv == 16 && KPT == 64) gdp_fwd_scan_bf16_16_64(ARGS);
-    if (bv == 16 && KPT == 128) gdp_fwd_scan_bf16_16_128(ARGS);
+    GDP_EMU_SCAN_TILES(gdp_fwd_scan_bf16, ARGS)
     if (bv == 16 && KPT == 256) gdp_fwd_scan_bf16_16_256(ARGS);
-    if (bv == 32 && KPT == 64) gdp_fwd_scan_bf16_32_64(ARGS);
-    if (bv == 32 && KPT == 128) gdp_fwd_scan_bf16_32_128(ARGS);
     if (bv == 32 && KPT == 256) gdp_fwd_scan_bf16_32_256(ARGS);
-    if (bv == 64 && KPT == 64) gdp_fwd_scan_bf16_64_64(ARGS);
-    if (bv == 64 && KPT == 128) gdp_fwd_scan_bf16_64_128(ARGS);
+#undef ARGS
+  });
+}
+
+// Launches the states-only rerun gdp_fwd_states_bf16_<bv>_<KPT> with `sp` over `rows`
+// (sequence, head) blocks and `cols` value columns.
+static void launch_states_scan(const GdpScanParams& sp, long rows, long cols, int bv, int KPT) {
+  launch(rows, (cols + bv - 1) / bv, bv == 16 ? 128 : 256, [&] {
+#define ARGS GDP_ARGS_OF(GDP_SCAN_FIELDS, sp)
+    GDP_EMU_SCAN_TILES(gdp_fwd_states_bf16, ARGS)
+    if (bv == 128 && KPT == 64) gdp_fwd_states_bf16_128_64(ARGS);
+    if (bv == 128 && KPT == 128) gdp_fwd_states_bf16_128_128(ARGS);
+#undef ARGS
+  });
+}
+
+// Launches the state-gradient scan gdp_bwd_dh_bf16_<bv>_<KPT> with `dp` over `rows` (sequence,
+// head) blocks and `cols` value columns.
+static void launch_dh_scan(const GdpDhParams& dp, long rows, long cols, int bv, int KPT) {
+  launch(rows, (cols + bv - 1) / bv, bv == 16 ? 128 : 256, [&] {
+#define ARGS GDP_ARGS_OF(GDP_DH_FIELDS, dp)
+    GDP_EMU_SCAN_TILES(gdp_bwd_dh_bf16, ARGS)
+    if (bv == 128 && KPT == 64) gdp_bwd_dh_bf16_128_64(ARGS);
+    if (bv == 128 && KPT == 128) gdp_bwd_dh_bf16_128_128(ARGS);
 #undef ARGS
   });
 }
@@ -532,7 +561,6 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
                                      nullptr);
     launch(total, H, 128, [&] { gdp_fwd_wy_bf16(GDP_ARGS_OF(GDP_WY_FIELDS, wp)); });
   }
-  const int nthr = bv == 16 ? 128 : 256;
   // The states rerun as the op runs it: the states-only kernel (no query rows staged, QR = 0)
   // into hs, dn; then the forward scan with its output (as the forward of save_intermediates
   // runs it: at n >= 2 and BV 64 the warps without output rows store the states) into hs2,
@@ -548,25 +576,8 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
                                    states_only ? 0 : QR, NS, nullptr);
     if (u_in != nullptr) sp.u = u_in, sp.dv_in = vin;
     if (wide_to >= 0) sp.wide_to = wide_to;
-    launch(N * H, (V + lbv - 1) / lbv, nthr, [&] {
-#define ARGS GDP_ARGS_OF(GDP_SCAN_FIELDS, sp)
-#define PICK(PREFIX)                                     \
-  if (lbv == 16 && KPT == 64) PREFIX##_16_64(ARGS);      \
-  if (lbv == 16 && KPT == 128) PREFIX##_16_128(ARGS);    \
-  if (lbv == 32 && KPT == 64) PREFIX##_32_64(ARGS);      \
-  if (lbv == 32 && KPT == 128) PREFIX##_32_128(ARGS);    \
-  if (lbv == 64 && KPT == 64) PREFIX##_64_64(ARGS);      \
-  if (lbv == 64 && KPT == 128) PREFIX##_64_128(ARGS);
-      if (states_only) {
-        PICK(gdp_fwd_states_bf16)
-        if (lbv == 128 && KPT == 64) gdp_fwd_states_bf16_128_64(ARGS);
-        if (lbv == 128 && KPT == 128) gdp_fwd_states_bf16_128_128(ARGS);
-      } else {
-        PICK(gdp_fwd_scan_bf16)
-      }
-#undef PICK
-#undef ARGS
-    });
+    if (states_only) launch_states_scan(sp, N * H, V, lbv, KPT);
+    else launch_fwd_scan(sp, N * H, V, lbv, KPT);
   };
   rerun(true, hs.data(), dn.data());
   {
@@ -601,18 +612,7 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
     dp.qr = QR; dp.ns = NS;
     if (do_in != nullptr) dp.dob = do_in, dp.dv_in = vin;
     if (wide_to >= 0) dp.wide_to = wide_to;
-    launch(N * H, (V + bv - 1) / bv, nthr, [&] {
-#define ARGS GDP_ARGS_OF(GDP_DH_FIELDS, dp)
-      if (bv == 16 && KPT == 64) gdp_bwd_dh_bf16_16_64(ARGS);
-      if (bv == 16 && KPT == 128) gdp_bwd_dh_bf16_16_128(ARGS);
-      if (bv == 32 && KPT == 64) gdp_bwd_dh_bf16_32_64(ARGS);
-      if (bv == 32 && KPT == 128) gdp_bwd_dh_bf16_32_128(ARGS);
-      if (bv == 64 && KPT == 64) gdp_bwd_dh_bf16_64_64(ARGS);
-      if (bv == 64 && KPT == 128) gdp_bwd_dh_bf16_64_128(ARGS);
-      if (bv == 128 && KPT == 64) gdp_bwd_dh_bf16_128_64(ARGS);
-      if (bv == 128 && KPT == 128) gdp_bwd_dh_bf16_128_128(ARGS);
-#undef ARGS
-    });
+    launch_dh_scan(dp, N * H, V, bv, KPT);
   };
   dh_scan(dhs.data(), ddn.data(), dh0, nullptr, nullptr);
   // The value-side inputs narrower than the scans' columns (a context-parallel rank's [U | 0_K]
@@ -1137,7 +1137,6 @@ static SegGrads segments_bwd(Prob& P, int len, int bv) {
   const int QR = 16 * (((64 + c.n - 1) / c.n + 15) / 16);
   const int KPT = c.K <= 64 ? 64 : 128;
   const int VPT = c.V <= 64 ? 64 : 128;
-  const int nthr = bv == 16 ? 128 : 256;
   const __nv_bfloat16 poison{0x7f7f};
   // The states rerun from the incoming states.
   std::vector<__nv_bfloat16> hs(slots * KV, poison), dn(slots * 64 * V, poison);
@@ -1145,16 +1144,7 @@ static SegGrads segments_bwd(Prob& P, int len, int bv) {
     GdpScanParams sp = scan_params(S, a, tab, wy.w, wy.u, wy.p, wy.c, nullptr, nullptr, nullptr,
                                    hs.data(), dn.data(), 0, 2, nullptr);
     sp.h0_override = f.incoming.data(); sp.use_h0_override = 1;
-    launch(Ns * H, (V + bv - 1) / bv, nthr, [&] {
-#define ARGS GDP_ARGS_OF(GDP_SCAN_FIELDS, sp)
-      if (bv == 16 && KPT == 64) gdp_fwd_states_bf16_16_64(ARGS);
-      if (bv == 16 && KPT == 128) gdp_fwd_states_bf16_16_128(ARGS);
-      if (bv == 32 && KPT == 64) gdp_fwd_states_bf16_32_64(ARGS);
-      if (bv == 32 && KPT == 128) gdp_fwd_states_bf16_32_128(ARGS);
-      if (bv == 64 && KPT == 64) gdp_fwd_states_bf16_64_64(ARGS);
-      if (bv == 64 && KPT == 128) gdp_fwd_states_bf16_64_128(ARGS);
-#undef ARGS
-    });
+    launch_states_scan(sp, Ns * H, V, bv, KPT);
   }
   // [dht | I_K] at each sequence's last segment, [0 | I_K] before it; the widened scan.
   std::vector<float> dhtw(Ns * H * K * W, 0.f), dh0w(Ns * H * K * W, 3e38f);
@@ -1174,16 +1164,7 @@ static SegGrads segments_bwd(Prob& P, int len, int bv) {
     dp.write_dh0 = 1; dp.batch = c.B; dp.tokens = c.T; dp.heads = c.H; dp.dk = c.K;
     dp.dv = W; dp.dv_in = V; dp.wide_from = 0; dp.wide_to = Ns; dp.n = c.n; dp.qr = QR;
     dp.ns = 2;
-    launch(Ns * H, (W + bv - 1) / bv, nthr, [&] {
-#define ARGS GDP_ARGS_OF(GDP_DH_FIELDS, dp)
-      if (bv == 16 && KPT == 64) gdp_bwd_dh_bf16_16_64(ARGS);
-      if (bv == 16 && KPT == 128) gdp_bwd_dh_bf16_16_128(ARGS);
-      if (bv == 32 && KPT == 64) gdp_bwd_dh_bf16_32_64(ARGS);
-      if (bv == 32 && KPT == 128) gdp_bwd_dh_bf16_32_128(ARGS);
-      if (bv == 64 && KPT == 64) gdp_bwd_dh_bf16_64_64(ARGS);
-      if (bv == 64 && KPT == 128) gdp_bwd_dh_bf16_64_128(ARGS);
-#undef ARGS
-    });
+    launch_dh_scan(dp, Ns * H, W, bv, KPT);
   }
   // The reverse fold in f32: e_j (the end-state gradient segment j lacked; none at a last
   // segment), each segment's corrected γ, and dh0 of each sequence.
