@@ -199,10 +199,7 @@ impl SegmentPlan {
                 if seg.seqs[j].len == 0 {
                     continue; // an empty sequence: its state passes unchanged
                 }
-                s = Some(match &s {
-                    Some(s) => corrected_summary(&fin, j..j + 1, s)?,
-                    None => fin.narrow(0, j, 1)?.narrow(3, 0, v)?.contiguous()?,
-                });
+                s = Some(fold_step(&fin, j, s.as_ref())?);
             }
             finals.push(s.unwrap_or_else(|| zero.clone()));
         }
@@ -211,6 +208,19 @@ impl SegmentPlan {
             state_of,
             finals,
         })
+    }
+}
+
+/// One step of a fold over segments: row `j` of `t = [x⁰ | x̃]` (f32 `[segments, H, K, V + K]`,
+/// a forward's `[ΔS | M]` or a backward's `[γ | Mᵀ]`) applied to the state `s` (`None`: zero),
+/// `x⁰ + x̃ s`, f32 `[1, H, K, V]`.
+fn fold_step(t: &Tensor, j: usize, s: Option<&Tensor>) -> Result<Tensor> {
+    match s {
+        Some(s) => corrected_summary(t, j..j + 1, s),
+        None => {
+            let v = t.dim(3)? - t.dim(2)?;
+            t.narrow(0, j, 1)?.narrow(3, 0, v)?.contiguous()
+        }
     }
 }
 
@@ -290,10 +300,7 @@ impl SegmentStates {
                     if let (Some(e), Some(row)) = (&e, state_of[j]) {
                         rows[row] = Some(e.clone());
                     }
-                    e = Some(match &e {
-                        Some(e) => corrected_summary(&t, j..j + 1, e)?,
-                        None => t.narrow(0, j, 1)?.narrow(3, 0, v)?.contiguous()?,
-                    });
+                    e = Some(fold_step(&t, j, e.as_ref())?);
                 }
             }
             let Some(rows) = rows.into_iter().collect::<Option<Vec<Tensor>>>() else {
