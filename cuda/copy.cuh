@@ -22,3 +22,44 @@ extern "C" __global__ void gdp_copy_rows(GDP_KERNEL_PARAMS(GDP_COPY_ROWS_FIELDS,
     }
   }
 }
+
+// dq or dk of grouped value heads summed into their key heads: dst row o (of d values) is the
+// f32 sum of src rows o·r .. o·r + r - 1, in that order, rounded to bf16 (the value heads of a
+// key head are consecutive: [B, T, Hk, r, D] -> [B, T, Hk, D]). Eight values per thread where
+// d and both pointers allow 16-byte accesses, else one; a grid-stride loop over the values.
+extern "C" __global__ void gdp_sum_groups_bf16(GDP_KERNEL_PARAMS(GDP_SUM_GROUPS_FIELDS, _)) {
+  const int64_t i0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t is = (int64_t)gridDim.x * blockDim.x;
+  const bool vec = d % 8 == 0 && ((reinterpret_cast<uintptr_t>(src) |
+                                   reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
+  if (vec) {
+    const int64_t per_row = d / 8, total = rows * per_row;
+    for (int64_t i = i0; i < total; i += is) {
+      const int64_t o = i / per_row, c = i - o * per_row;
+      float acc[8] = {};
+      for (int j = 0; j < r; ++j) {
+        const uint4 x = *reinterpret_cast<const uint4*>(src + (o * r + j) * d + 8 * c);
+        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&x);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = __bfloat1622float2(p[e]);
+          acc[2 * e] += f.x;
+          acc[2 * e + 1] += f.y;
+        }
+      }
+      uint4 y;
+      __nv_bfloat162* q = reinterpret_cast<__nv_bfloat162*>(&y);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) q[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
+      *reinterpret_cast<uint4*>(dst + o * d + 8 * c) = y;
+    }
+  } else {
+    const int64_t total = rows * d;
+    for (int64_t i = i0; i < total; i += is) {
+      const int64_t o = i / d, c = i - o * d;
+      float acc = 0.f;
+      for (int j = 0; j < r; ++j) acc += __bfloat162float(src[(o * r + j) * d + c]);
+      dst[i] = __float2bfloat16_rn(acc);
+    }
+  }
+}

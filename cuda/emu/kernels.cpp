@@ -835,6 +835,30 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
   char name[64];
   snprintf(name, sizeof name, "%s bwd%d/%d%s%s", c.name, bv, NS, parts ? " parts q,k" : "",
            misalign_do ? " dO+1" : "");
+  // Grouped value heads: dq and dk per value head summed into the key heads, as the op does
+  // after the kernel (gdp_sum_groups_bf16), against the reference's group sums.
+  if (parts && c.grp > 1) {
+    const long Hk = H / c.grp;
+    auto group_sum = [&](const std::vector<__nv_bfloat16>& x, long rows, int slot0,
+                         const char* what) {
+      std::vector<__nv_bfloat16> y(rows * Hk * K, poison);
+      const GdpSumGroupsParams sp{x.data(), y.data(), rows * Hk, c.grp, (int)K};
+      launch(3, 1, 64, [&] { gdp_sum_groups_bf16(GDP_ARGS_OF(GDP_SUM_GROUPS_FIELDS, sp)); });
+      std::vector<float> got(y.size());
+      std::vector<double> want(y.size(), 0.0);
+      for (long i = 0; i < (long)y.size(); ++i) got[i] = __bfloat162float(y[i]);
+      // Reference row (token tk, slot s) of the packed [.., n + 1, H, K] gradient.
+      for (long r = 0; r < rows; ++r) {
+        const long tk = slot0 == 0 ? r : r / n, s = slot0 == 0 ? 0 : 1 + r % n;
+        for (long h = 0; h < H; ++h)
+          for (long kk = 0; kk < K; ++kk)
+            want[(r * Hk + h / c.grp) * K + kk] += R.grads[((tk * (n + 1) + s) * H + h) * K + kk];
+      }
+      report(name, what, rel(got.data(), want.data(), got.size()), 1e-2);
+    };
+    group_sum(dqb, BTH / H, 0, "bf16 dq grp");
+    group_sum(dkb, BTH / H * n, 1, "bf16 dk grp");
+  }
   report(name, "bf16 dq", rel(gq.data(), rq.data(), gq.size()), 1e-2);
   report(name, "bf16 dk", rel(gk.data(), rk.data(), gk.size()), 1e-2);
   report(name, "bf16 dv", rel(out.data() + qk_len, R.grads.data() + qk_len, v_len), 1e-2);
@@ -1409,6 +1433,28 @@ static void run_segments_bwd() {
                         64, 16);
 }
 
+// gdp_sum_groups_bf16 against its definition (f32 sums in group order, rounded to bf16), bit
+// for bit: 16-byte rows, odd widths, and a source one element off 16-byte alignment.
+static void run_sum_groups(long rows, int r, int d, int offset) {
+  std::mt19937 rng(rows * 31 + r * 7 + d);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<__nv_bfloat16> x(rows * r * d + offset);
+  for (auto& e : x) e = __float2bfloat16_rn(nd(rng));
+  std::vector<__nv_bfloat16> y(rows * d, __float2bfloat16_rn(1e30f));
+  const GdpSumGroupsParams sp{x.data() + offset, y.data(), rows, r, d};
+  launch(2, 1, 32, [&] { gdp_sum_groups_bf16(GDP_ARGS_OF(GDP_SUM_GROUPS_FIELDS, sp)); });
+  long diff = 0;
+  for (long o = 0; o < rows; ++o)
+    for (int c = 0; c < d; ++c) {
+      float acc = 0.f;
+      for (int j = 0; j < r; ++j) acc += __bfloat162float(x[offset + (o * r + j) * d + c]);
+      diff += __bfloat162float(__float2bfloat16_rn(acc)) != __bfloat162float(y[o * d + c]);
+    }
+  printf("sum groups rows %ld r %d d %d +%d: %s\n", rows, r, d, offset,
+         diff == 0 ? "the same bits" : "DIFFERENT");
+  if (diff != 0) ++fails;
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   // Arguments: `rev` (reversed thread ids), `bf16` (only the bf16 kernels), `bwd` (with `bf16`:
@@ -1469,6 +1515,8 @@ int main(int argc, char** argv) {
     return fails != 0;
   }
   if (!only_bwd) run_cp();
+  for (auto d : {std::vector<int>{37, 2, 128, 0}, {20, 3, 24, 0}, {9, 4, 13, 0}, {11, 2, 64, 1}})
+    run_sum_groups(d[0], d[1], d[2], d[3]);
   if (!only_bf16)
     for (auto& c : cases) run_case(c);
   cases.push_back({"n2 T90 K128 V128 h0", 1, 90, 2, 128, 128, 2, true, {}, 1.f, 64});

@@ -121,6 +121,10 @@ kernel_params! {
     CopyRowsParams = "GDP_COPY_ROWS_FIELDS" {
         src: u64, dst: u64, rows: i64, width: i64, src_ld: i64, dst_ld: i64,
     }
+    /// `gdp_sum_groups_bf16`: rows summed over groups of consecutive rows.
+    SumGroupsParams = "GDP_SUM_GROUPS_FIELDS" {
+        src: u64, dst: u64, rows: i64, r: i32, d: i32,
+    }
     /// `gdp_f32_to_bf16`: an elementwise cast.
     CastParams = "GDP_CAST_FIELDS" {
         src: u64, dst: u64, len: i64,

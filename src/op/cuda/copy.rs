@@ -1,15 +1,17 @@
 //! Strided row copies on CUDA (`gdp_copy_rows`, `cuda/copy.cuh`): Candle's `copy2d`, 16 bytes
 //! per thread where the rows allow it instead of one element per thread. The op's packing of
 //! `q` and `k` into `qk` and its backward's cutting of `dq` and `dk` out of `dqk` are such copies,
-//! over the whole of `q` and `k`.
+//! over the whole of `q` and `k`. With grouped value heads, the backward's `dq` and `dk` per
+//! value head are summed into their key heads here too (`gdp_sum_groups_bf16`).
 
 use super::module::load_kernel;
-use crate::op::kernel_params::{CastParams, CopyRowsParams};
+use crate::op::kernel_params::{CastParams, CopyRowsParams, SumGroupsParams};
 use crate::op::pack::RowCopy;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::{CudaStorage, DType, Result};
+use half::bf16;
 
 /// Copies `r` from `src` to `dst` (same dtype, same device): `gdp_copy_rows` for 2- and 4-byte
 /// dtypes, Candle's `copy2d` for the others.
@@ -118,6 +120,51 @@ pub(super) fn to_bf16(
         shared_mem_bytes: 0,
     };
     // SAFETY: `gdp_f32_to_bf16` takes `GdpCastParams`; both buffers hold `len` elements.
+    unsafe { args.launch(cfg, &params) }?;
+    Ok(dst)
+}
+
+/// `src` (bf16 `[rows · r, d]`: `rows` groups of `r` consecutive rows) summed over each group in
+/// f32 and rounded to bf16, in a new buffer `[rows, d]`: the gradient of key heads that `r`
+/// value heads each read (`[B, T, Hk·r, D]` into `[B, T, Hk, D]`), in one pass, the same bits
+/// run to run.
+pub(super) fn sum_groups_bf16(
+    dev: &CudaDevice,
+    src: &CudaSlice<bf16>,
+    rows: usize,
+    r: usize,
+    d: usize,
+) -> Result<CudaSlice<bf16>> {
+    let len = rows * d;
+    if src.len() < len * r {
+        candle_core::bail!(
+            "gdp cuda: group sum of {rows} rows of {r} x {d} values from {} elements",
+            src.len()
+        );
+    }
+    // SAFETY: the kernel writes every element.
+    let mut dst = unsafe { dev.alloc::<bf16>(len.max(1))? };
+    if len == 0 {
+        return Ok(dst);
+    }
+    let func = load_kernel(dev, "gdp_sum_groups_bf16")?;
+    let mut args = func.args();
+    let params = SumGroupsParams {
+        src: args.read(src),
+        dst: args.write(&mut dst),
+        rows: rows as i64,
+        r: i32::try_from(r).map_err(candle_core::Error::wrap)?,
+        d: i32::try_from(d).map_err(candle_core::Error::wrap)?,
+    };
+    // One thread per eight values (the kernel loops where it must take one at a time).
+    let threads = 256usize;
+    let cfg = LaunchConfig {
+        grid_dim: (len.div_ceil(8 * threads).clamp(1, 65_535) as u32, 1, 1),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `gdp_sum_groups_bf16` takes `GdpSumGroupsParams`; `src` holds `rows · r · d`
+    // elements (checked above) and `dst` `rows · d`.
     unsafe { args.launch(cfg, &params) }?;
     Ok(dst)
 }
