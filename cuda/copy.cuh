@@ -23,43 +23,59 @@ extern "C" __global__ void gdp_copy_rows(GDP_KERNEL_PARAMS(GDP_COPY_ROWS_FIELDS,
   }
 }
 
-// dq or dk of grouped value heads summed into their key heads: dst row o (of d values) is the
-// f32 sum of src rows o·r .. o·r + r - 1, in that order, rounded to bf16 (the value heads of a
-// key head are consecutive: [B, T, Hk, r, D] -> [B, T, Hk, D]). Eight values per thread where
-// d and both pointers allow 16-byte accesses, else one; a grid-stride loop over the values.
-extern "C" __global__ void gdp_sum_groups_bf16(GDP_KERNEL_PARAMS(GDP_SUM_GROUPS_FIELDS, _)) {
+// An f32 value rounded to T (nearest, ties to even).
+template <class T>
+__device__ __forceinline__ T gdp_round_to(float x);
+template <>
+__device__ __forceinline__ float gdp_round_to<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 gdp_round_to<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Gradients of key heads that r value heads each read, summed over each group: dst row o (of d
+// values) is the f32 sum of src rows o·r .. o·r + r - 1, in that order, rounded to T (the value
+// heads of a key head are consecutive: [B, T, Hk, r, D] -> [B, T, Hk, D]). Eight bf16 values
+// per thread where d and both pointers allow 16-byte accesses, else one; a grid-stride loop.
+template <class T>
+__device__ __forceinline__ void gdp_sum_groups_impl(const T* __restrict__ src, T* __restrict__ dst,
+                                                    long long rows, int r, int d) {
   const int64_t i0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int64_t is = (int64_t)gridDim.x * blockDim.x;
-  const bool vec = d % 8 == 0 && ((reinterpret_cast<uintptr_t>(src) |
-                                   reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
-  if (vec) {
-    const int64_t per_row = d / 8, total = rows * per_row;
-    for (int64_t i = i0; i < total; i += is) {
-      const int64_t o = i / per_row, c = i - o * per_row;
-      float acc[8] = {};
-      for (int j = 0; j < r; ++j) {
-        const uint4 x = *reinterpret_cast<const uint4*>(src + (o * r + j) * d + 8 * c);
-        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&x);
+  if constexpr (sizeof(T) == 2) {
+    const uintptr_t bits = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst);
+    if (d % 8 == 0 && (bits & 15) == 0) {
+      const int64_t per_row = d / 8, total = rows * per_row;
+      for (int64_t i = i0; i < total; i += is) {
+        const int64_t o = i / per_row, c = i - o * per_row;
+        float acc[8] = {};
+        for (int j = 0; j < r; ++j) {
+          const uint4 x = *reinterpret_cast<const uint4*>(src + (o * r + j) * d + 8 * c);
+          const T* e = reinterpret_cast<const T*>(&x);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = __bfloat1622float2(p[e]);
-          acc[2 * e] += f.x;
-          acc[2 * e + 1] += f.y;
+          for (int m = 0; m < 8; ++m) acc[m] += to_f(e[m]);
         }
-      }
-      uint4 y;
-      __nv_bfloat162* q = reinterpret_cast<__nv_bfloat162*>(&y);
+        uint4 y;
+        T* e = reinterpret_cast<T*>(&y);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) q[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
-      *reinterpret_cast<uint4*>(dst + o * d + 8 * c) = y;
-    }
-  } else {
-    const int64_t total = rows * d;
-    for (int64_t i = i0; i < total; i += is) {
-      const int64_t o = i / d, c = i - o * d;
-      float acc = 0.f;
-      for (int j = 0; j < r; ++j) acc += __bfloat162float(src[(o * r + j) * d + c]);
-      dst[i] = __float2bfloat16_rn(acc);
+        for (int m = 0; m < 8; ++m) e[m] = gdp_round_to<T>(acc[m]);
+        *reinterpret_cast<uint4*>(dst + o * d + 8 * c) = y;
+      }
+      return;
     }
   }
+  const int64_t total = rows * d;
+  for (int64_t i = i0; i < total; i += is) {
+    const int64_t o = i / d, c = i - o * d;
+    float acc = 0.f;
+    for (int j = 0; j < r; ++j) acc += to_f(src[(o * r + j) * d + c]);
+    dst[i] = gdp_round_to<T>(acc);
+  }
 }
+
+#define GDP_SUM_GROUPS_ENTRY(NAME, T)                                              \
+  extern "C" __global__ void NAME(GDP_KERNEL_PARAMS(GDP_SUM_GROUPS_FIELDS, T)) { \
+    gdp_sum_groups_impl<T>(src, dst, rows, r, d);                                  \
+  }
+GDP_SUM_GROUPS_ENTRY(gdp_sum_groups_bf16, __nv_bfloat16)
+GDP_SUM_GROUPS_ENTRY(gdp_sum_groups_f32, float)

@@ -13,7 +13,7 @@
 //   gdp_bwd_chunked.cuh  the split bf16 backward: gdp_bwd_dh_bf16_* (the state-gradient scan),
 //                        gdp_bwd_grads_bf16_* (every gradient), gdp_f32_to_bf16
 //   copy.cuh             gdp_copy_rows: strided row copies (the op's q/k packing);
-//                        gdp_sum_groups_bf16: dq, dk summed over grouped value heads
+//                        gdp_sum_groups_{bf16,f32}: dq, dk summed over grouped value heads
 //   cp_fix.cuh           gdp_cp_fix_{bf16,f32}, gdp_cp_widen_states: context parallelism's
 //                        correction of a widened scan
 //   step.cuh             gdp_step_{f32,bf16,f16}_k*: the fused decode step

@@ -241,13 +241,13 @@
   X(C, long long, src_ld)                         \
   X(C, long long, dst_ld)
 
-// gdp_sum_groups_bf16 (copy.cuh): `rows` rows of `d` values, each the f32 sum of `r`
-// consecutive source rows, rounded to bf16.
-#define GDP_SUM_GROUPS_FIELDS(X, C, TY)           \
-  X(C, const __nv_bfloat16* __restrict__, src)    \
-  X(C, __nv_bfloat16* __restrict__, dst)          \
-  X(C, long long, rows)                           \
-  X(C, int, r)                                    \
+// gdp_sum_groups_{bf16,f32} (copy.cuh): `rows` rows of `d` values, each the f32 sum of
+// `r` consecutive source rows, rounded to TY.
+#define GDP_SUM_GROUPS_FIELDS(X, C, TY)  \
+  X(C, const TY* __restrict__, src)      \
+  X(C, TY* __restrict__, dst)            \
+  X(C, long long, rows)                  \
+  X(C, int, r)                           \
   X(C, int, d)
 
 // gdp_f32_to_bf16 (gdp_bwd_chunked.cuh): an elementwise cast.
@@ -294,8 +294,9 @@ struct GdpStepParams {
 struct GdpCopyRowsParams {
   GDP_PARAMS_STRUCT(GDP_COPY_ROWS_FIELDS, _)
 };
+template <class TY>
 struct GdpSumGroupsParams {
-  GDP_PARAMS_STRUCT(GDP_SUM_GROUPS_FIELDS, _)
+  GDP_PARAMS_STRUCT(GDP_SUM_GROUPS_FIELDS, TY)
 };
 struct GdpCastParams {
   GDP_PARAMS_STRUCT(GDP_CAST_FIELDS, _)

@@ -842,7 +842,7 @@ void run_bf16_bwd(const Case& c, int bv, int NS, bool misalign_do = false) {
     auto group_sum = [&](const std::vector<__nv_bfloat16>& x, long rows, int slot0,
                          const char* what) {
       std::vector<__nv_bfloat16> y(rows * Hk * K, poison);
-      const GdpSumGroupsParams sp{x.data(), y.data(), rows * Hk, c.grp, (int)K};
+      const GdpSumGroupsParams<__nv_bfloat16> sp{x.data(), y.data(), rows * Hk, c.grp, (int)K};
       launch(3, 1, 64, [&] { gdp_sum_groups_bf16(GDP_ARGS_OF(GDP_SUM_GROUPS_FIELDS, sp)); });
       std::vector<float> got(y.size());
       std::vector<double> want(y.size(), 0.0);
@@ -1441,7 +1441,7 @@ static void run_sum_groups(long rows, int r, int d, int offset) {
   std::vector<__nv_bfloat16> x(rows * r * d + offset);
   for (auto& e : x) e = __float2bfloat16_rn(nd(rng));
   std::vector<__nv_bfloat16> y(rows * d, __float2bfloat16_rn(1e30f));
-  const GdpSumGroupsParams sp{x.data() + offset, y.data(), rows, r, d};
+  const GdpSumGroupsParams<__nv_bfloat16> sp{x.data() + offset, y.data(), rows, r, d};
   launch(2, 1, 32, [&] { gdp_sum_groups_bf16(GDP_ARGS_OF(GDP_SUM_GROUPS_FIELDS, sp)); });
   long diff = 0;
   for (long o = 0; o < rows; ++o)

@@ -4,7 +4,8 @@
 //! checkpoints and of FLA's `repeat(x, 'b t h d -> b t (h g) d')`, not the tiled `h % Hk`).
 
 use crate::error::GdpError;
-use candle_core::{Result, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
 /// Value heads per key head, `r = Hv / Hk`; an error unless `Hk` divides `Hv`. `what` names the
 /// value-side tensor whose head count is `hv`.
@@ -21,28 +22,108 @@ pub(crate) fn key_groups(hk: usize, hv: usize, what: &str) -> Result<usize> {
 
 /// `x` with its head axis `dim` (of `Hk` heads) repeated to `Hk · r` heads in grouped order:
 /// head `h` of the result is head `h / r` of `x`. Differentiable: the gradient of a key head is
-/// the sum over its group. `x` itself when `r = 1`.
+/// the sum over its group ([`sum_key_groups`], one pass on CUDA). `x` itself when `r = 1`.
 pub(crate) fn expand_key_heads(x: &Tensor, dim: usize, r: usize) -> Result<Tensor> {
     if r == 1 {
         return Ok(x.clone());
     }
-    let mut dims = x.dims().to_vec();
-    let mut wide = dims.clone();
-    wide.insert(dim + 1, r);
-    dims[dim] *= r;
-    x.unsqueeze(dim + 1)?.broadcast_as(wide)?.reshape(dims)
+    x.contiguous()?.apply_op1(ExpandKeyHeads { dim, r })
 }
 
 /// The inverse of [`expand_key_heads`] for gradients: `dx` with `Hk · r` heads on axis `dim`
-/// summed over each group of `r` into `Hk` heads.
+/// summed over each group of `r` into `Hk` heads, in f32 (rounded once to `dx`'s dtype).
 pub(crate) fn sum_key_groups(dx: &Tensor, dim: usize, r: usize) -> Result<Tensor> {
     if r == 1 {
         return Ok(dx.clone());
     }
     let mut dims = dx.dims().to_vec();
     dims[dim] /= r;
-    dims.insert(dim + 1, r);
-    dx.reshape(dims)?.sum(dim + 1)
+    #[cfg(feature = "cuda")]
+    if let Some(sum) = super::cuda::sum_groups_tensor(dx, groups(&dims, dim, r), &dims)? {
+        return Ok(sum);
+    }
+    let mut grouped = dims.clone();
+    grouped.insert(dim + 1, r);
+    let wide = match dx.dtype() {
+        DType::BF16 | DType::F16 => DType::F32,
+        other => other,
+    };
+    dx.to_dtype(wide)?
+        .reshape(grouped)?
+        .sum(dim + 1)?
+        .to_dtype(dx.dtype())
+}
+
+/// `(rows, r, d)` of the key-head axis `dim` of `dims` (the narrow shape): `rows` = the elements
+/// before the axis times `Hk`, `d` = the elements after it; the wide tensor is
+/// `[rows, r, d]`.
+fn groups(dims: &[usize], dim: usize, r: usize) -> (usize, usize, usize) {
+    let rows = dims[..=dim].iter().product();
+    (rows, r, dims[dim + 1..].iter().product())
+}
+
+/// [`expand_key_heads`] as a custom op, so that its backward is [`sum_key_groups`] rather
+/// than Candle's reduction over a broadcast axis (on CUDA one block of `r` threads per key-head
+/// value).
+struct ExpandKeyHeads {
+    dim: usize,
+    r: usize,
+}
+
+impl ExpandKeyHeads {
+    /// The wide shape and `(rows, r, d)` of a contiguous input of shape `narrow`.
+    fn wide(&self, narrow: &Shape) -> (Shape, (usize, usize, usize)) {
+        let mut dims = narrow.dims().to_vec();
+        let g = groups(&dims, self.dim, self.r);
+        dims[self.dim] *= self.r;
+        (Shape::from(dims), g)
+    }
+}
+
+/// Each row of `d` values of `x` repeated `r` times.
+fn repeat_rows<T: Copy>(x: &[T], r: usize, d: usize) -> Vec<T> {
+    let mut out = Vec::with_capacity(x.len() * r);
+    for row in x.chunks_exact(d.max(1)) {
+        for _ in 0..r {
+            out.extend_from_slice(row);
+        }
+    }
+    out
+}
+
+impl CustomOp1 for ExpandKeyHeads {
+    fn name(&self) -> &'static str {
+        "gdp-expand-key-heads"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (shape, (_, r, d)) = self.wide(l.shape());
+        let Some((start, end)) = l.contiguous_offsets() else {
+            candle_core::bail!("gdp: expand_key_heads needs a contiguous input");
+        };
+        let out = match s {
+            CpuStorage::F32(x) => CpuStorage::F32(repeat_rows(&x[start..end], r, d)),
+            CpuStorage::F64(x) => CpuStorage::F64(repeat_rows(&x[start..end], r, d)),
+            CpuStorage::BF16(x) => CpuStorage::BF16(repeat_rows(&x[start..end], r, d)),
+            CpuStorage::F16(x) => CpuStorage::F16(repeat_rows(&x[start..end], r, d)),
+            other => candle_core::bail!("gdp: expand_key_heads of {:?}", other.dtype()),
+        };
+        Ok((out, shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (shape, g) = self.wide(l.shape());
+        Ok((super::cuda::repeat_rows(s, l, g)?, shape))
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(sum_key_groups(grad, self.dim, self.r)?))
+    }
 }
 
 #[cfg(test)]
@@ -61,6 +142,31 @@ mod tests {
         );
         let s = sum_key_groups(&e, 2, 3)?;
         assert_eq!(s.flatten_all()?.to_vec1::<f32>()?, [30., 60.]);
+        Ok(())
+    }
+
+    #[test]
+    fn expansion_and_its_gradient_match_broadcasting() -> Result<()> {
+        let dev = Device::Cpu;
+        // q-like [B, T, Hk, K] at axis 2 and packed-qk-like [B, T, n+1, Hk, K] at axis 3.
+        for (dims, dim) in [(vec![2, 3, 2, 5], 2), (vec![2, 3, 2, 2, 4], 3)] {
+            let r = 3;
+            let x = candle_core::Var::randn(0f64, 1.0, dims.as_slice(), &dev)?;
+            let mut wide = dims.clone();
+            wide[dim] *= r;
+            let w = Tensor::randn(0f64, 1.0, wide.as_slice(), &dev)?;
+            let e = expand_key_heads(x.as_tensor(), dim, r)?;
+            let mut b = dims.clone();
+            b.insert(dim + 1, r);
+            let want = x.unsqueeze(dim + 1)?.broadcast_as(b)?.reshape(wide)?;
+            let diff = (&e - &want)?.abs()?.max_all()?.to_scalar::<f64>()?;
+            assert_eq!(diff, 0.0, "expanded values at axis {dim}");
+            let grads = (&e * &w)?.sum_all()?.backward()?;
+            let got = grads.get(x.as_tensor()).expect("a gradient of x");
+            let want = sum_key_groups(&w, dim, r)?;
+            let diff = (got - &want)?.abs()?.max_all()?.to_scalar::<f64>()?;
+            assert!(diff < 1e-12, "gradient at axis {dim}: {diff}");
+        }
         Ok(())
     }
 

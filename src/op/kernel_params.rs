@@ -121,7 +121,7 @@ kernel_params! {
     CopyRowsParams = "GDP_COPY_ROWS_FIELDS" {
         src: u64, dst: u64, rows: i64, width: i64, src_ld: i64, dst_ld: i64,
     }
-    /// `gdp_sum_groups_bf16`: rows summed over groups of consecutive rows.
+    /// `gdp_sum_groups_{bf16,f32}`: rows summed over groups of consecutive rows.
     SumGroupsParams = "GDP_SUM_GROUPS_FIELDS" {
         src: u64, dst: u64, rows: i64, r: i32, d: i32,
     }

@@ -7,10 +7,11 @@
 use super::module::load_kernel;
 use crate::op::kernel_params::{CastParams, CopyRowsParams, SumGroupsParams};
 use crate::op::pack::RowCopy;
-use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
-use candle_core::{CudaStorage, DType, Result};
+use candle_core::op::BackpropOp;
+use candle_core::{CudaStorage, DType, Layout, Result, Storage, Tensor};
 use half::bf16;
 
 /// Copies `r` from `src` to `dst` (same dtype, same device): `gdp_copy_rows` for 2- and 4-byte
@@ -124,17 +125,29 @@ pub(super) fn to_bf16(
     Ok(dst)
 }
 
-/// `src` (bf16 `[rows · r, d]`: `rows` groups of `r` consecutive rows) summed over each group in
-/// f32 and rounded to bf16, in a new buffer `[rows, d]`: the gradient of key heads that `r`
+/// The dtypes of `gdp_sum_groups_*`.
+pub(crate) trait GroupSumDType: CudaDType + DeviceRepr {
+    /// The kernel's name.
+    const SUM_GROUPS: &'static str;
+}
+impl GroupSumDType for bf16 {
+    const SUM_GROUPS: &'static str = "gdp_sum_groups_bf16";
+}
+impl GroupSumDType for f32 {
+    const SUM_GROUPS: &'static str = "gdp_sum_groups_f32";
+}
+
+/// `src` (`[rows · r, d]`: `rows` groups of `r` consecutive rows) summed over each group in
+/// f32 and rounded to `T`, in a new buffer `[rows, d]`: the gradient of key heads that `r`
 /// value heads each read (`[B, T, Hk·r, D]` into `[B, T, Hk, D]`), in one pass, the same bits
 /// run to run.
-pub(super) fn sum_groups_bf16(
+pub(crate) fn sum_groups<T: GroupSumDType>(
     dev: &CudaDevice,
-    src: &CudaSlice<bf16>,
+    src: &CudaView<T>,
     rows: usize,
     r: usize,
     d: usize,
-) -> Result<CudaSlice<bf16>> {
+) -> Result<CudaSlice<T>> {
     let len = rows * d;
     if src.len() < len * r {
         candle_core::bail!(
@@ -143,11 +156,11 @@ pub(super) fn sum_groups_bf16(
         );
     }
     // SAFETY: the kernel writes every element.
-    let mut dst = unsafe { dev.alloc::<bf16>(len.max(1))? };
+    let mut dst = unsafe { dev.alloc::<T>(len.max(1))? };
     if len == 0 {
         return Ok(dst);
     }
-    let func = load_kernel(dev, "gdp_sum_groups_bf16")?;
+    let func = load_kernel(dev, T::SUM_GROUPS)?;
     let mut args = func.args();
     let params = SumGroupsParams {
         src: args.read(src),
@@ -156,15 +169,77 @@ pub(super) fn sum_groups_bf16(
         r: i32::try_from(r).map_err(candle_core::Error::wrap)?,
         d: i32::try_from(d).map_err(candle_core::Error::wrap)?,
     };
-    // One thread per eight values (the kernel loops where it must take one at a time).
+    // One thread per eight values (the kernel loops where it takes one at a time).
     let threads = 256usize;
     let cfg = LaunchConfig {
         grid_dim: (len.div_ceil(8 * threads).clamp(1, 65_535) as u32, 1, 1),
         block_dim: (threads as u32, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: `gdp_sum_groups_bf16` takes `GdpSumGroupsParams`; `src` holds `rows · r · d`
+    // SAFETY: `gdp_sum_groups_*` takes `GdpSumGroupsParams<T>`; `src` holds `rows · r · d`
     // elements (checked above) and `dst` `rows · d`.
     unsafe { args.launch(cfg, &params) }?;
     Ok(dst)
+}
+
+/// [`sum_groups`] on a contiguous CUDA tensor of `rows · r · d` elements, into a new tensor of
+/// shape `dims`; `None` where the tensor is not on CUDA, not contiguous, or neither bf16 nor f32
+/// (the caller then sums with Candle).
+pub(crate) fn sum_groups_tensor(
+    x: &Tensor,
+    (rows, r, d): (usize, usize, usize),
+    dims: &[usize],
+) -> Result<Option<Tensor>> {
+    let (storage, layout) = x.storage_and_layout();
+    let Storage::Cuda(cs) = &*storage else {
+        return Ok(None);
+    };
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        return Ok(None);
+    };
+    let dev = cs.device().clone();
+    let out = match x.dtype() {
+        DType::BF16 => {
+            let src = cs.as_cuda_slice::<bf16>()?.slice(start..end);
+            CudaStorage::wrap_cuda_slice(sum_groups(&dev, &src, rows, r, d)?, dev)
+        }
+        DType::F32 => {
+            let src = cs.as_cuda_slice::<f32>()?.slice(start..end);
+            CudaStorage::wrap_cuda_slice(sum_groups(&dev, &src, rows, r, d)?, dev)
+        }
+        _ => return Ok(None),
+    };
+    Ok(Some(Tensor::from_storage(
+        Storage::Cuda(out),
+        dims,
+        BackpropOp::none(),
+        false,
+    )))
+}
+
+/// `x` (contiguous `[rows, d]` rows on CUDA, any 2- or 4-byte dtype) with each row repeated `r`
+/// times in place order (`[rows, r, d]`): key heads repeated to their value heads. `r` row
+/// copies of `gdp_copy_rows`.
+pub(crate) fn repeat_rows(
+    x: &CudaStorage,
+    layout: &Layout,
+    (rows, r, d): (usize, usize, usize),
+) -> Result<CudaStorage> {
+    let Some((start, _)) = layout.contiguous_offsets() else {
+        candle_core::bail!("gdp cuda: repeated rows need a contiguous source");
+    };
+    // SAFETY: the copies below write every element (`r` rows of `d` per source row).
+    let mut out = unsafe { x.device().alloc_uninit(&(rows * r * d).into(), x.dtype())? };
+    for j in 0..r {
+        let copy = RowCopy {
+            rows,
+            width: d,
+            src_off: start,
+            src_stride: d,
+            dst_off: j * d,
+            dst_stride: r * d,
+        };
+        copy_rows(x, &mut out, copy)?;
+    }
+    Ok(out)
 }

@@ -122,7 +122,7 @@ pub(crate) fn try_backward_tensors(
                 let r = sh.heads / hk;
                 let s = match r {
                     1 => s,
-                    _ => copy::sum_groups_bf16(&dev, &s, b * rows * hk, r, d)?,
+                    _ => copy::sum_groups(&dev, &s.slice(..), b * rows * hk, r, d)?,
                 };
                 Ok(bf16_tensor(s, t))
             };
