@@ -1433,25 +1433,31 @@ static void run_segments_bwd() {
                         64, 16);
 }
 
-// gdp_sum_groups_bf16 against its definition (f32 sums in group order, rounded to bf16), bit
-// for bit: 16-byte rows, odd widths, and a source one element off 16-byte alignment.
+// gdp_sum_groups_{bf16,f32} against their definition (f32 sums in group order, rounded to T),
+// bit for bit: 16-byte bf16 rows, odd widths, and a source one element off 16-byte alignment.
+template <class T>
 static void run_sum_groups(long rows, int r, int d, int offset) {
   std::mt19937 rng(rows * 31 + r * 7 + d);
   std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<__nv_bfloat16> x(rows * r * d + offset);
-  for (auto& e : x) e = __float2bfloat16_rn(nd(rng));
-  std::vector<__nv_bfloat16> y(rows * d, __float2bfloat16_rn(1e30f));
-  const GdpSumGroupsParams<__nv_bfloat16> sp{x.data() + offset, y.data(), rows, r, d};
-  launch(2, 1, 32, [&] { gdp_sum_groups_bf16(GDP_ARGS_OF(GDP_SUM_GROUPS_FIELDS, sp)); });
+  std::vector<T> x(rows * r * d + offset);
+  for (auto& e : x) e = gdp_round_to<T>(nd(rng));
+  std::vector<T> y(rows * d, gdp_round_to<T>(1e30f));
+  const GdpSumGroupsParams<T> sp{x.data() + offset, y.data(), rows, r, d};
+  launch(2, 1, 32, [&] {
+    if constexpr (sizeof(T) == 2)
+      gdp_sum_groups_bf16(GDP_ARGS_OF(GDP_SUM_GROUPS_FIELDS, sp));
+    else
+      gdp_sum_groups_f32(GDP_ARGS_OF(GDP_SUM_GROUPS_FIELDS, sp));
+  });
   long diff = 0;
   for (long o = 0; o < rows; ++o)
     for (int c = 0; c < d; ++c) {
       float acc = 0.f;
-      for (int j = 0; j < r; ++j) acc += __bfloat162float(x[offset + (o * r + j) * d + c]);
-      diff += __bfloat162float(__float2bfloat16_rn(acc)) != __bfloat162float(y[o * d + c]);
+      for (int j = 0; j < r; ++j) acc += to_f(x[offset + (o * r + j) * d + c]);
+      diff += to_f(gdp_round_to<T>(acc)) != to_f(y[o * d + c]);
     }
-  printf("sum groups rows %ld r %d d %d +%d: %s\n", rows, r, d, offset,
-         diff == 0 ? "the same bits" : "DIFFERENT");
+  printf("sum groups %s rows %ld r %d d %d +%d: %s\n", sizeof(T) == 2 ? "bf16" : "f32", rows, r,
+         d, offset, diff == 0 ? "the same bits" : "DIFFERENT");
   if (diff != 0) ++fails;
 }
 
@@ -1516,7 +1522,9 @@ int main(int argc, char** argv) {
   }
   if (!only_bwd) run_cp();
   for (auto d : {std::vector<int>{37, 2, 128, 0}, {20, 3, 24, 0}, {9, 4, 13, 0}, {11, 2, 64, 1}})
-    run_sum_groups(d[0], d[1], d[2], d[3]);
+    run_sum_groups<__nv_bfloat16>(d[0], d[1], d[2], d[3]);
+  run_sum_groups<float>(13, 3, 24, 0);
+  run_sum_groups<float>(7, 2, 13, 1);
   if (!only_bf16)
     for (auto& c : cases) run_case(c);
   cases.push_back({"n2 T90 K128 V128 h0", 1, 90, 2, 128, 128, 2, true, {}, 1.f, 64});
