@@ -3,8 +3,9 @@
 //! and outputs `Hv`, and value head `h` reads key head `h / r` (the grouped order of Hugging Face
 //! checkpoints and of FLA's `repeat(x, 'b t h d -> b t (h g) d')`, not the tiled `h % Hk`).
 
+use super::pack::RowCopy;
 use crate::error::GdpError;
-use candle_core::backend::BackendStorage;
+use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
 /// Value heads per key head, `r = Hv / Hk`; an error unless `Hk` divides `Hv`. `what` names the
@@ -71,24 +72,26 @@ struct ExpandKeyHeads {
 }
 
 impl ExpandKeyHeads {
-    /// The wide shape and `(rows, r, d)` of a contiguous input of shape `narrow`.
-    fn wide(&self, narrow: &Shape) -> (Shape, (usize, usize, usize)) {
-        let mut dims = narrow.dims().to_vec();
-        let g = groups(&dims, self.dim, self.r);
-        dims[self.dim] *= self.r;
-        (Shape::from(dims), g)
+    /// The wide shape of a contiguous input laid out as `l`, and the `r` row copies that fill
+    /// it: copy `j` puts every row of `d` values (key head `h`'s of one token) at value head
+    /// `h · r + j`.
+    fn copies(&self, l: &Layout) -> Result<(Shape, Vec<RowCopy>)> {
+        let Some((start, _)) = l.contiguous_offsets() else {
+            candle_core::bail!("gdp: expand_key_heads needs a contiguous input");
+        };
+        let mut dims = l.dims().to_vec();
+        let (rows, r, d) = groups(&dims, self.dim, self.r);
+        dims[self.dim] *= r;
+        let copy = |j: usize| RowCopy {
+            rows,
+            width: d,
+            src_stride: d,
+            dst_stride: r * d,
+            src_off: start,
+            dst_off: j * d,
+        };
+        Ok((Shape::from(dims), (0..r).map(copy).collect()))
     }
-}
-
-/// Each row of `d` values of `x` repeated `r` times.
-fn repeat_rows<T: Copy>(x: &[T], r: usize, d: usize) -> Vec<T> {
-    let mut out = Vec::with_capacity(x.len() * r);
-    for row in x.chunks_exact(d.max(1)) {
-        for _ in 0..r {
-            out.extend_from_slice(row);
-        }
-    }
-    out
 }
 
 impl CustomOp1 for ExpandKeyHeads {
@@ -97,18 +100,13 @@ impl CustomOp1 for ExpandKeyHeads {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (shape, (_, r, d)) = self.wide(l.shape());
-        let Some((start, end)) = l.contiguous_offsets() else {
-            candle_core::bail!("gdp: expand_key_heads needs a contiguous input");
-        };
-        let out = match s {
-            CpuStorage::F32(x) => CpuStorage::F32(repeat_rows(&x[start..end], r, d)),
-            CpuStorage::F64(x) => CpuStorage::F64(repeat_rows(&x[start..end], r, d)),
-            CpuStorage::BF16(x) => CpuStorage::BF16(repeat_rows(&x[start..end], r, d)),
-            CpuStorage::F16(x) => CpuStorage::F16(repeat_rows(&x[start..end], r, d)),
-            other => candle_core::bail!("gdp: expand_key_heads of {:?}", other.dtype()),
-        };
-        Ok((out, shape))
+        let (shape, copies) = self.copies(l)?;
+        // SAFETY: the `r` copies write every element (each row of the wide tensor once).
+        let mut dst = unsafe { s.device().alloc_uninit(&shape, s.dtype())? };
+        for c in copies {
+            c.copy2d(s, &mut dst)?;
+        }
+        Ok((dst, shape))
     }
 
     #[cfg(feature = "cuda")]
@@ -117,8 +115,13 @@ impl CustomOp1 for ExpandKeyHeads {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (shape, g) = self.wide(l.shape());
-        Ok((super::cuda::repeat_rows(s, l, g)?, shape))
+        let (shape, copies) = self.copies(l)?;
+        // SAFETY: as in `cpu_fwd`.
+        let mut dst = unsafe { s.device().alloc_uninit(&shape, s.dtype())? };
+        for c in copies {
+            super::cuda::copy_rows(s, &mut dst, c)?;
+        }
+        Ok((dst, shape))
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {

@@ -7,11 +7,11 @@
 use super::module::load_kernel;
 use crate::op::kernel_params::{CastParams, CopyRowsParams, SumGroupsParams};
 use crate::op::pack::RowCopy;
-use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::op::BackpropOp;
-use candle_core::{CudaStorage, DType, Layout, Result, Storage, Tensor};
+use candle_core::{CudaStorage, DType, Result, Storage, Tensor};
 use half::bf16;
 
 /// Copies `r` from `src` to `dst` (same dtype, same device): `gdp_copy_rows` for 2- and 4-byte
@@ -215,31 +215,4 @@ pub(crate) fn sum_groups_tensor(
         BackpropOp::none(),
         false,
     )))
-}
-
-/// `x` (contiguous `[rows, d]` rows on CUDA, any 2- or 4-byte dtype) with each row repeated `r`
-/// times in place order (`[rows, r, d]`): key heads repeated to their value heads. `r` row
-/// copies of `gdp_copy_rows`.
-pub(crate) fn repeat_rows(
-    x: &CudaStorage,
-    layout: &Layout,
-    (rows, r, d): (usize, usize, usize),
-) -> Result<CudaStorage> {
-    let Some((start, _)) = layout.contiguous_offsets() else {
-        candle_core::bail!("gdp cuda: repeated rows need a contiguous source");
-    };
-    // SAFETY: the copies below write every element (`r` rows of `d` per source row).
-    let mut out = unsafe { x.device().alloc_uninit(&(rows * r * d).into(), x.dtype())? };
-    for j in 0..r {
-        let copy = RowCopy {
-            rows,
-            width: d,
-            src_off: start,
-            src_stride: d,
-            dst_off: j * d,
-            dst_stride: r * d,
-        };
-        copy_rows(x, &mut out, copy)?;
-    }
-    Ok(out)
 }

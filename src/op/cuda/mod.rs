@@ -39,7 +39,7 @@ mod widened;
 
 pub(crate) use backward::{backward, SplitExtras};
 pub use cache::{CacheSlot, ForwardCache};
-pub(crate) use copy::{copy_rows, repeat_rows, sum_groups_tensor};
+pub(crate) use copy::{copy_rows, sum_groups_tensor};
 pub use device::In;
 pub(crate) use device::{initial_states_device, slice_of, tensor_of};
 pub(crate) use forward::forward;
