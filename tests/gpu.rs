@@ -311,11 +311,10 @@ fn saved_intermediates_give_the_same_results() -> Result<()> {
     // recomputing op's and every gradient equal to it up to the order of sums (the
     // per-value-tile backward, which serves K, V > 128 and keeps nothing, sums dq, dk over
     // value tiles: an element may round to the neighbouring bf16 value, ~3e-5 relative RMS in
-    // all; a wrong cache would differ by O(1)). Every result
-    // is within the bf16 tolerance of the reference. At K = V = 128, n = 2 (two heads: few
-    // state-gradient scan blocks) the saved backward runs its gradient kernel beside that scan
-    // (persistent blocks waiting for each group of chunks' dS, then the rest after the scan:
-    // `src/op/cuda/backward.rs`).
+    // all; a wrong cache would differ by O(1)). Every result is within the bf16 tolerance of
+    // the reference. At K = V = 128, n = 2 (two heads: few state-gradient scan blocks) the
+    // saved backward runs its gradient kernel beside that scan (persistent blocks waiting for
+    // each group of chunks' dS, then the rest after the scan: `src/op/cuda/backward.rs`).
     let dev = cuda()?;
     let dtype = DType::BF16;
     for c in cases() {
@@ -349,8 +348,9 @@ fn saved_intermediates_give_the_same_results() -> Result<()> {
 #[test]
 fn explicit_backward_equals_autograd() -> Result<()> {
     // `gated_delta_product_vjp` runs the kernels of the op under autograd without a graph
-    // node: `o` bit-identical, every gradient equal up to the order of sums (see above), with and without the final state and `save_intermediates` (bf16 only). Against
-    // f64 at the tolerances of the tests above.
+    // node: `o` bit-identical, every gradient equal up to the order of sums (see above), with
+    // and without the final state and `save_intermediates` (bf16 only). Against f64 at the
+    // tolerances of the tests above.
     let dev = cuda()?;
     for (dtype, tol) in [(DType::BF16, 1e-2), (DType::F32, 1e-5)] {
         for c in cases() {
@@ -391,9 +391,8 @@ fn overlapped_forward_is_bit_identical_and_matches_f64_reference() -> Result<()>
     // intermediates, and recomputed) every gradient must be bit-identical to those of the
     // kernels one after the other (`KernelConfig::overlap` off; dg and dβ too: the gradient
     // kernel adds its partial sums in a fixed order), and within the bf16 tolerance of the
-    // f64 reference; so must the
-    // overlapped launches queued on one stream (`side_streams` off). The small shapes of the
-    // other tests take the overlapped path too.
+    // f64 reference; so must the overlapped launches queued on one stream (`side_streams`
+    // off). The small shapes of the other tests take the overlapped path too.
     let dev = cuda()?;
     let dtype = DType::BF16;
     let c = Case::new("packed n2 long overlapped", 1, 2300, 2, 64, 48, 2)

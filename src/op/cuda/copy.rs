@@ -126,7 +126,7 @@ pub(super) fn to_bf16(
 }
 
 /// The dtypes of `gdp_sum_groups_*`.
-pub(crate) trait GroupSumDType: CudaDType + DeviceRepr {
+trait GroupSumDType: CudaDType + DeviceRepr {
     /// The kernel's name.
     const SUM_GROUPS: &'static str;
 }
@@ -141,7 +141,7 @@ impl GroupSumDType for f32 {
 /// f32 and rounded to `T`, in a new buffer `[rows, d]`: the gradient of key heads that `r`
 /// value heads each read (`[B, T, Hk·r, D]` into `[B, T, Hk, D]`), in one pass, the same bits
 /// run to run.
-pub(crate) fn sum_groups<T: GroupSumDType>(
+fn sum_groups<T: GroupSumDType>(
     dev: &CudaDevice,
     src: &CudaView<T>,
     rows: usize,
@@ -187,7 +187,7 @@ pub(crate) fn sum_groups<T: GroupSumDType>(
 /// (the caller then sums with Candle).
 pub(crate) fn sum_groups_tensor(
     x: &Tensor,
-    (rows, r, d): (usize, usize, usize),
+    groups: (usize, usize, usize),
     dims: &[usize],
 ) -> Result<Option<Tensor>> {
     let (storage, layout) = x.storage_and_layout();
@@ -197,16 +197,10 @@ pub(crate) fn sum_groups_tensor(
     let Some((start, end)) = layout.contiguous_offsets() else {
         return Ok(None);
     };
-    let dev = cs.device().clone();
+    let range = start..end;
     let out = match x.dtype() {
-        DType::BF16 => {
-            let src = cs.as_cuda_slice::<bf16>()?.slice(start..end);
-            CudaStorage::wrap_cuda_slice(sum_groups(&dev, &src, rows, r, d)?, dev)
-        }
-        DType::F32 => {
-            let src = cs.as_cuda_slice::<f32>()?.slice(start..end);
-            CudaStorage::wrap_cuda_slice(sum_groups(&dev, &src, rows, r, d)?, dev)
-        }
+        DType::BF16 => sum_groups_storage::<bf16>(cs, range, groups)?,
+        DType::F32 => sum_groups_storage::<f32>(cs, range, groups)?,
         _ => return Ok(None),
     };
     Ok(Some(Tensor::from_storage(
@@ -215,4 +209,16 @@ pub(crate) fn sum_groups_tensor(
         BackpropOp::none(),
         false,
     )))
+}
+
+/// [`sum_groups`] over elements `range` of a CUDA storage of `T`, `groups` = `(rows, r, d)`.
+fn sum_groups_storage<T: GroupSumDType>(
+    cs: &CudaStorage,
+    range: std::ops::Range<usize>,
+    (rows, r, d): (usize, usize, usize),
+) -> Result<CudaStorage> {
+    let dev = cs.device().clone();
+    let src = cs.as_cuda_slice::<T>()?.slice(range);
+    let sum = sum_groups(&dev, &src, rows, r, d)?;
+    Ok(CudaStorage::wrap_cuda_slice(sum, dev))
 }

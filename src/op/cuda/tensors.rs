@@ -4,10 +4,10 @@
 
 use super::backward::{try_backward_bf16, zero_state_grads, SplitExtras};
 use super::cache::ForwardCache;
-use super::copy;
 use super::grads::{GradLayout, Grads, QkGrads};
 use super::inputs::{Cotangent, CudaCall, QkIn};
 use super::widened::WidenedFold;
+use crate::op::heads::sum_key_groups;
 use crate::op::QueryKeys;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::CudaSlice;
@@ -119,12 +119,11 @@ pub(crate) fn try_backward_tensors(
             // summed over each group in f32.
             let per_value_head = |s: CudaSlice<bf16>, t: &Tensor| -> Result<Tensor> {
                 let (b, rows, hk, d) = t.dims4()?;
-                let r = sh.heads / hk;
-                let s = match r {
-                    1 => s,
-                    _ => copy::sum_groups(&dev, &s.slice(..), b * rows * hk, r, d)?,
-                };
-                Ok(bf16_tensor(s, t))
+                let wide = tensor(
+                    CudaStorage::wrap_cuda_slice(s, dev.clone()),
+                    &Shape::from((b, rows, sh.heads, d)),
+                );
+                sum_key_groups(&wide, 2, sh.heads / hk)
             };
             vec![
                 per_value_head(dq, inputs[0])?,
