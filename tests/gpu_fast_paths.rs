@@ -150,12 +150,24 @@ fn segments_match_f64_reference() -> Result<()> {
                     for ((name, a), (_, b)) in got.grads.iter().zip(&again.grads) {
                         assert_eq!(bits(a)?, bits(b)?, "{}: {name} run to run", c.name);
                     }
-                    // With the WY factors kept, the backward runs in the same segments.
+                    // With the WY factors kept, the backward runs in the same segments: the
+                    // chunks' state gradients before a segment boundary are corrected with the
+                    // folded summaries, so dk and dv come out in other bits than the unsplit
+                    // op's. (dq and dh0 may not: where the gates forget a segment's incoming
+                    // state within the segment, the f32 scans agree bit for bit again.)
                     let split_bwd = what == SaveIntermediates::WyFactors;
-                    let (dq, dq0) = (&got.grads[0], &unsplit.grads[0]);
-                    assert_eq!(dq.0, "dq");
-                    let same = bits(&dq.1)? == bits(&dq0.1)?;
-                    assert_eq!(same, !split_bwd, "{}: backward in segments", c.name);
+                    let mut same = vec![];
+                    for ((name, a), (_, b)) in got.grads.iter().zip(&unsplit.grads) {
+                        if bits(a)? == bits(b)? {
+                            same.push(*name);
+                        }
+                    }
+                    let unsplit_bits = same.contains(&"dk") && same.contains(&"dv");
+                    assert_eq!(
+                        unsplit_bits, !split_bwd,
+                        "{}: backward in segments (the unsplit op's bits in {same:?})",
+                        c.name
+                    );
                 }
             }
         }
