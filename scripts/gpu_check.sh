@@ -1,44 +1,111 @@
 #!/usr/bin/env bash
 # The GPU checks of a session, from the repository root on a machine with an NVIDIA GPU, nvcc
-# and PyTorch (+ the flash-linear-attention and fla-core wheels on PYTHONPATH for the last step):
+# and PyTorch, in stages that each fit a short device lease:
 #
-#   scripts/gpu_check.sh BIN_DIR [OUT_DIR]
+#   scripts/gpu_check.sh BIN_DIR [STAGE ...]
 #
-# BIN_DIR holds `gpu`, `gpu_fast_paths` (the test binaries of
-# `cargo test --release --features cuda --no-run --test gpu --test gpu_fast_paths`) and `gdp`
-# (`cargo build --release --features cuda --bin gdp`), and optionally `kbench.o` (the kernel
-# timing harness compiled elsewhere: `nvcc -O3 -std=c++17 -arch=sm_90 -Icuda -c
-# cuda/bench/kernels.cu -o kbench.o`; otherwise it is compiled here). Runs, each with a time
-# limit, logging to OUT_DIR (default $OUT or /tmp/gpu_check): the GPU tests (tests/gpu.rs, then
-# tests/gpu_fast_paths.rs with its ignored timing), the kernel-only timings, the few-heads
-# shapes with `--segments` off and auto (gdp alone), and the
-# side-by-side benchmark against FLA with the no-pool-retention and per-value-tile-backward
-# variants (scripts/bench_vs_fla.py).
+# BIN_DIR holds `gdp` and the test binaries `gpu`, `gpu_fast_paths`, `qwen`, plain or as
+# NAME.xz (scripts/pack_gpu_bins.sh makes those; they are unpacked to /tmp/gdp-bins). Logs go
+# to $OUT (default /tmp/gpu_check). The stages (default: tests cp qwen few), each with a time
+# limit:
+#
+#   tests    tests/gpu.rs, tests/gpu_fast_paths.rs and tests/qwen.rs's CUDA test, side by side
+#   timing   tests/gpu_fast_paths.rs's ignored timing tests (the decode step)
+#   kernels  the kernel-only timings (cuda/bench/kernels.cu, compiled here)
+#   cp       `gdp cp-bench`: the middle of 4 ranks at 16K and 4K tokens per rank, n = 1 and 2
+#   fla      the README's first shapes against FLA, with the explicit backward
+#   qwen     three of Qwen3.5's GDN shapes against FLA, unsplit and in segments
+#   few      four of the few-heads shapes (n = 1, 2, 4) against FLA, unsplit and in segments
+#   segdiag  the forward in segments at B1 T65536 H8 n2 under each overlap setting (gdp alone)
+#
+# The FLA stages need flash-linear-attention and fla-core: on PYTHONPATH, or as wheels in
+# $WHEELS (installed to /tmp/site). The test binaries read their data from the source tree they
+# were built in: where that path ($GDP_SOURCE_DIR, default /work/main) is missing, it is linked
+# to the current directory.
 set -u
-bin=${1:?usage: scripts/gpu_check.sh BIN_DIR [OUT_DIR]}
-out=${2:-${OUT:-/tmp/gpu_check}}
+bin=${1:?usage: scripts/gpu_check.sh BIN_DIR [STAGE ...]}
+shift
+stages=${*:-tests cp qwen few}
+out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
-summary() { grep -E "test result|FAILED|panicked|^Error|decode step" "$1" | head -20; }
 
-echo "== tests/gpu.rs"
-timeout 300 "$bin/gpu" --test-threads 1 > "$out/gpu.log" 2>&1
-summary "$out/gpu.log"
-echo "== tests/gpu_fast_paths.rs (with the decode timing)"
-timeout 300 "$bin/gpu_fast_paths" --test-threads 1 --include-ignored > "$out/fast.log" 2>&1
-summary "$out/fast.log"
-echo "== kernel-only timings"
-if [ -f "$bin/kbench.o" ]; then
-  nvcc -arch=sm_90 "$bin/kbench.o" -o "$out/kbench"
-else
-  nvcc -O3 -std=c++17 -arch=sm_90 -Icuda cuda/bench/kernels.cu -o "$out/kbench"
-fi && timeout 120 "$out/kbench" 2>&1 | tee "$out/kbench.log"
-echo "== few heads: segments off and auto (gdp alone, forward and backward)"
-timeout 300 python3 -u scripts/bench_vs_fla.py --gdp "$bin/gdp" --reps 5 --few-heads --no-fla \
-  --variant "auto --segments auto" --variant "explicit --backward explicit" \
-  --variant "auto-explicit --segments auto --backward explicit" \
-  --variant "auto-pair --segments auto --backward explicit --states-tile 128 --dh-tile 64" \
-  2>&1 | tee "$out/segments.log"
-echo "== against FLA"
-timeout 600 python3 -u scripts/bench_vs_fla.py --gdp "$bin/gdp" --reps 5 \
-  --variant "noretain --no-retain-pool" --variant "tilebwd --bwd-kernels fused" 2>&1 |
-  tee "$out/bench.log"
+if ls "$bin"/*.xz > /dev/null 2>&1; then
+  mkdir -p /tmp/gdp-bins
+  for f in "$bin"/*.xz; do
+    xz -dc "$f" > "/tmp/gdp-bins/$(basename "$f" .xz)"
+  done
+  chmod +x /tmp/gdp-bins/*
+  bin=/tmp/gdp-bins
+fi
+src=${GDP_SOURCE_DIR:-/work/main}
+[ -e "$src" ] || { mkdir -p "$(dirname "$src")" && ln -s "$PWD" "$src"; }
+if [ -n "${WHEELS:-}" ]; then
+  pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$WHEELS"/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader
+
+summary() { grep -E "test result|FAILED|panicked|^rc=" "$1" | head -20; }
+bench() { timeout "$1" python3 -u scripts/bench_vs_fla.py --gdp "$bin/gdp" --reps 5 "${@:2}"; }
+
+for stage in $stages; do
+  start=$(date +%s)
+  echo "== $stage"
+  case $stage in
+    tests)
+      for t in gpu gpu_fast_paths qwen; do
+        filter=""
+        [ "$t" = qwen ] && filter=cuda
+        if [ -x "$bin/$t" ]; then
+          (timeout 200 "$bin/$t" $filter --test-threads 1 > "$out/$t.log" 2>&1
+           echo "rc=$?" >> "$out/$t.log") &
+        fi
+      done
+      wait
+      for t in gpu gpu_fast_paths qwen; do
+        [ -f "$out/$t.log" ] && { echo "-- $t"; summary "$out/$t.log"; }
+      done
+      ;;
+    timing)
+      timeout 200 "$bin/gpu_fast_paths" timing --ignored --test-threads 1 > "$out/timing.log" 2>&1
+      grep -E "decode step|test result|FAILED" "$out/timing.log"
+      ;;
+    kernels)
+      nvcc -O3 -std=c++17 -arch=sm_90 -Icuda cuda/bench/kernels.cu -o "$out/kbench" &&
+        timeout 120 "$out/kbench" 2>&1 | tee "$out/kbench.log"
+      ;;
+    cp)
+      for n in 1 2; do
+        for tokens in 65536 16384; do
+          timeout 60 "$bin/gdp" cp-bench --ranks 4 --tokens "$tokens" --heads 16 --dk 128 \
+            --dv 128 --householder "$n" --dtype bf16 --device cuda:0 --iters 15 --warmup 3 \
+            > "$out/cp_${n}_$tokens.log" 2>&1
+          tail -1 "$out/cp_${n}_$tokens.log"
+        done
+      done
+      ;;
+    fla)
+      bench 400 --variant "explicit --backward explicit" 2>&1 | tee "$out/fla.log"
+      ;;
+    qwen)
+      bench 420 --qwen --shapes 2,5,3 --variant "explicit --backward explicit" \
+        --variant "segments --segments auto --backward explicit" 2>&1 | tee "$out/qwen.log"
+      ;;
+    few)
+      bench 580 --few-heads --shapes 1,3,4,7 --variant "explicit --backward explicit" \
+        --variant "segments --segments auto --backward explicit" 2>&1 | tee "$out/few.log"
+      ;;
+    segdiag)
+      bench 200 --few-heads --shapes 3 --no-fla --variant "auto --segments auto" \
+        --variant "auto-host --segments auto --timing host" \
+        --variant "auto-serial --segments auto --no-overlap" \
+        --variant "auto-one-stream --segments auto --one-stream" 2>&1 | tee "$out/segdiag.log"
+      ;;
+    *)
+      echo "unknown stage $stage (tests timing kernels cp fla qwen few segdiag)"
+      ;;
+  esac
+  echo "== $stage: $(($(date +%s) - start)) s"
+done
