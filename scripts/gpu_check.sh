@@ -16,7 +16,8 @@
 #   fla      the README's first shapes against FLA, with the explicit backward
 #   qwen     three of Qwen3.5's GDN shapes against FLA, unsplit and in segments
 #   few      four of the few-heads shapes (n = 1, 2, 4) against FLA, unsplit and in segments
-#   segdiag  the forward in segments at B1 T65536 H8 n2 under each overlap setting (gdp alone)
+#   segdiag  the op in segments at B1 T65536 H8 n2 (gdp alone): the forward under each overlap
+#            setting, the backward's two scans at their own tiles and as a one-wave pair
 #
 # The FLA stages need flash-linear-attention and fla-core: on PYTHONPATH, or as wheels in
 # $WHEELS (installed to /tmp/site). The test binaries read their data from the source tree they
@@ -101,7 +102,10 @@ for stage in $stages; do
       bench 200 --few-heads --shapes 3 --no-fla --variant "auto --segments auto" \
         --variant "auto-host --segments auto --timing host" \
         --variant "auto-serial --segments auto --no-overlap" \
-        --variant "auto-one-stream --segments auto --one-stream" 2>&1 | tee "$out/segdiag.log"
+        --variant "auto-one-stream --segments auto --one-stream" \
+        --variant "auto-explicit --segments auto --backward explicit" \
+        --variant "auto-pair --segments auto --backward explicit --states-tile 128 --dh-tile 64" \
+        2>&1 | tee "$out/segdiag.log"
       ;;
     *)
       echo "unknown stage $stage (tests timing kernels cp fla qwen few segdiag)"
