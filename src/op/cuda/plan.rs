@@ -465,3 +465,4 @@ pub(super) fn fused_tile(
     }
     Ok((bv, (gx as u32, gy as u32)))
 }
+
