@@ -465,4 +465,3 @@ pub(super) fn fused_tile(
     }
     Ok((bv, (gx as u32, gy as u32)))
 }
-
