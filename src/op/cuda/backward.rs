@@ -26,7 +26,7 @@ use super::fwd_scan::{run_scan, ScanDest, ScanInputs, ScanOut};
 use super::grads::{GradLayout, Grads, GradsLaunch, PipeArgs, QkGrads, GRADS_PIPE_COUNTERS};
 use super::inputs::{Bf16Inputs, ChunkTable, Cotangent, CudaCall, QkIn};
 use super::module::On;
-use super::pipeline::{OverlapRun, Pipeline, WyRoom};
+use super::pipeline::{OverlapRun, Pipeline};
 use super::plan::{grads_tiles, query_rows, split_plan, SplitPlan};
 use super::side::SideStream;
 use super::widened::{WidenedDh, WidenedFold, WidenedRun};
@@ -286,7 +286,7 @@ pub(super) fn try_backward_bf16(
     let pipeline = match widened {
         None => {
             let order = sh.chunks_from_the_end();
-            Pipeline::plan(dev, sh, &table, &dh, order, cfg, WyRoom::Apart)?
+            Pipeline::plan(dev, sh, &table, &dh, order, cfg)?
         }
         Some(_) => None,
     };

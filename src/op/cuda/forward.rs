@@ -7,7 +7,7 @@ use super::device::{check_states, smem_and_sms};
 use super::fused_fwd::launch;
 use super::fwd_scan::{ScanDest, ScanInputs, ScanOut};
 use super::inputs::{Bf16Inputs, ChunkTable, CudaCall, QkIn};
-use super::pipeline::{wy_then_scan, Pipeline, WyRoom};
+use super::pipeline::{wy_then_scan, Pipeline};
 use super::plan::{scan_plan, wy_smem_bytes, FWD_SCAN};
 use super::segmented::SegmentPlan;
 use super::wy::WyFactors;
@@ -157,7 +157,7 @@ pub(crate) fn try_forward_bf16(
                 _ => None,
             };
             let order = sh.chunks_time_major();
-            let pipeline = Pipeline::plan(dev, sh, &table, &plan, order, cfg, WyRoom::Apart)?;
+            let pipeline = Pipeline::plan(dev, sh, &table, &plan, order, cfg)?;
             let wy = WyFactors::alloc(dev, &table, sh, cache.is_some())?;
             let mut states = cache
                 .filter(|slot| slot.states)

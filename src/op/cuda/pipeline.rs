@@ -31,14 +31,12 @@
 //! launched one after the other, each segment's WY factors computed beside the previous scan:
 //! the relaunches cost ~30 µs per segment.
 
-use super::device::{device_attr, smem_and_sms};
+use super::device::smem_and_sms;
 use super::fwd_scan::{run_scan, Beside, ScanDest, ScanInputs};
 use super::inputs::ChunkTable;
-use super::module::{load_kernel, GdpFunc};
-use super::plan::wy_smem_bytes;
 use super::plan::ScanPlan;
 use super::side::SideStream;
-use super::wy::{ready_counters, Signal, WyFactors, THREADS as WY_THREADS};
+use super::wy::{ready_counters, Signal, WyFactors};
 use crate::op::config::KernelConfig;
 use crate::op::shape::GdpShape;
 use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaSlice};
@@ -46,16 +44,6 @@ use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::Result;
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, OnceLock};
-
-/// Where the WY kernel's blocks may run beside a scan that waits for them.
-#[derive(Clone, Copy, Debug)]
-pub(super) enum WyRoom {
-    /// On the multiprocessors the scan leaves: the scan must leave more than half of them.
-    Apart,
-    /// Also on the scan's multiprocessors, where a WY block of `wy_dv` value columns fits
-    /// beside a scan block (a context-parallel rank's widened forward scan).
-    Shared { wy_dv: usize },
-}
 
 /// A WY kernel beside a scan that waits for its chunks: the WY kernel's chunk order on the
 /// device and the number of readiness counters.
@@ -69,26 +57,24 @@ pub(super) enum WyRoom {
 /// runs backwards in time), and the rerun follows the WY kernel on the device's stream. Results
 /// are bit-identical to the launches one after the other.
 ///
-/// A context-parallel rank's widened forward scan has blocks for nearly every multiprocessor
-/// (B1 H16 K = V = 128: 128 blocks of 32 columns on the H200's 132); there the WY kernel runs on
-/// the multiprocessors the waiting scan blocks hold, one WY block beside each where the two fit
-/// on one multiprocessor ([`WyRoom::Shared`]).
+/// Where the scan has blocks for half the multiprocessors or more (a context-parallel rank's
+/// widened forward scan, the op in segments), the two run one after the other. Running the WY
+/// kernel on the multiprocessors that the waiting scan blocks hold, one WY block beside each
+/// where the two fit, saved at most 4% where each call found the GPU idle, and made the forward
+/// 3.8x slower with calls queued back to back (the op in segments at B1 T65536 H8 n = 2 on an
+/// H100: 12.0 ms against 3.2 one after the other; `docs/cuda.md`).
 pub(super) struct Pipeline {
     order: CudaSlice<i32>,
     counters: usize,
     /// The scan on a side stream ([`KernelConfig::side_streams`]), else on the device's.
     side_streams: bool,
-    /// Whether the scan's blocks leave the WY kernel multiprocessors of its own, where it may
-    /// keep to two blocks each ([`Signal::two_per_sm`]); else its blocks share the scan's.
-    own_sms: bool,
 }
 
 impl Pipeline {
     /// The pipeline of a WY kernel taking the chunks of `table` in `order` beside a scan planned
     /// as `plan`, or `None` where `cfg` does not want it ([`KernelConfig::overlap`]) or it is
     /// not safe and useful: the scan's blocks must fill fewer than half of the device's
-    /// multiprocessors, or with [`WyRoom::Shared`] leave some and have a WY block fit beside
-    /// each of theirs ([`wy_fits_beside`]).
+    /// multiprocessors.
     pub fn plan(
         dev: &CudaDevice,
         sh: &GdpShape,
@@ -96,41 +82,20 @@ impl Pipeline {
         plan: &ScanPlan,
         order: Vec<usize>,
         cfg: &KernelConfig,
-        room: WyRoom,
     ) -> Result<Option<Self>> {
         if !cfg.overlap || table.chunks == 0 {
             return Ok(None);
         }
-        // The waiting scan blocks must leave the WY kernel most of the GPU, or (shared) some of
-        // it and room beside each of theirs.
         let sms = smem_and_sms(dev, None)?.1;
         let blocks = sh.num_seqs() * sh.heads * sh.dv.div_ceil(plan.bv);
-        if 2 * blocks < sms {
-            return Self::new(dev, sh, table, order, cfg, true).map(Some);
-        }
-        let WyRoom::Shared { wy_dv } = room else {
-            return Ok(None);
-        };
-        if blocks >= sms || !wy_fits_beside(dev, sh.dk, wy_dv, plan)? {
+        if 2 * blocks >= sms {
             return Ok(None);
         }
-        Self::new(dev, sh, table, order, cfg, false).map(Some)
-    }
-
-    fn new(
-        dev: &CudaDevice,
-        sh: &GdpShape,
-        table: &ChunkTable,
-        order: Vec<usize>,
-        cfg: &KernelConfig,
-        own_sms: bool,
-    ) -> Result<Self> {
-        Ok(Self {
+        Ok(Some(Self {
             order: chunk_order(dev, order, table)?,
             counters: ready_counters(table, sh),
             side_streams: cfg.side_streams,
-            own_sms,
-        })
+        }))
     }
 
     /// Zeroed readiness counters for one overlapped launch, for [`Pipeline::start`]: the
@@ -220,7 +185,7 @@ pub(super) fn wy_then_scan(
         table,
         wy_sh,
         scale,
-        overlap.as_ref().map(|(p, run)| p.signal(run, p.own_sms)),
+        overlap.as_ref().map(|(p, run)| p.signal(run, true)),
     )?;
     let beside = overlap.as_ref().map(|(_, run)| Beside {
         on: run.side.on(),
@@ -231,39 +196,6 @@ pub(super) fn wy_then_scan(
         Some((_, run)) => run.finish(),
         None => Ok(()),
     }
-}
-
-/// Whether a block of the scan `plan` and a block of the WY kernel (`dk`, `wy_dv` columns, its
-/// unpadded shared memory) fit on one multiprocessor of `dev` together: shared memory (with
-/// the per-block reservation), registers (allocated per warp in units of 256) and threads.
-/// At K = V = 128 on an H100 / H200 the widened forward scan of 32 columns (two stages, 116
-/// registers, 256 threads) and a WY block (119 registers, 128 threads) take 221 of 228 KB.
-fn wy_fits_beside(dev: &CudaDevice, dk: usize, wy_dv: usize, plan: &ScanPlan) -> Result<bool> {
-    use candle_core::cuda_backend::cudarc::driver::sys::{
-        CUdevice_attribute as D, CUfunction_attribute as F,
-    };
-    let scan = load_kernel(dev, &plan.kernel)?;
-    let wy = load_kernel(dev, "gdp_fwd_wy_bf16")?;
-    let attr = |f: &GdpFunc, a: F| -> Result<usize> { Ok(f.get_attribute(a).w()?.max(0) as usize) };
-    let reserved = device_attr(dev, D::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK)?;
-    let smem = |f: &GdpFunc, dynamic: usize| -> Result<usize> {
-        Ok(dynamic + attr(f, F::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)? + reserved)
-    };
-    let regs = |f: &GdpFunc, threads: usize| -> Result<usize> {
-        let per_warp = (attr(f, F::CU_FUNC_ATTRIBUTE_NUM_REGS)? * 32).div_ceil(256) * 256;
-        Ok(per_warp * threads.div_ceil(32))
-    };
-    let (scan_threads, wy_threads) = (plan.threads as usize, WY_THREADS as usize);
-    let smem_fits = smem(&scan, plan.smem)? + smem(&wy, wy_smem_bytes(dk, wy_dv))?
-        <= device_attr(
-            dev,
-            D::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
-        )?;
-    let regs_fit = regs(&scan, scan_threads)? + regs(&wy, wy_threads)?
-        <= device_attr(dev, D::CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR)?;
-    let threads_fit = scan_threads + wy_threads
-        <= device_attr(dev, D::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?;
-    Ok(smem_fits && regs_fit && threads_fit)
 }
 
 /// A WY kernel's chunk order (ids of `table`, every chunk once) on the device.

@@ -15,7 +15,7 @@ use super::device::{smem_and_sms, In};
 use super::dh_scan::{run_dh_scan, DhDest, DhInputs};
 use super::fwd_scan::{ScanDest, ScanInputs, ScanOut};
 use super::inputs::{Bf16Inputs, ChunkTable, CudaCall, QkIn};
-use super::pipeline::{wy_then_scan, Pipeline, WyRoom};
+use super::pipeline::{wy_then_scan, Pipeline};
 use super::plan::{widened_scan_plan, wy_smem_bytes, ScanKind, ScanPlan, DH_SCAN, FWD_SCAN};
 use super::side::SideStream;
 use super::wy::WyFactors;
@@ -60,8 +60,7 @@ impl Widened {
     /// `None` where the widened scan or the WY kernel does not fit. The tile is the one wave
     /// of blocks that fills the GPU where there is one ([`widened_scan_plan`]);
     /// [`Widened::forward_scan`] runs the scan beside the WY kernel where the blocks leave more
-    /// than half the multiprocessors idle, or where a WY block fits beside a scan block on one
-    /// multiprocessor ([`WyRoom::Shared`]). (Narrowing the blocks to make room for the
+    /// than half the multiprocessors idle ([`Pipeline`]). (Narrowing the blocks to make room for the
     /// WY kernel does not pay: at B1 H16 K = V = 128 on the H200 the widened scan of 64-column
     /// tiles took 1.68x the 32-column one, more than the WY kernel it hid; `docs/cp.md`.)
     pub(super) fn plan(
@@ -105,8 +104,7 @@ impl Widened {
         let (sub, wide, dev) = (&self.sub, &self.wide, &inp.dev);
         let table = ChunkTable::new(dev, sub)?;
         let order = sub.chunks_time_major();
-        let room = WyRoom::Shared { wy_dv: sub.dv };
-        let pipeline = Pipeline::plan(dev, wide, &table, &self.plan, order, cfg, room)?;
+        let pipeline = Pipeline::plan(dev, wide, &table, &self.plan, order, cfg)?;
         let wy = WyFactors::alloc(dev, &table, sub, keep)?;
         let src = ScanInputs {
             inp,

@@ -16,7 +16,7 @@ use candle_core::Result;
 use half::bf16;
 
 /// Threads per block of the WY kernel (`GDPC_THREADS`).
-pub(super) const THREADS: u32 = 128;
+const THREADS: u32 = 128;
 
 /// The WY kernel's per-chunk outputs, slot `(chunk · H + head)`: W `[64, K]`, U `[64, V]`,
 /// P `[64, 64]` (bf16), coef `[3, 64]` (f32), and for the backward bf16(Ainv) `[64, 64]`.
