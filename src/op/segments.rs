@@ -16,6 +16,12 @@ const ALIGN: usize = 64;
 const MIN_AUTO_TOKENS: usize = 2048;
 /// `Segments::Auto`: at most this many segments per sequence.
 const MAX_AUTO_SEGMENTS: usize = 16;
+/// `Segments::Auto`: at least this many segments per sequence, else none. Two segments halve
+/// the chains but double the scans' columns and add the fold and the corrections: on an H100
+/// (bf16, K = V = 128) B1 T32768 H16 n = 2, B2 T32768 H8 n = 2 and B1 T65536 H16 n = 1 in two
+/// segments took 0–6% longer forward and 8–15% longer forward+backward than unsplit, where every
+/// shape split in four or eight ran 1.3–3.6x faster (`docs/cuda.md`).
+const MIN_AUTO_SEGMENTS: usize = 4;
 /// `Segments::Auto`: the widened scan's value tile assumed when counting its blocks.
 const AUTO_TILE: usize = 64;
 
@@ -43,7 +49,8 @@ pub(crate) struct Split {
 
 /// Segments per sequence under `cfg.segments` for `sh` on `sms` multiprocessors (1: no split).
 /// `Auto` takes as many as one wave of the widened scan's blocks holds, each segment at least
-/// [`MIN_AUTO_TOKENS`] of the longest sequence, at most [`MAX_AUTO_SEGMENTS`].
+/// [`MIN_AUTO_TOKENS`] of the longest sequence, at most [`MAX_AUTO_SEGMENTS`], and none where
+/// that makes fewer than [`MIN_AUTO_SEGMENTS`].
 fn segment_count(sh: &GdpShape, cfg: &KernelConfig, sms: usize) -> Result<usize> {
     match cfg.segments {
         Segments::Off => Ok(1),
@@ -56,7 +63,8 @@ fn segment_count(sh: &GdpShape, cfg: &KernelConfig, sms: usize) -> Result<usize>
             let blocks = sh.num_seqs() * sh.heads * (sh.dv + sh.dk).div_ceil(AUTO_TILE);
             let by_blocks = sms / blocks.max(1);
             let by_length = longest / MIN_AUTO_TOKENS;
-            Ok(by_blocks.min(by_length).clamp(1, MAX_AUTO_SEGMENTS))
+            let count = by_blocks.min(by_length).min(MAX_AUTO_SEGMENTS);
+            Ok(if count < MIN_AUTO_SEGMENTS { 1 } else { count })
         }
     }
 }
@@ -164,9 +172,15 @@ mod tests {
         // B1 H8 K = V = 128 over 64K tokens on 132 multiprocessors: 32 blocks per segment.
         let few = GdpShape::new(1, 65_536, 8, 128, 128, 1, None);
         assert_eq!(segment_count(&few, &cfg, 132)?, 4);
-        // Short sequences: no segment of 2048 tokens or more to gain.
-        let short = GdpShape::new(1, 3000, 8, 128, 128, 1, None);
+        // B1 H4 over 128K tokens: 16 blocks per segment, 8 segments.
+        let fewer = GdpShape::new(1, 131_072, 4, 128, 128, 2, None);
+        assert_eq!(segment_count(&fewer, &cfg, 132)?, 8);
+        // Short sequences: fewer than four segments of 2048 tokens or more.
+        let short = GdpShape::new(1, 8000, 8, 128, 128, 1, None);
         assert_eq!(segment_count(&short, &cfg, 132)?, 1);
+        // 64 blocks per segment: two segments would not pay.
+        let two = GdpShape::new(1, 65_536, 16, 128, 128, 1, None);
+        assert_eq!(segment_count(&two, &cfg, 132)?, 1);
         // Many heads already fill the GPU.
         let many = GdpShape::new(4, 65_536, 16, 128, 128, 1, None);
         assert_eq!(segment_count(&many, &cfg, 132)?, 1);

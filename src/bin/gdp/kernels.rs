@@ -90,8 +90,8 @@ pub struct KernelArgs {
     #[arg(long)]
     pub one_stream: bool,
     /// Segments per sequence of the chunked bf16 op (the forward, and the backward where the
-    /// WY factors are kept): `auto`, `off` (the library's default), or a count (1: none).
-    #[arg(long, value_name = "auto|off|N", default_value = "off", value_parser = segments)]
+    /// WY factors are kept): `auto` (the library's default), `off`, or a count (1: none).
+    #[arg(long, value_name = "auto|off|N", default_value = "auto", value_parser = segments)]
     pub segments: Segments,
     /// Value tile of the fused forward kernel.
     #[arg(long, value_name = "BV", value_parser = tile())]
