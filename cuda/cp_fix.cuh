@@ -257,3 +257,92 @@ extern "C" __global__ void gdp_cp_widen_states(GDP_KERNEL_PARAMS(GDP_WIDEN_FIELD
     out[i] = col < V ? (x != nullptr ? x[row * V + col] : 0.f) : (col - V == r ? 1.f : 0.f);
   }
 }
+
+// gdp_fold_chains: value columns per block, key columns of x̃ staged per pass, and the largest K.
+#define GDP_FOLD_COLS 32
+#define GDP_FOLD_M 16
+#define GDP_FOLD_MAX_K 256
+#define GDP_FOLD_THREADS 256
+
+// Shared memory of gdp_fold_chains (bytes): the state's tile s [K][COLS] and a pass of x̃'s
+// columns [K][M], f32 (48 KB at K = 256: no opt-in needed).
+__host__ __device__ constexpr int gdp_fold_smem_bytes(int K) {
+  return K * (GDP_FOLD_COLS + GDP_FOLD_M) * 4;
+}
+
+// Chains of summaries folded into states, each chain from its start state: for every step p of
+// chain c (steps[chain_at[c]] .. steps[chain_at[c + 1]] - 1, in order), the state before the
+// step goes to row rows[p] of `out` (none where rows[p] < 0; zeros while the chain has no
+// state), and a step id >= 0 applies the summary t[id] = [x⁰ | x̃] (f32 [K, V + K] per head):
+// s = x⁰ + x̃ s, or s = x⁰ where the chain has no state yet; an id < 0 passes the state
+// unchanged (an empty segment). `s0` (f32 [chains, H, K, V], or null: no start state), `out`
+// [rows, H, K, V], `fin` (the final states [chains, H, K, V], zeros where none; or null).
+// Block (chain, head, 32 value columns), 256 threads; f32 products in a fixed order, so that
+// the results repeat bit for bit. The forward's fold over a sequence's segments
+// S_{j+1} = ΔS_j + M_j S_j and the backward's e_j = γ_{j+1} + Mᵀ_{j+1} e_{j+1} in one launch.
+extern "C" __global__ void __launch_bounds__(GDP_FOLD_THREADS)
+    gdp_fold_chains(GDP_KERNEL_PARAMS(GDP_FOLD_FIELDS, _)) {
+  constexpr int R = GDP_FOLD_MAX_K / (GDP_FOLD_THREADS / 32);  // rows per thread, at most
+  constexpr int WARPS = GDP_FOLD_THREADS / 32;
+  const int K = dk, V = dv, W = V + K;
+  const int chain = blockIdx.x, h = blockIdx.y;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int col = blockIdx.z * GDP_FOLD_COLS + lane;
+  const bool in_col = col < V;
+  extern __shared__ __align__(16) unsigned char gdp_fold_smem[];
+  float* s = reinterpret_cast<float*>(gdp_fold_smem);  // [K][COLS]
+  float* xt = s + K * GDP_FOLD_COLS;                     // [K][M]
+  const long long KV = (long long)K * V;
+  bool has = s0 != nullptr;
+  for (int r = warp; r < K; r += WARPS)
+    s[r * GDP_FOLD_COLS + lane] =
+        has && in_col ? s0[((long long)chain * heads + h) * KV + (long long)r * V + col] : 0.f;
+  __syncthreads();
+  for (int p = chain_at[chain]; p < chain_at[chain + 1]; ++p) {
+    const int row = rows[p];
+    if (row >= 0 && in_col)
+      for (int r = warp; r < K; r += WARPS)
+        out[((long long)row * heads + h) * KV + (long long)r * V + col] =
+            s[r * GDP_FOLD_COLS + lane];
+    const int id = steps[p];
+    if (id < 0) continue;  // the same for every thread of the block
+    const float* x = t + ((long long)id * heads + h) * K * (long long)W;
+    float acc[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int r = warp + WARPS * i;
+      acc[i] = r < K && in_col ? x[(long long)r * W + col] : 0.f;
+    }
+    if (has) {
+      for (int m0 = 0; m0 < K; m0 += GDP_FOLD_M) {
+        __syncthreads();  // the previous pass's reads of xt are done
+        for (int e = threadIdx.x; e < K * GDP_FOLD_M; e += GDP_FOLD_THREADS) {
+          const int r = e / GDP_FOLD_M, m = m0 + e % GDP_FOLD_M;
+          xt[e] = m < K ? x[(long long)r * W + V + m] : 0.f;
+        }
+        __syncthreads();
+        const int mend = min(GDP_FOLD_M, K - m0);
+        for (int m = 0; m < mend; ++m) {
+          const float sv = s[(m0 + m) * GDP_FOLD_COLS + lane];
+#pragma unroll
+          for (int i = 0; i < R; ++i) {
+            const int r = warp + WARPS * i;
+            if (r < K) acc[i] = fmaf(xt[r * GDP_FOLD_M + m], sv, acc[i]);
+          }
+        }
+      }
+    }
+    __syncthreads();  // every read of s is done
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int r = warp + WARPS * i;
+      if (r < K) s[r * GDP_FOLD_COLS + lane] = acc[i];
+    }
+    has = true;
+    __syncthreads();
+  }
+  if (fin != nullptr && in_col)
+    for (int r = warp; r < K; r += WARPS)
+      fin[((long long)chain * heads + h) * KV + (long long)r * V + col] =
+          has ? s[r * GDP_FOLD_COLS + lane] : 0.f;
+}

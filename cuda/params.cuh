@@ -216,6 +216,19 @@
   X(C, int, dk)                          \
   X(C, int, dv)
 
+// gdp_fold_chains (cp_fix.cuh): chains of summaries `[x⁰ | x̃]` folded into states.
+#define GDP_FOLD_FIELDS(X, C, TY)        \
+  X(C, const float* __restrict__, t)     \
+  X(C, const float* __restrict__, s0)    \
+  X(C, const int* __restrict__, steps)   \
+  X(C, const int* __restrict__, chain_at) \
+  X(C, const int* __restrict__, rows)    \
+  X(C, float* __restrict__, out)         \
+  X(C, float* __restrict__, fin)         \
+  X(C, int, heads)                       \
+  X(C, int, dk)                          \
+  X(C, int, dv)
+
 // gdp_step_{f32,bf16,f16}_k* (step.cuh): one fused decode step.
 #define GDP_STEP_FIELDS(X, C, TY) \
   X(C, const float*, state)       \
@@ -286,6 +299,9 @@ struct GdpFixParams {
 };
 struct GdpWidenParams {
   GDP_PARAMS_STRUCT(GDP_WIDEN_FIELDS, _)
+};
+struct GdpFoldParams {
+  GDP_PARAMS_STRUCT(GDP_FOLD_FIELDS, _)
 };
 template <class TY>
 struct GdpStepParams {

@@ -1,8 +1,9 @@
 // Checks the CUDA kernels of cuda/ on the CPU (cuda/emu/emu.h) against a float64 token-by-token
 // reference: the f32 forward and backward (every gradient), the two CP summaries, the bf16
 // forwards (one-kernel and two-kernel) and the split bf16 backward (every gradient), the decode
-// step, context parallelism's row correction and widened states (cp_fix.cuh), and the forward
-// and backward in segments of long sequences. Build and run: `sh cuda/emu/run.sh` (C++20 compiler).
+// step, context parallelism's row correction and widened states and the segments' fold
+// (cp_fix.cuh), and the forward and backward in segments of long sequences. Build and run:
+// `sh cuda/emu/run.sh` (C++20 compiler).
 #include "gdp.cu"
 
 #include <cstdio>
@@ -21,6 +22,8 @@ alignas(16) unsigned char gdpg_smem[256 * 1024];
 alignas(16) unsigned char gdps_smem[48 * 1024];
 // cp_fix.cuh's correction kernel (run_cp_fix).
 alignas(16) unsigned char gdp_fix_smem[256 * 1024];
+// gdp_fold_chains (run_fold, and the folds of the op in segments).
+alignas(16) unsigned char gdp_fold_smem[48 * 1024];
 
 static bool g_reverse = false;
 // `f32dg`: run_case checks only the f32 backward (no forward, no summaries).
@@ -47,6 +50,7 @@ void launch(unsigned gx, unsigned gy, int nthr, F f, unsigned gz = 1) {
       memset(gdpcs_smem, 0x7f, sizeof(gdpcs_smem));
       memset(gdpg_smem, 0x7f, sizeof(gdpg_smem));
       memset(gdp_fix_smem, 0x7f, sizeof(gdp_fix_smem));
+      memset(gdp_fold_smem, 0x7f, sizeof(gdp_fold_smem));
       EmuBlock blk;
       blk.sync = std::make_unique<std::barrier<>>(nthr);
       for (int w = 0; w < nthr / 32; ++w) blk.warps.push_back(std::make_unique<std::barrier<>>(32));
@@ -984,22 +988,51 @@ static Wy wy_of(const Prob& Q, const QkArgs& a, const std::vector<__nv_bfloat16>
   return f;
 }
 
-// One step of a fold over segments, in f32 as Candle's matmul runs it on the device: x[.., :V] +
-// x[.., V:] · s per head, for a segment's rows x [H, K, V + K] (its [ΔS | M] or [γ | Mᵀ]) and
-// the state s [H, K, V] (empty: zero).
-static std::vector<float> fold_step(const float* x, const std::vector<float>& s, long H, long K,
-                                    long V) {
-  const long W = V + K, KV = K * V;
-  std::vector<float> out(H * KV);
-  for (long h = 0; h < H; ++h)
-    for (long k = 0; k < K; ++k)
-      for (long v = 0; v < V; ++v) {
-        const float* row = &x[(h * K + k) * W];
-        float acc = row[v];
-        for (long m = 0; !s.empty() && m < K; ++m) acc += row[V + m] * s[h * KV + m * V + v];
-        out[h * KV + k * V + v] = acc;
-      }
-  return out;
+// Chains of segment summaries for gdp_fold_chains, as src/op/segments.rs plans them: per step
+// a segment id (-1 - id: an empty segment, passed), per chain its first step, per step the
+// output row of the state before it (-1: none).
+struct Chains {
+  std::vector<int> steps, chain_at{0}, rows;
+};
+// The forward's: each sequence's segments in order, every incoming state to its segment's row.
+static Chains forward_chains(const std::vector<std::pair<long, long>>& owners, const Prob& S) {
+  Chains ch;
+  for (auto [first, end] : owners) {
+    for (long j = first; j < end; ++j) {
+      ch.steps.push_back(S.seqs[j].len == 0 ? -1 - (int)j : (int)j);
+      ch.rows.push_back((int)j);
+    }
+    ch.chain_at.push_back((int)ch.steps.size());
+  }
+  return ch;
+}
+// The backward's: from each sequence's last segment back, the end-state gradient of every
+// segment but the last to its row (numbered in segment order); `rows` returns that count.
+static Chains backward_chains(const std::vector<std::pair<long, long>>& owners, long segments,
+                              long& rows) {
+  std::vector<int> row_of(segments, -1);
+  rows = 0;
+  for (auto [first, end] : owners)
+    for (long j = first; j + 1 < end; ++j) row_of[j] = (int)rows++;
+  Chains ch;
+  for (auto [first, end] : owners) {
+    for (long j = end - 1; j >= first; --j) {
+      ch.steps.push_back((int)j);
+      ch.rows.push_back(row_of[j]);
+    }
+    ch.chain_at.push_back((int)ch.steps.size());
+  }
+  return ch;
+}
+// gdp_fold_chains as src/op/cuda/fold.rs launches it: block (chain, head, 32 value columns).
+static void launch_fold(const float* t, const float* s0, const Chains& ch, float* out,
+                        float* fin, int H, int K, int V) {
+  GdpFoldParams p{};
+  p.t = t; p.s0 = s0; p.steps = ch.steps.data(); p.chain_at = ch.chain_at.data();
+  p.rows = ch.rows.data(); p.out = out; p.fin = fin; p.heads = H; p.dk = K; p.dv = V;
+  const unsigned chains = (unsigned)ch.chain_at.size() - 1;
+  launch(chains, H, GDP_FOLD_THREADS, [&] { gdp_fold_chains(GDP_ARGS_OF(GDP_FOLD_FIELDS, p)); },
+         (V + GDP_FOLD_COLS - 1) / GDP_FOLD_COLS);
 }
 
 // The forward in segments up to its correction, as src/op/cuda/segmented.rs runs it: one
@@ -1032,17 +1065,15 @@ static SegForward segment_forward(const Prob& P, const Prob& S,
   sp.h0_override = h0w.data(); sp.use_h0_override = 1; sp.dv = W; sp.dv_in = V;
   sp.wide_from = 0; sp.wide_to = Ns;
   launch_fwd_scan(sp, Ns * H, W, bv, KPT);
-  // The fold, in f32 as Candle's matmul runs it on the device.
+  // The fold on the device (gdp_fold_chains) from h0, and which segments have a state.
+  launch_fold(fin.data(), c.h0 ? P.aux.data() + BTH * (1 + n) : nullptr, forward_chains(owners, S),
+              f.incoming.data(), f.ht.data(), (int)H, (int)K, (int)V);
   for (long i = 0; i < N; ++i) {
-    std::vector<float> st;
-    if (c.h0) st.assign(P.aux.begin() + BTH * (1 + n) + i * H * KV,
-                        P.aux.begin() + BTH * (1 + n) + (i + 1) * H * KV);
+    bool has = c.h0;
     for (long j = owners[i].first; j < owners[i].second; ++j) {
-      if (!st.empty()) std::copy(st.begin(), st.end(), &f.incoming[j * H * KV]), f.has_in[j] = 1;
-      if (S.seqs[j].len == 0) continue;
-      st = fold_step(&fin[j * H * K * W], st, H, K, V);
+      f.has_in[j] = has;
+      has = has || S.seqs[j].len > 0;
     }
-    if (!st.empty()) std::copy(st.begin(), st.end(), &f.ht[i * H * KV]);
   }
   return f;
 }
@@ -1190,23 +1221,20 @@ static SegGrads segments_bwd(Prob& P, int len, int bv) {
     dp.ns = 2;
     launch_dh_scan(dp, Ns * H, W, bv, KPT);
   }
-  // The reverse fold in f32: e_j (the end-state gradient segment j lacked; none at a last
-  // segment), each segment's corrected γ, and dh0 of each sequence.
-  std::vector<float> e(Ns * H * KV, 0.f), dh0(sl, 0.f);
-  std::vector<char> has_e(Ns, 0);
-  for (long i = 0; i < N; ++i) {
-    std::vector<float> cur;  // the corrected γ of the segment after j
-    for (long j = owners[i].second - 1; j >= owners[i].first; --j) {
-      if (!cur.empty()) std::copy(cur.begin(), cur.end(), &e[j * H * KV]), has_e[j] = 1;
-      cur = fold_step(&dh0w[j * H * K * W], cur, H, K, V);
-    }
-    std::copy(cur.begin(), cur.end(), &dh0[i * H * KV]);
-  }
+  // The reverse fold on the device (gdp_fold_chains): e_j, the end-state gradient segment j
+  // lacked (none at a last segment), in rows of segment order, and each sequence's dh0, its
+  // first segment's corrected γ (the chain's final state).
+  long rows = 0;
+  const Chains back = backward_chains(owners, Ns, rows);
+  std::vector<float> e(std::max(rows, 1L) * H * KV, 0.f), dh0(sl, 0.f);
+  launch_fold(dh0w.data(), nullptr, back, e.data(), dh0.data(), (int)H, (int)K, (int)V);
+  std::vector<long> row_of(Ns, -1);
+  for (size_t p = 0; p < back.steps.size(); ++p) row_of[back.steps[p]] = back.rows[p];
   // The chunk rows corrected per segment: chunk states (K rows per slot), dDelta (64 rows).
   std::vector<__nv_bfloat16> dhs(slots * KV, poison), ddn(slots * 64 * V, poison);
   for (long j = 0; j < Ns; ++j) {
     const long first = tab[4 * j + 3], chunks = (S.seqs[j].len * n + 63) / 64;
-    const float* ej = has_e[j] ? &e[j * H * KV] : nullptr;
+    const float* ej = row_of[j] >= 0 ? &e[row_of[j] * H * KV] : nullptr;
     fix_one(dhs_w.data(), dhs.data(), ej, H, K, V, first, chunks, K);
     fix_one(ddn_w.data(), ddn.data(), ej, H, K, V, first, chunks, 64);
   }
@@ -1381,6 +1409,57 @@ static void run_cp_widen(long blocks, int K, int V, bool with_x, unsigned gx) {
   report(name, with_x ? "x" : "null x", e, 0.0);
 }
 
+// gdp_fold_chains against the folds in float64: random summaries [x⁰ | x̃] (x̃ scaled so that
+// the states stay of order one), chains of several lengths with an empty segment passed on,
+// start states or none, output rows left out (-1); `out` rows past the written ones and `fin`
+// must hold what the kernel was to write, and nothing past their ends.
+static void run_fold(int H, int K, int V, bool with_s0) {
+  std::mt19937 rng(91 + K * 3 + V + with_s0);
+  std::normal_distribution<float> nd(0, 1);
+  const long W = V + K, KV = (long)K * V, segments = 7;
+  Chains ch;
+  ch.steps = {0, 1, -3, 3, 4, 6, 5};   // chains: 0 1 (2 passed) 3 | 4 | 6 5
+  ch.chain_at = {0, 4, 5, 7};
+  ch.rows = {0, 1, 2, -1, 3, 4, 5};
+  const long chains = 3, rows = 6;
+  std::vector<float> t(segments * H * K * W), s0(with_s0 ? chains * H * KV : 0);
+  for (long i = 0; i < (long)t.size(); ++i) t[i] = nd(rng) / ((i % W) < V ? 1.f : sqrtf((float)K));
+  for (auto& x : s0) x = nd(rng);
+  std::vector<float> out(rows * H * KV + 1, -7.f), fin(chains * H * KV + 1, -7.f);
+  std::vector<double> ref_out(rows * H * KV, 0.0), ref_fin(chains * H * KV, 0.0);
+  for (long c = 0; c < chains; ++c)
+    for (long h = 0; h < H; ++h) {
+      std::vector<double> st(KV, 0.0);
+      bool has = with_s0;
+      if (has) for (long e = 0; e < KV; ++e) st[e] = s0[(c * H + h) * KV + e];
+      for (int p = ch.chain_at[c]; p < ch.chain_at[c + 1]; ++p) {
+        if (ch.rows[p] >= 0) std::copy(st.begin(), st.end(), &ref_out[(ch.rows[p] * H + h) * KV]);
+        if (ch.steps[p] < 0) continue;
+        const float* x = &t[((long)ch.steps[p] * H + h) * K * W];
+        std::vector<double> nx(KV);
+        for (long r = 0; r < K; ++r)
+          for (long v = 0; v < V; ++v) {
+            double acc = x[r * W + v];
+            for (long m = 0; has && m < K; ++m) acc += (double)x[r * W + V + m] * st[m * V + v];
+            nx[r * V + v] = acc;
+          }
+        st = nx;
+        has = true;
+      }
+      std::copy(st.begin(), st.end(), &ref_fin[(c * H + h) * KV]);
+    }
+  launch_fold(t.data(), with_s0 ? s0.data() : nullptr, ch, out.data(), fin.data(), H, K, V);
+  char name[64];
+  snprintf(name, sizeof name, "fold H%d K%d V%d", H, K, V);
+  double e = std::max(rel(out.data(), ref_out.data(), rows * H * KV),
+                      rel(fin.data(), ref_fin.data(), chains * H * KV));
+  if (out[rows * H * KV] != -7.f || fin[chains * H * KV] != -7.f) {
+    printf("%-26s %-8s wrote past its end\n", name, with_s0 ? "s0" : "no s0");
+    e = 1e9;
+  }
+  report(name, with_s0 ? "s0" : "no s0", e, 1e-5);
+}
+
 // Context parallelism's kernels on small odd shapes: K not a multiple of 16 (12, 40, 13),
 // V over one tile of GDP_FIX_COLS (136, 260), H 2 and 3, several sequences, o-like (inner 1),
 // chunk-state-like (inner K) and dDelta-like (inner 64) rows from a nonzero outer0, an odd row
@@ -1400,6 +1479,12 @@ static void run_cp() {
   run_cp_fix(3, 40, 260, 2, 1, 37, 1, 1, true, 1);  // y one element off
   run_cp_fix(2, 128, 128, 2, 1, 21, 1, 2, true);   // K = V = 128: 16-byte rows, 4 k groups
   run_cp_fix(2, 64, 40, 1, 2, 3, 64, 1, false);    // a copy in 16-byte rows
+  // The segments' fold: K over one pass of 16 and not a multiple of it, V over one tile of 32
+  // and odd, the largest K.
+  run_fold(2, 13, 20, true);
+  run_fold(2, 40, 33, false);
+  run_fold(1, 128, 64, true);
+  run_fold(1, 256, 40, true);
 }
 
 // The forward in segments (run_bf16_segments) on lengths that are no multiple of the segment
@@ -1484,8 +1569,9 @@ int main(int argc, char** argv) {
     {"odd K n1 T50 K13 V10", 1, 50, 2, 13, 10, 1, false, {}, 1.f, 8},
   };
   // Arguments: `step` (only the decode step).
-  // `cp` (only context parallelism's kernels, gdp_cp_fix_* and gdp_cp_widen_states, with the
-  // unpaired outputs that the default run leaves out: see run_cp).
+  // `cp` (only context parallelism's kernels, gdp_cp_fix_*, gdp_cp_widen_states and the
+  // segments' gdp_fold_chains, with the unpaired outputs that the default run leaves out: see
+  // run_cp).
   bool only_step = false, only_cp = false;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "step")) only_step = true;

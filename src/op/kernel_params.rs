@@ -112,6 +112,11 @@ kernel_params! {
     WidenParams = "GDP_WIDEN_FIELDS" {
         x: u64, out: u64, blocks: i64, dk: i32, dv: i32,
     }
+    /// `gdp_fold_chains`: chains of segment summaries folded into states.
+    FoldParams = "GDP_FOLD_FIELDS" {
+        t: u64, s0: u64, steps: u64, chain_at: u64, rows: u64, out: u64, fin: u64, heads: i32,
+        dk: i32, dv: i32,
+    }
     /// `gdp_step_{f32,bf16,f16}_k*`: one fused decode step.
     StepParams = "GDP_STEP_FIELDS" {
         state: u64, q: u64, k: u64, v: u64, g: u64, beta: u64, out: u64, batch: i32, heads: i32,

@@ -110,6 +110,81 @@ pub(crate) fn end_grad_rows(owners: &[Range<usize>], segments: usize) -> Vec<Opt
     rows
 }
 
+/// Chains of segment summaries folded in one launch (`gdp_fold_chains` in `cuda/cp_fix.cuh`):
+/// each chain's steps in fold order, and where the state before each step goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct FoldChains {
+    /// Segment ids in fold order, the chains one after the other; `-1 - id` passes the state
+    /// on unchanged (an empty segment).
+    pub steps: Vec<i32>,
+    /// Per chain, the index of its first step in `steps`; one more entry, `steps.len()`.
+    pub chain_at: Vec<i32>,
+    /// Per step, the output row that receives the state before it (`-1`: none).
+    pub rows: Vec<i32>,
+}
+
+/// The forward's fold over each sequence's segments (`owners`) in order, `S_{j+1} = ΔS_j +
+/// M_j S_j` (`segments`' lengths: an empty segment passes the state on): every segment's
+/// incoming state to its own row.
+pub(crate) fn forward_chains(owners: &[Range<usize>], segments: &[SeqSpan]) -> Result<FoldChains> {
+    let mut chains = FoldChains::with_capacity(owners.len(), segments.len());
+    for seq in owners {
+        for j in seq.clone() {
+            let id = to_i32(j)?;
+            let empty = segments.get(j).is_none_or(|s| s.len == 0);
+            chains.steps.push(if empty { -1 - id } else { id });
+            chains.rows.push(id);
+        }
+        chains.end_chain()?;
+    }
+    Ok(chains)
+}
+
+/// The backward's fold from each sequence's last segment back, `e_j = γ_{j+1} + Mᵀ_{j+1}
+/// e_{j+1}`: the end-state gradient of every segment but a sequence's last to its row of
+/// [`end_grad_rows`].
+pub(crate) fn backward_chains(owners: &[Range<usize>], segments: usize) -> Result<FoldChains> {
+    let rows = end_grad_rows(owners, segments);
+    let mut chains = FoldChains::with_capacity(owners.len(), segments);
+    for seq in owners {
+        for j in seq.clone().rev() {
+            chains.steps.push(to_i32(j)?);
+            chains.rows.push(match rows[j] {
+                Some(row) => to_i32(row)?,
+                None => -1,
+            });
+        }
+        chains.end_chain()?;
+    }
+    Ok(chains)
+}
+
+impl FoldChains {
+    fn with_capacity(chains: usize, steps: usize) -> Self {
+        let mut chain_at = Vec::with_capacity(chains + 1);
+        chain_at.push(0);
+        Self {
+            steps: Vec::with_capacity(steps),
+            chain_at,
+            rows: Vec::with_capacity(steps),
+        }
+    }
+
+    fn end_chain(&mut self) -> Result<()> {
+        self.chain_at.push(to_i32(self.steps.len())?);
+        Ok(())
+    }
+
+    /// The number of chains.
+    pub fn chains(&self) -> usize {
+        self.chain_at.len() - 1
+    }
+}
+
+fn to_i32(x: usize) -> Result<i32> {
+    i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("gdp: {x} segments exceed i32")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -141,6 +216,37 @@ mod tests {
             [Some(0), Some(1), None, None, Some(2), None]
         );
         assert_eq!(end_grad_rows(&[], 0), []);
+    }
+
+    #[test]
+    fn fold_chains_follow_each_sequence_forward_and_back() -> Result<()> {
+        let segments = [
+            span(0, 0, 128),
+            span(0, 128, 44),
+            span(0, 172, 0),
+            span(0, 172, 64),
+        ];
+        let owners = [0..2, 2..3, 3..4];
+        let fwd = forward_chains(&owners, &segments)?;
+        assert_eq!(
+            fwd,
+            FoldChains {
+                steps: vec![0, 1, -3, 3],
+                chain_at: vec![0, 2, 3, 4],
+                rows: vec![0, 1, 2, 3],
+            }
+        );
+        let bwd = backward_chains(&owners, segments.len())?;
+        assert_eq!(
+            bwd,
+            FoldChains {
+                steps: vec![1, 0, 2, 3],
+                chain_at: vec![0, 2, 3, 4],
+                rows: vec![-1, 0, -1, -1],
+            }
+        );
+        assert_eq!(bwd.chains(), 3);
+        Ok(())
     }
 
     #[test]

@@ -4,11 +4,12 @@
 //! The modules form layers, each importing only from the ones above it: launch plumbing and
 //! planning (`device`, `module`, `side`, `memory`, `copy`, `plan`: every kernel's shared memory
 //! and tiles); one module per kernel family (`wy`, `fwd_scan`, `dh_scan`, `grads`, the fused
-//! one-kernel paths `fused_fwd` / `fused_bwd`, `cp_fix`, the decode `step`, and `pipeline`,
-//! which runs the WY kernel beside a scan); and the stages composed, as FLA's `chunk.py`
-//! composes its kernels: `forward`, `widened` (a context-parallel rank's widened passes),
-//! `summary` (its summaries alone), `backward`, and `tensors` (the split backward straight into
-//! bf16 gradient tensors).
+//! one-kernel paths `fused_fwd` / `fused_bwd`, `cp_fix`, `fold` (the segments' states), the
+//! decode `step`, and `pipeline`, which runs the WY kernel beside a scan); and the stages
+//! composed, as FLA's `chunk.py` composes its kernels: `forward`, `widened` (a
+//! context-parallel rank's widened passes), `segmented` (the op in segments), `summary` (the
+//! rank's summaries alone), `backward`, and `tensors` (the split backward straight into bf16
+//! gradient tensors).
 
 // Launch plumbing and planning (no kernel of their own, or a helper kernel).
 mod copy;
@@ -21,6 +22,7 @@ mod side;
 mod cache;
 mod cp_fix;
 mod dh_scan;
+mod fold;
 mod fused_bwd;
 mod fused_fwd;
 mod fwd_scan;

@@ -19,12 +19,12 @@
 
 use super::cache::{CacheSlot, ForwardCache, SegmentStates};
 use super::cp_fix::{fix_planned, FixDims, FixOut};
-use super::device::{copy_tensor_into, In};
-use super::device::{initial_states_device, slice_of, smem_and_sms, tensor_from, tensor_of};
+use super::device::{initial_states_device, smem_and_sms, In};
+use super::fold::{fold_chains, FoldDims};
 use super::fwd_scan::{ScanDest, ScanOut};
 use super::inputs::{Bf16Inputs, CudaCall};
 use super::plan::{split_backward_fits, split_plan, DH_SCAN, FWD_SCAN};
-use super::widened::{corrected_summary, token_spans, widened_states_dev, Widened};
+use super::widened::{token_spans, widened_states_dev, Widened};
 use super::widened::{EndGrads, WidenedFold};
 use crate::op::config::{KernelConfig, Segments};
 use crate::op::row_fix::plan_rows;
@@ -32,7 +32,7 @@ use crate::op::segments;
 use crate::op::shape::GdpShape;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use candle_core::cuda_backend::CudaDevice;
-use candle_core::{CudaStorage, DType, Device, Result, Tensor};
+use candle_core::{CudaStorage, Result, Tensor};
 use half::bf16;
 use std::ops::Range;
 
@@ -110,7 +110,7 @@ impl SegmentPlan {
             incoming,
             state_of,
             finals,
-        } = self.fold(dev, fin, aux, call)?;
+        } = self.fold(dev, &fin, aux, call)?;
         let x = o.slice(..);
         let s = incoming.slice(..);
         let dims = FixDims {
@@ -137,8 +137,11 @@ impl SegmentPlan {
                 seg,
                 dims,
             )?;
-            if sh.num_seqs() > 0 {
-                copy_tensor_into(&Tensor::cat(&finals, 0)?, &mut out, o_len)?;
+            let len = sh.state_len();
+            if let Some(finals) = finals.filter(|_| len > 0) {
+                dev.cuda_stream()
+                    .memcpy_dtod(&finals.slice(..len), &mut out.slice_mut(o_len..o_len + len))
+                    .map_err(candle_core::Error::wrap)?;
             }
             CudaStorage::wrap_cuda_slice(out, dev.clone())
         };
@@ -166,61 +169,51 @@ impl SegmentPlan {
             && Widened::plan(dev, seg, &every, &DH_SCAN, cfg)?.is_some())
     }
 
-    /// The state each segment starts from and each sequence's final state, folded in f32
-    /// from the segments' `[ΔS | M]` (`fin`, `[segments, H, K, V + K]`, taken without a copy)
-    /// and the initial states of `aux`.
+    /// The state each segment starts from and, unless `call.plain`, each sequence's final
+    /// state, folded in f32 on the device ([`fold_chains`]) from the segments' `[ΔS | M]`
+    /// (`fin`, `[segments, H, K, V + K]`) and the initial states of `aux`.
     fn fold(
         &self,
         dev: &CudaDevice,
-        fin: CudaSlice<f32>,
+        fin: &CudaSlice<f32>,
         aux: In,
         call: &CudaCall,
     ) -> Result<Folded> {
         let sh = call.shape;
-        let (h, k, v) = (sh.heads, sh.dk, sh.dv);
         let seg = &self.widened.sub;
-        let fin = tensor_from(dev, fin, &[seg.num_seqs(), h, k, v + k])?;
         let h0 = match call.has_h0 {
-            true => {
-                let states = initial_states_device(aux, sh)?;
-                Some(tensor_from(dev, states, &[sh.num_seqs(), h, k, v])?)
-            }
+            true => Some(initial_states_device(aux, sh)?),
             false => None,
         };
-        let zero = Tensor::zeros((1, h, k, v), DType::F32, &Device::Cuda(dev.clone()))?;
-        let mut incoming = Vec::with_capacity(seg.num_seqs());
         let mut state_of = Vec::with_capacity(seg.num_seqs());
-        let mut finals = Vec::with_capacity(sh.num_seqs());
-        for (i, segments) in self.owners.iter().enumerate() {
-            let mut s = h0.as_ref().map(|h0| h0.narrow(0, i, 1)).transpose()?;
+        for segments in &self.owners {
+            let mut has = call.has_h0;
             for j in segments.clone() {
-                state_of.push(s.is_some().then_some(j));
-                incoming.push(s.clone().unwrap_or_else(|| zero.clone()));
-                if seg.seqs[j].len == 0 {
-                    continue; // an empty sequence: its state passes unchanged
-                }
-                s = Some(fold_step(&fin, j, s.as_ref())?);
+                state_of.push(has.then_some(j));
+                has |= seg.seqs[j].len > 0; // an empty segment passes the state on
             }
-            finals.push(s.unwrap_or_else(|| zero.clone()));
         }
+        let chains = segments::forward_chains(&self.owners, &seg.seqs)?;
+        let dims = FoldDims {
+            heads: sh.heads,
+            dk: sh.dk,
+            dv: sh.dv,
+        };
+        let h0 = h0.as_ref().map(|h| h.slice(..));
+        let out = fold_chains(
+            dev,
+            &fin.slice(..),
+            h0.as_ref(),
+            &chains,
+            dims,
+            seg.num_seqs(),
+            !call.plain,
+        )?;
         Ok(Folded {
-            incoming: slice_of(&Tensor::cat(&incoming, 0)?)?,
+            incoming: out.states,
             state_of,
-            finals,
+            finals: out.finals,
         })
-    }
-}
-
-/// One step of a fold over segments: row `j` of `t = [x⁰ | x̃]` (f32 `[segments, H, K, V + K]`,
-/// a forward's `[ΔS | M]` or a backward's `[γ | Mᵀ]`) applied to the state `s` (`None`: zero),
-/// `x⁰ + x̃ s`, f32 `[1, H, K, V]`.
-fn fold_step(t: &Tensor, j: usize, s: Option<&Tensor>) -> Result<Tensor> {
-    match s {
-        Some(s) => corrected_summary(t, j..j + 1, s),
-        None => {
-            let v = t.dim(3)? - t.dim(2)?;
-            t.narrow(0, j, 1)?.narrow(3, 0, v)?.contiguous()
-        }
     }
 }
 
@@ -230,8 +223,8 @@ struct Folded {
     incoming: CudaSlice<f32>,
     /// Per segment, its row of `incoming` where it has an incoming state.
     state_of: Vec<Option<usize>>,
-    /// Per sequence, its final state `[1, H, K, V]`.
-    finals: Vec<Tensor>,
+    /// The sequences' final states, f32 `[N, H, K, V]`, where the call returns them.
+    finals: Option<CudaSlice<f32>>,
 }
 
 /// `y = x[.., :V] + x[.., V:] · S_j` over the token rows of every segment `j` of `seg` with an
@@ -290,27 +283,22 @@ impl SegmentStates {
         let (ns, h, k, v) = (sub.num_seqs(), sub.heads, sub.dk, sub.dv);
         let dev = dev.clone();
         let exchange = move |dh0w: &CudaSlice<f32>| -> Result<Option<EndGrads>> {
-            let t = tensor_of(&dev, dh0w, &[ns, h, k, v + k])?;
             let state_of = segments::end_grad_rows(&self.owners, ns);
-            let mut rows = vec![None; state_of.iter().flatten().count()];
-            for seg in &self.owners {
-                // From the last segment back: e is the corrected γ of the segment after j.
-                let mut e: Option<Tensor> = None;
-                for j in seg.clone().rev() {
-                    if let (Some(e), Some(row)) = (&e, state_of[j]) {
-                        rows[row] = Some(e.clone());
-                    }
-                    e = Some(fold_step(&t, j, e.as_ref())?);
-                }
-            }
-            let Some(rows) = rows.into_iter().collect::<Option<Vec<Tensor>>>() else {
-                candle_core::bail!("gdp cuda: a segment's end-state gradient was not folded");
-            };
-            if rows.is_empty() {
+            let rows = state_of.iter().flatten().count();
+            if rows == 0 {
                 return Ok(None);
             }
-            let states = slice_of(&Tensor::cat(&rows, 0)?)?;
-            Ok(Some(EndGrads { states, state_of }))
+            let chains = segments::backward_chains(&self.owners, ns)?;
+            let dims = FoldDims {
+                heads: h,
+                dk: k,
+                dv: v,
+            };
+            let out = fold_chains(&dev, &dh0w.slice(..), None, &chains, dims, rows, false)?;
+            Ok(Some(EndGrads {
+                states: out.states,
+                state_of,
+            }))
         };
         WidenedFold {
             outgoing: 0..ns,
