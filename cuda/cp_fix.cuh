@@ -1,4 +1,5 @@
-// Context parallelism's correction of a widened scan's rows (src/op/cuda/cp_fix.rs).
+// Context parallelism's correction of a widened scan's rows (src/op/cuda/cp_fix.rs), and at the
+// end of this file the fold of the summaries of a sequence's segments (src/op/cuda/fold.rs).
 //
 // A scan run from the initial state [S0 | I_K] on the value columns widened to [x | 0_K] is
 // affine in the state it starts from, so every row it writes is [y0 | y~] with the true row,

@@ -15,7 +15,7 @@
 //   copy.cuh             gdp_copy_rows: strided row copies (the op's q/k packing);
 //                        gdp_sum_groups_{bf16,f32}: dq, dk summed over grouped value heads
 //   cp_fix.cuh           gdp_cp_fix_{bf16,f32}, gdp_cp_widen_states: context parallelism's
-//                        correction of a widened scan
+//                        correction of a widened scan; gdp_fold_chains: the segments' folds
 //   step.cuh             gdp_step_{f32,bf16,f16}_k*: the fused decode step
 
 #include <cuda_bf16.h>
