@@ -14,8 +14,9 @@
 #   kernels  the kernel-only timings (cuda/bench/kernels.cu, compiled here)
 #   cp       `gdp cp-bench`: the middle of 4 ranks at 16K and 4K tokens per rank, n = 1 and 2
 #   fla      the README's first shapes against FLA, with the explicit backward
-#   qwen     three of Qwen3.5's GDN shapes against FLA, unsplit and in segments
-#   few      four of the few-heads shapes (n = 1, 2, 4) against FLA, unsplit and in segments
+#   qwen     three of Qwen3.5's GDN shapes against FLA (none of them splits into segments)
+#   few      four of the few-heads shapes (n = 1, 2, 4) against FLA, in segments (the default
+#            where it splits) and unsplit
 #   segdiag  the op in segments at B1 T65536 H8 n2 (gdp alone): the forward under each overlap
 #            setting, the backward's two scans at their own tiles and as a one-wave pair
 #
@@ -91,12 +92,12 @@ for stage in $stages; do
       bench 400 --variant "explicit --backward explicit" 2>&1 | tee "$out/fla.log"
       ;;
     qwen)
-      bench 420 --qwen --shapes 2,5,3 --variant "explicit --backward explicit" \
-        --variant "segments --segments auto --backward explicit" 2>&1 | tee "$out/qwen.log"
+      bench 420 --qwen --shapes 2,5,3 --variant "explicit --backward explicit" 2>&1 |
+        tee "$out/qwen.log"
       ;;
     few)
       bench 580 --few-heads --shapes 1,3,4,7 --variant "explicit --backward explicit" \
-        --variant "segments --segments auto --backward explicit" 2>&1 | tee "$out/few.log"
+        --variant "unsplit --segments off --backward explicit" 2>&1 | tee "$out/few.log"
       ;;
     segdiag)
       bench 200 --few-heads --shapes 3 --no-fla --variant "auto --segments auto" \
