@@ -37,11 +37,11 @@ pub(crate) trait RankLink: std::fmt::Debug + Send + Sync {
     fn abort(&self, reason: &str);
 
     /// The rank's forward on the CPU: the packed f32 `[o | final states]`, as
-    /// [`super::cpu::forward`] returns for the plain op.
+    /// [`super::cpu::forward()`] returns for the plain op.
     fn forward_cpu(&self, x: CpuInputs<'_>, sh: &GdpShape, scale: f32) -> Result<Vec<f32>>;
 
     /// The rank's backward on the CPU (`grad` is `[do | dht]`): the packed f32
-    /// `[dqk | dv | dg | dbeta | dh0?]`, as [`super::cpu::backward`] returns.
+    /// `[dqk | dv | dg | dbeta | dh0?]`, as [`super::cpu::backward()`] returns.
     fn backward_cpu(
         &self,
         x: CpuInputs<'_>,

@@ -150,7 +150,7 @@ impl CpLink {
     }
 
     /// The backward on this rank, like [`CpLink::backward`], on CUDA storages `(qk, v, aux,
-    /// grad)`; `grad` is `[do | dht]`; `cache`, what [`CpLink::forward_cuda`] kept.
+    /// grad)`; `grad` is `[do | dht]`; `cache`, what [`CpLink::forward_cuda_impl`] kept.
     pub(super) fn backward_cuda_impl(
         &self,
         (qk, v, aux, grad): (CudaIn, CudaIn, CudaIn, CudaIn),

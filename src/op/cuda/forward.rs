@@ -26,7 +26,7 @@ use half::bf16;
 /// (f32, on the same device), when given, replaces the initial states of the gate buffer
 /// (context parallelism). With a `cache` slot, the bf16 chunked forward leaves its
 /// intermediates there for the split backward (see
-/// [`ForwardCache`](super::cache::ForwardCache)).
+/// [`super::cache::ForwardCache`]).
 pub(crate) fn forward(
     qk: QkIn,
     v: (&CudaStorage, &Layout),

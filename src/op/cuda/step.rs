@@ -28,9 +28,9 @@ fn rows_per_part(k: usize) -> usize {
     k.div_ceil(PARTS).next_power_of_two().max(8)
 }
 
-/// Dynamic shared memory of the step kernel, bytes (`gdp_step_smem_floats`): q and k [n] of
-/// the block's (batch row, head) zero-padded to `PARTS` parts of `rows_per_part` rows, v [n] of
-/// its columns, beta [n] padded to 4, and two buffers of the dot partials.
+/// Dynamic shared memory of the step kernel, bytes (`gdp_step_smem_floats`): q and k `[n]` of
+/// the block's (batch row, head) zero-padded to `PARTS` parts of `rows_per_part` rows, v `[n]` of
+/// its columns, beta `[n]` padded to 4, and two buffers of the dot partials.
 fn smem_bytes(k: usize, n: usize) -> usize {
     4 * ((1 + n) * PARTS * rows_per_part(k) + n * COLS + n.div_ceil(4) * 4 + 2 * PARTS * COLS)
 }

@@ -39,7 +39,7 @@ pub(crate) enum CpFinalGrads<'a> {
 /// may have fewer heads than `v`, grouped value heads, whose gradients sum over each group)
 /// and of `v`
 /// (bf16) and of the gate buffer (f32), without the packed f32 detour of
-/// [`backward`]. `Ok(None)` where this path does not apply (not CUDA, not bf16, or the
+/// [`backward`](super::backward::backward). `Ok(None)` where this path does not apply (not CUDA, not bf16, or the
 /// split backward does not fit). `cp`: a context-parallel rank's overrides.
 pub(crate) fn try_backward_tensors(
     qk: QueryKeys,
