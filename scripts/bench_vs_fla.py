@@ -143,12 +143,25 @@ def parse_variant(text, gdp):
     return name, env.pop("GDP_BIN", gdp), env, extra
 
 
+def parse_shape(text, ap):
+    """`B,T,H,n` or `B,T,H,n,Hk` (K = V = 128) -> a table row (B, T, H, D, n, Hk)."""
+    try:
+        B, T, H, n, *hk = (int(x) for x in text.split(","))
+        if len(hk) > 1:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--shape: B,T,H,n[,Hk], got {text!r}")
+    return B, T, H, 128, n, hk[0] if hk else None
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gdp", required=True)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default="all",
                     help="all, small (the first shape), long (the last) or 1-based indices into SHAPES: 2,3")
+    ap.add_argument("--shape", action="append", default=[],
+                    help="B,T,H,n[,Hk] (K = V = 128) instead of a table's shapes; repeatable")
     ap.add_argument("--variant", action="append", default=[],
                     help='"NAME VAR=VALUE ... [--gdp-run-flag VALUE ...]"; GDP_BIN=PATH: another gdp binary')
     ap.add_argument("--timing", default="events", choices=["events", "host"],
@@ -169,7 +182,9 @@ def main():
     elif args.few_heads:
         table = [(B, T, H, D, n, None) for B, T, H, D, n in FEW_HEADS_SHAPES]
     named = {"all": table, "small": table[:1], "long": table[-1:]}
-    if args.shapes in named:
+    if args.shape:
+        shapes = [parse_shape(x, ap) for x in args.shape]
+    elif args.shapes in named:
         shapes = named[args.shapes]
     else:
         picks = [int(i) if i.strip().isdigit() else 0 for i in args.shapes.split(",")]

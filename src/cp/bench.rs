@@ -87,6 +87,15 @@ pub struct RankBenchReport {
     pub rank_fwd_ms: f64,
     /// `plain_fwd_ms / rank_fwd_ms`.
     pub fwd_efficiency: f64,
+    /// Plain op, forward alone: the host's time until the call returned, before the device
+    /// was synchronised (launching the work; close to `plain_fwd_ms`, the host bounds it).
+    pub plain_fwd_host_ms: f64,
+    /// The rank, forward alone: the host's time until the call returned.
+    pub rank_fwd_host_ms: f64,
+    /// Plain op, forward + backward: the host's time until each call returned, summed.
+    pub plain_host_ms: f64,
+    /// The rank, forward + backward: the host's time until each call returned, summed.
+    pub rank_host_ms: f64,
     /// Shard tokens per second of the rank, forward + backward.
     pub rank_tokens_per_s: f64,
     /// Shard tokens per second of the plain op, forward + backward.
@@ -125,25 +134,44 @@ fn shard_inputs(c: &RankBenchConfig, t: usize) -> Result<Shard> {
     })
 }
 
-/// Forward, then forward + backward of one call (ms), the device synchronised after each.
-fn step(x: &Shard, c: &RankBenchConfig, rank: Option<&CpRank>) -> Result<(f64, f64)> {
+/// The times of one [`step`] (ms): forward and forward + backward, each until the device was
+/// synchronised, and the host's time until the calls returned (forward, both summed).
+#[derive(Debug, Clone, Copy)]
+struct StepTimes {
+    fwd: f64,
+    total: f64,
+    fwd_host: f64,
+    total_host: f64,
+}
+
+/// Forward, then forward + backward of one call, the device synchronised after each.
+fn step(x: &Shard, c: &RankBenchConfig, rank: Option<&CpRank>) -> Result<StepTimes> {
     let opts = GdpOptions {
         save_intermediates: c.save_intermediates,
         kernels: c.kernels,
         ..Default::default()
     };
+    let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
     let t0 = Instant::now();
     let (o, _) = match rank {
         Some(r) => cp_gated_delta_product(&x.q, &x.k, &x.v, &x.g, &x.beta, &opts, r)?,
         None => gated_delta_product(&x.q, &x.k, &x.v, &x.g, &x.beta, &opts)?,
     };
+    let fwd_host = ms(t0);
     c.device.synchronize()?;
-    let fwd = t0.elapsed().as_secs_f64() * 1e3;
+    let fwd = ms(t0);
+    let t1 = Instant::now();
     let grads = backward_with(&[(&o, &x.dout)])?;
+    let bwd_host = ms(t1);
     c.device.synchronize()?;
-    let total = t0.elapsed().as_secs_f64() * 1e3;
+    let total = ms(t0);
     drop(grads);
-    Ok((fwd, total))
+    Ok(StepTimes {
+        fwd,
+        total,
+        fwd_host,
+        total_host: fwd_host + bwd_host,
+    })
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -180,18 +208,15 @@ pub fn rank_alone(c: &RankBenchConfig, mut progress: impl FnMut(usize)) -> Resul
         step(&x, c, None)?;
         step(&x, c, Some(&cp))?;
     }
-    let (mut pf, mut pt, mut rf, mut rt) = (vec![], vec![], vec![], vec![]);
+    let (mut plain, mut ranked) = (vec![], vec![]);
     for i in 0..c.iters {
-        let (f, tot) = step(&x, c, None)?;
-        pf.push(f);
-        pt.push(tot);
-        let (f, tot) = step(&x, c, Some(&cp))?;
-        rf.push(f);
-        rt.push(tot);
+        plain.push(step(&x, c, None)?);
+        ranked.push(step(&x, c, Some(&cp))?);
         progress(i);
     }
-    let (plain_ms, rank_ms) = (median(pt), median(rt));
-    let (plain_fwd_ms, rank_fwd_ms) = (median(pf), median(rf));
+    let med = |xs: &[StepTimes], f: fn(&StepTimes) -> f64| median(xs.iter().map(f).collect());
+    let (plain_ms, rank_ms) = (med(&plain, |s| s.total), med(&ranked, |s| s.total));
+    let (plain_fwd_ms, rank_fwd_ms) = (med(&plain, |s| s.fwd), med(&ranked, |s| s.fwd));
     Ok(RankBenchReport {
         ranks: c.ranks,
         rank: c.rank,
@@ -210,6 +235,10 @@ pub fn rank_alone(c: &RankBenchConfig, mut progress: impl FnMut(usize)) -> Resul
         plain_fwd_ms,
         rank_fwd_ms,
         fwd_efficiency: plain_fwd_ms / rank_fwd_ms,
+        plain_fwd_host_ms: med(&plain, |s| s.fwd_host),
+        rank_fwd_host_ms: med(&ranked, |s| s.fwd_host),
+        plain_host_ms: med(&plain, |s| s.total_host),
+        rank_host_ms: med(&ranked, |s| s.total_host),
         rank_tokens_per_s: t as f64 / (rank_ms * 1e-3),
         plain_tokens_per_s: t as f64 / (plain_ms * 1e-3),
     })

@@ -122,14 +122,18 @@ fn print_report(r: &RankBenchReport) -> Result<(), CliError> {
     let json = serde_json::to_string(r).map_err(|e| CliError::new(format!("json: {e}")))?;
     let mut out = std::io::stdout().lock();
     let lines = [
-        "           | plain op ms | rank ms | efficiency".to_string(),
+        "           | plain op ms | rank ms | efficiency | host ms plain / rank".to_string(),
         format!(
-            "forward   | {:>11.3} | {:>7.3} | {:>10.3}",
-            r.plain_fwd_ms, r.rank_fwd_ms, r.fwd_efficiency
+            "forward   | {:>11.3} | {:>7.3} | {:>10.3} | {:>8.3} / {:.3}",
+            r.plain_fwd_ms,
+            r.rank_fwd_ms,
+            r.fwd_efficiency,
+            r.plain_fwd_host_ms,
+            r.rank_fwd_host_ms
         ),
         format!(
-            "fwd + bwd | {:>11.3} | {:>7.3} | {:>10.3}",
-            r.plain_ms, r.rank_ms, r.efficiency
+            "fwd + bwd | {:>11.3} | {:>7.3} | {:>10.3} | {:>8.3} / {:.3}",
+            r.plain_ms, r.rank_ms, r.efficiency, r.plain_host_ms, r.rank_host_ms
         ),
         json,
     ];
