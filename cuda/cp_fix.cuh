@@ -259,16 +259,18 @@ extern "C" __global__ void gdp_cp_widen_states(GDP_KERNEL_PARAMS(GDP_WIDEN_FIELD
   }
 }
 
-// gdp_fold_chains: value columns per block, key columns of x̃ staged per pass, and the largest K.
-#define GDP_FOLD_COLS 32
-#define GDP_FOLD_M 16
+// gdp_fold_chains: value columns per block, the largest K, threads per block, and value
+// columns per thread.
+#define GDP_FOLD_COLS 16
 #define GDP_FOLD_MAX_K 256
 #define GDP_FOLD_THREADS 256
+#define GDP_FOLD_CT 8
 
-// Shared memory of gdp_fold_chains (bytes): the state's tile s [K][COLS] and a pass of x̃'s
-// columns [K][M], f32 (48 KB at K = 256: no opt-in needed).
-__host__ __device__ constexpr int gdp_fold_smem_bytes(int K) {
-  return K * (GDP_FOLD_COLS + GDP_FOLD_M) * 4;
+// Shared memory of gdp_fold_chains (bytes) with passes of P key columns: the state's tile
+// s [K][COLS] and a pass of x̃'s columns [K][P + 1] (the padding keeps the threads' row reads
+// conflict-free), f32: 74 KB at K = P = 128 (over the default 48 KB: the launcher opts in).
+__host__ __device__ constexpr int gdp_fold_smem_bytes(int K, int P) {
+  return K * (GDP_FOLD_COLS + P + 1) * 4;
 }
 
 // Chains of summaries folded into states, each chain from its start state: for every step p of
@@ -278,72 +280,105 @@ __host__ __device__ constexpr int gdp_fold_smem_bytes(int K) {
 // s = x⁰ + x̃ s, or s = x⁰ where the chain has no state yet; an id < 0 passes the state
 // unchanged (an empty segment). `s0` (f32 [chains, H, K, V], or null: no start state), `out`
 // [rows, H, K, V], `fin` (the final states [chains, H, K, V], zeros where none; or null).
-// Block (chain, head, 32 value columns), 256 threads; f32 products in a fixed order, so that
-// the results repeat bit for bit. The forward's fold over a sequence's segments
-// S_{j+1} = ΔS_j + M_j S_j and the backward's e_j = γ_{j+1} + Mᵀ_{j+1} e_{j+1} in one launch.
+// Block (chain, head, 16 value columns), 256 threads. The forward's fold over a sequence's
+// segments S_{j+1} = ΔS_j + M_j S_j, the backward's e_j = γ_{j+1} + Mᵀ_{j+1} e_{j+1} and a
+// context-parallel rank's fold of its peers' summaries, each in one launch.
+//
+// A chain's steps are sequential and few blocks run, so a step is bound by the latency of its
+// loads: it copies x̃ into shared memory in passes of `pass_cols` key columns (a power of two;
+// the launcher takes all K at once where shared memory allows), every copy of a pass in flight
+// together (4-byte cp.async: rows of any width), with x⁰ loaded meanwhile. Thread t owns the
+// rows t mod 128 + 128 j and CT = 8 value columns, reading its rows of the pass
+// (conflict-free) and the state's columns (a broadcast). Each output is x⁰ plus the products
+// in increasing key order: f32, the same bits run to run.
 extern "C" __global__ void __launch_bounds__(GDP_FOLD_THREADS)
     gdp_fold_chains(GDP_KERNEL_PARAMS(GDP_FOLD_FIELDS, _)) {
-  constexpr int R = GDP_FOLD_MAX_K / (GDP_FOLD_THREADS / 32);  // rows per thread, at most
-  constexpr int WARPS = GDP_FOLD_THREADS / 32;
-  const int K = dk, V = dv, W = V + K;
-  const int chain = blockIdx.x, h = blockIdx.y;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int col = blockIdx.z * GDP_FOLD_COLS + lane;
-  const bool in_col = col < V;
+  constexpr int COLS = GDP_FOLD_COLS, CT = GDP_FOLD_CT, NT = GDP_FOLD_THREADS;
+  constexpr int RT = NT / (COLS / CT);  // threads per column group (128)
+  constexpr int R = GDP_FOLD_MAX_K / RT;  // rows per thread, at most
+  const int K = dk, V = dv, W = V + K, P = pass_cols, LX = pass_cols + 1;
+  const int pshift = __ffs(P) - 1;
+  const int chain = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+  const int col0 = blockIdx.z * COLS;
+  const int ic = tid % COLS, ir = tid / COLS;  // the I/O loops: rows ir + NT / COLS i
+  constexpr int IR = NT / COLS;
+  const bool in_col = col0 + ic < V;
+  const int rl = tid % RT, cg = tid / RT;  // the products: rows rl + RT j, columns cg CT ..
+  const int ccol = col0 + cg * CT;
   extern __shared__ __align__(16) unsigned char gdp_fold_smem[];
   float* s = reinterpret_cast<float*>(gdp_fold_smem);  // [K][COLS]
-  float* xt = s + K * GDP_FOLD_COLS;                     // [K][M]
+  float* xs = s + K * COLS;                              // [K][LX]
   const long long KV = (long long)K * V;
   bool has = s0 != nullptr;
-  for (int r = warp; r < K; r += WARPS)
-    s[r * GDP_FOLD_COLS + lane] =
-        has && in_col ? s0[((long long)chain * heads + h) * KV + (long long)r * V + col] : 0.f;
+  for (int r = ir; r < K; r += IR)
+    s[r * COLS + ic] =
+        has && in_col ? s0[((long long)chain * heads + h) * KV + (long long)r * V + col0 + ic]
+                      : 0.f;
   __syncthreads();
   for (int p = chain_at[chain]; p < chain_at[chain + 1]; ++p) {
-    const int row = rows[p];
+    const int row = rows[p], id = steps[p];
     if (row >= 0 && in_col)
-      for (int r = warp; r < K; r += WARPS)
-        out[((long long)row * heads + h) * KV + (long long)r * V + col] =
-            s[r * GDP_FOLD_COLS + lane];
-    const int id = steps[p];
+      for (int r = ir; r < K; r += IR)
+        out[((long long)row * heads + h) * KV + (long long)r * V + col0 + ic] = s[r * COLS + ic];
     if (id < 0) continue;  // the same for every thread of the block
     const float* x = t + ((long long)id * heads + h) * K * (long long)W;
-    float acc[R];
+    float acc[R][CT];
+    for (int m0 = 0; m0 < (has ? K : 0); m0 += P) {
+      if (m0 > 0) __syncthreads();  // every read of the previous pass is done
+      const int pw = min(P, K - m0);
+      for (int e = tid; e < K * P; e += NT) {
+        const int r = e >> pshift, m = e & (P - 1);
+        if (m < pw) cp_async4(xs + r * LX + m, x + (long long)r * W + V + m0 + m);
+      }
+      cp_async_commit();
+      if (m0 == 0) {
 #pragma unroll
-    for (int i = 0; i < R; ++i) {
-      const int r = warp + WARPS * i;
-      acc[i] = r < K && in_col ? x[(long long)r * W + col] : 0.f;
-    }
-    if (has) {
-      for (int m0 = 0; m0 < K; m0 += GDP_FOLD_M) {
-        __syncthreads();  // the previous pass's reads of xt are done
-        for (int e = threadIdx.x; e < K * GDP_FOLD_M; e += GDP_FOLD_THREADS) {
-          const int r = e / GDP_FOLD_M, m = m0 + e % GDP_FOLD_M;
-          xt[e] = m < K ? x[(long long)r * W + V + m] : 0.f;
-        }
-        __syncthreads();
-        const int mend = min(GDP_FOLD_M, K - m0);
-        for (int m = 0; m < mend; ++m) {
-          const float sv = s[(m0 + m) * GDP_FOLD_COLS + lane];
+        for (int j = 0; j < R; ++j)
 #pragma unroll
-          for (int i = 0; i < R; ++i) {
-            const int r = warp + WARPS * i;
-            if (r < K) acc[i] = fmaf(xt[r * GDP_FOLD_M + m], sv, acc[i]);
+          for (int c = 0; c < CT; ++c) {
+            const int r = rl + RT * j;
+            acc[j][c] = r < K && ccol + c < V ? x[(long long)r * W + ccol + c] : 0.f;
+          }
+      }
+      cp_async_wait<0>();
+      __syncthreads();
+      for (int m = 0; m < pw; ++m) {
+        const float4 s_lo = *reinterpret_cast<const float4*>(s + (m0 + m) * COLS + cg * CT);
+        const float4 s_hi = *reinterpret_cast<const float4*>(s + (m0 + m) * COLS + cg * CT + 4);
+        const float sv[CT] = {s_lo.x, s_lo.y, s_lo.z, s_lo.w, s_hi.x, s_hi.y, s_hi.z, s_hi.w};
+#pragma unroll
+        for (int j = 0; j < R; ++j) {
+          const int r = rl + RT * j;
+          if (r < K) {
+            const float xv = xs[r * LX + m];
+#pragma unroll
+            for (int c = 0; c < CT; ++c) acc[j][c] = fmaf(xv, sv[c], acc[j][c]);
           }
         }
       }
     }
+    if (!has) {
+#pragma unroll
+      for (int j = 0; j < R; ++j)
+#pragma unroll
+        for (int c = 0; c < CT; ++c) {
+          const int r = rl + RT * j;
+          acc[j][c] = r < K && ccol + c < V ? x[(long long)r * W + ccol + c] : 0.f;
+        }
+    }
     __syncthreads();  // every read of s is done
 #pragma unroll
-    for (int i = 0; i < R; ++i) {
-      const int r = warp + WARPS * i;
-      if (r < K) s[r * GDP_FOLD_COLS + lane] = acc[i];
+    for (int j = 0; j < R; ++j) {
+      const int r = rl + RT * j;
+      if (r < K)
+#pragma unroll
+        for (int c = 0; c < CT; ++c) s[r * COLS + cg * CT + c] = ccol + c < V ? acc[j][c] : 0.f;
     }
     has = true;
     __syncthreads();
   }
   if (fin != nullptr && in_col)
-    for (int r = warp; r < K; r += WARPS)
-      fin[((long long)chain * heads + h) * KV + (long long)r * V + col] =
-          has ? s[r * GDP_FOLD_COLS + lane] : 0.f;
+    for (int r = ir; r < K; r += IR)
+      fin[((long long)chain * heads + h) * KV + (long long)r * V + col0 + ic] =
+          has ? s[r * COLS + ic] : 0.f;
 }

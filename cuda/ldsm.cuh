@@ -86,6 +86,17 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 #endif
 }
 
+// 4-byte asynchronous copy global -> shared (both 4-byte aligned): rows of any width.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+#ifdef GDP_EMU
+  assert(((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 3) == 0);
+  gdp_emu_cp_async(dst, src, 4);
+#else
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src) : "memory");
+#endif
+}
+
 // cp_async16 that writes 16 zero bytes to dst instead of copying when `copy` is false (the
 // copy's source size 0: nothing is read from src, which must still be a global address): a row
 // that may lie past a tile's rows costs one instruction and no branch around the copy.

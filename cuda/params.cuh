@@ -227,7 +227,8 @@
   X(C, float* __restrict__, fin)         \
   X(C, int, heads)                       \
   X(C, int, dk)                          \
-  X(C, int, dv)
+  X(C, int, dv)                          \
+  X(C, int, pass_cols)
 
 // gdp_step_{f32,bf16,f16}_k* (step.cuh): one fused decode step.
 #define GDP_STEP_FIELDS(X, C, TY) \

@@ -763,6 +763,14 @@ fn context_parallel_bf16_on_cuda_matches_single_device() -> Result<()> {
         &Case::new("bf16 dense n1 K33 V22", 1, 200, 2, 33, 22, 1).seed(71),
         &[2],
     )?;
+    // Grouped value heads: the ranks read `q`, `k` of Hk heads in place, as the plain op does.
+    bf(
+        &Case::new("bf16 grouped r2 n1 h0", 1, 333, 4, 128, 64, 1)
+            .key_heads(2)
+            .h0()
+            .seed(83),
+        &[3],
+    )?;
     bf(
         &Case::new("bf16 packed n3 strong h0", 1, 290, 2, 32, 40, 3)
             .packed(&[0, 5, 140, 141, 290])
@@ -781,6 +789,12 @@ fn context_parallel_bf16_on_cuda_matches_single_device() -> Result<()> {
         (
             Case::new("bf16 plain dense n1 K=V=128", 1, 333, 3, 128, 128, 1).seed(59),
             &[4][..],
+        ),
+        (
+            Case::new("bf16 plain grouped r4 n2", 2, 200, 4, 64, 64, 2)
+                .key_heads(1)
+                .seed(89),
+            &[2][..],
         ),
         // Odd K (rows of odd width V + K): the correction's element-wise paths.
         (

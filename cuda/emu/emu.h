@@ -118,6 +118,8 @@ struct EmuBlock {
 };
 extern EmuBlock* g_block;
 inline void __syncthreads() { g_block->sync->arrive_and_wait(); }
+// The 1-based position of the least significant set bit (0 for 0).
+inline int __ffs(int x) { return __builtin_ffs(x); }
 
 // ---- cp.async: a thread's copies land only when it waits for their group (the latest the GPU
 // may land them), so that a read of a stage whose copies its issuer has not waited for, fenced
@@ -126,6 +128,7 @@ inline void __syncthreads() { g_block->sync->arrive_and_wait(); }
 struct EmuCpAsync {
   struct Copy {
     void* dst;
+    int n;
     unsigned char bytes[16];
   };
   std::vector<Copy> open;                 // issued, not yet committed
@@ -136,6 +139,7 @@ inline thread_local EmuCpAsync gdp_emu_cp_async_state;
 inline void gdp_emu_cp_async16_zfill(void* dst, const void* src, bool copy) {
   EmuCpAsync::Copy c;
   c.dst = dst;
+  c.n = 16;
   if (copy)
     memcpy(c.bytes, src, 16);
   else
@@ -145,6 +149,14 @@ inline void gdp_emu_cp_async16_zfill(void* dst, const void* src, bool copy) {
 inline void gdp_emu_cp_async16(void* dst, const void* src) {
   gdp_emu_cp_async16_zfill(dst, src, true);
 }
+// An n-byte copy (n <= 16).
+inline void gdp_emu_cp_async(void* dst, const void* src, int n) {
+  EmuCpAsync::Copy c;
+  c.dst = dst;
+  c.n = n;
+  memcpy(c.bytes, src, n);
+  gdp_emu_cp_async_state.open.push_back(c);
+}
 inline void gdp_emu_cp_async_commit() {
   auto& st = gdp_emu_cp_async_state;
   st.groups.push_back(std::move(st.open));
@@ -153,7 +165,7 @@ inline void gdp_emu_cp_async_commit() {
 inline void gdp_emu_cp_async_wait(int n) {
   auto& st = gdp_emu_cp_async_state;
   while ((int)st.groups.size() > n) {
-    for (const auto& c : st.groups.front()) memcpy(c.dst, c.bytes, 16);
+    for (const auto& c : st.groups.front()) memcpy(c.dst, c.bytes, c.n);
     st.groups.erase(st.groups.begin());
   }
 }

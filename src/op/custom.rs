@@ -158,12 +158,9 @@ impl GdpForward {
                 let call = self.cuda_call();
                 super::cuda::forward(qk, v, aux, &call, None, self.cache.as_deref())?
             }
-            (Some(link), super::cuda::QkIn::Packed(qk)) => {
+            (Some(link), qk) => {
                 let call = self.cuda_call();
                 link.forward_cuda((qk, v, aux), &call, self.cache.as_deref())?
-            }
-            (Some(_), super::cuda::QkIn::Split(..)) => {
-                candle_core::bail!("gdp: context parallelism runs on the packed `qk`")
             }
         };
         Ok((out, self.output_shape()))
@@ -214,13 +211,13 @@ impl GdpForward {
     ) -> Result<Option<super::cuda::CpOverrides<'a>>> {
         use super::cuda::{backward_summaries_served, split_backward_fits};
         let sh = &self.shape;
-        let QueryKeys::Packed(qk) = qk else {
+        let lead = match qk {
+            QueryKeys::Packed(qk) | QueryKeys::Split(qk, _) => qk,
+        };
+        let candle_core::Device::Cuda(dev) = lead.device() else {
             return Ok(None);
         };
-        let candle_core::Device::Cuda(dev) = qk.device() else {
-            return Ok(None);
-        };
-        if qk.dtype() != DType::BF16
+        if lead.dtype() != DType::BF16
             || v.dtype() != DType::BF16
             || !split_backward_fits(dev, sh, &self.kernels)?
             || !backward_summaries_served(dev, sh, &self.kernels)?

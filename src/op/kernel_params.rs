@@ -115,7 +115,7 @@ kernel_params! {
     /// `gdp_fold_chains`: chains of segment summaries folded into states.
     FoldParams = "GDP_FOLD_FIELDS" {
         t: u64, s0: u64, steps: u64, chain_at: u64, rows: u64, out: u64, fin: u64, heads: i32,
-        dk: i32, dv: i32,
+        dk: i32, dv: i32, pass_cols: i32,
     }
     /// `gdp_step_{f32,bf16,f16}_k*`: one fused decode step.
     StepParams = "GDP_STEP_FIELDS" {

@@ -50,12 +50,13 @@ pub(crate) trait RankLink: std::fmt::Debug + Send + Sync {
         grad: &[f32],
     ) -> Result<Vec<f32>>;
 
-    /// The rank's forward on CUDA storages `(qk, v, gates)`; with a `cache` slot the bf16
-    /// chunked forward keeps its intermediates for the backward.
+    /// The rank's forward on CUDA storages `(queries and keys, v, gates)` (FLA's `q`, `k` in
+    /// place only where [`super::cuda::rank_reads_qk_in_place`] said so); with a `cache` slot
+    /// the bf16 chunked forward keeps its intermediates for the backward.
     #[cfg(feature = "cuda")]
     fn forward_cuda(
         &self,
-        ins: (super::cuda::In, super::cuda::In, super::cuda::In),
+        ins: (super::cuda::QkIn, super::cuda::In, super::cuda::In),
         call: &CudaCall,
         cache: Option<&super::cuda::CacheSlot>,
     ) -> Result<candle_core::CudaStorage>;

@@ -167,7 +167,10 @@ pub(crate) fn kernel_keys(
     cp: bool,
 ) -> Result<(Tensor, Tensor, bool)> {
     #[cfg(feature = "cuda")]
-    let in_place = !cp && cuda::reads_qk_in_place(q, sh, &opts.kernels)?;
+    let in_place = match cp {
+        true => cuda::rank_reads_qk_in_place(q, sh, &opts.kernels)?,
+        false => cuda::reads_qk_in_place(q, sh, &opts.kernels)?,
+    };
     #[cfg(not(feature = "cuda"))]
     let in_place = {
         let _ = (opts, cp);

@@ -159,6 +159,21 @@ pub(crate) fn backward_chains(owners: &[Range<usize>], segments: usize) -> Resul
     Ok(chains)
 }
 
+/// Context parallelism's fold of gathered summaries (`[ranks, F, H, K, V + K]`, read as
+/// `ranks · F` segments): per fragment slot `f < F`, the ranks `order` (first applied first),
+/// segment `r · F + f` each; no state rows, the chains' final states are the result.
+pub(crate) fn rank_chains(order: &[usize], frags: usize) -> Result<FoldChains> {
+    let mut chains = FoldChains::with_capacity(frags, frags * order.len());
+    for f in 0..frags {
+        for &r in order {
+            chains.steps.push(to_i32(r * frags + f)?);
+            chains.rows.push(-1);
+        }
+        chains.end_chain()?;
+    }
+    Ok(chains)
+}
+
 impl FoldChains {
     fn with_capacity(chains: usize, steps: usize) -> Self {
         let mut chain_at = Vec::with_capacity(chains + 1);
@@ -191,6 +206,16 @@ mod tests {
 
     fn span(batch: usize, start: usize, len: usize) -> SeqSpan {
         SeqSpan { batch, start, len }
+    }
+
+    #[test]
+    fn rank_chains_fold_each_fragment_slot_over_the_ranks() {
+        let c = rank_chains(&[3, 2], 2).unwrap();
+        assert_eq!(c.steps, [6, 4, 7, 5]);
+        assert_eq!(c.chain_at, [0, 2, 4]);
+        assert_eq!(c.rows, [-1; 4]);
+        let none = rank_chains(&[], 1).unwrap();
+        assert_eq!((none.chains(), none.steps.len()), (1, 0));
     }
 
     #[test]

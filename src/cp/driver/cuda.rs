@@ -8,6 +8,7 @@ use crate::cp::protocol::Composition;
 use crate::cp::summary::summary_len;
 use crate::op::link::CudaCall;
 use crate::op::shape::GdpShape;
+use candle_core::cuda_backend::cudarc::driver::CudaSlice;
 use candle_core::Result;
 use std::ops::Range;
 
@@ -20,10 +21,12 @@ impl CpLink {
     /// The forward on this rank, like [`CpLink::forward`], on CUDA storages (with `plain`, `o`
     /// alone in the inputs' dtype, as [`cuda::forward`](crate::op::cuda::forward)); with a
     /// `cache` slot the bf16 chunked forward keeps its intermediates for the backward (they are
-    /// of the folded initial states, which the backward uses too).
+    /// of the folded initial states, which the backward uses too). FLA's `q`, `k` in place
+    /// reach only the widened forward ([`crate::op::cuda::rank_reads_qk_in_place`]); the
+    /// summaries of the other paths take the packed `qk`.
     pub(super) fn forward_cuda_impl(
         &self,
-        qk: CudaIn,
+        qk: crate::op::cuda::QkIn,
         v: CudaIn,
         aux: CudaIn,
         call: &CudaCall,
@@ -36,6 +39,11 @@ impl CpLink {
         if let Some(out) = widened {
             return Ok(out);
         }
+        let cuda::QkIn::Packed(qk) = qk else {
+            candle_core::bail!(
+                "gdp cp: `q` and `k` in place, but the widened forward does not serve this shape"
+            );
+        };
         let dev = qk.0.device().clone();
         let (h, kv, sl, ns) = (
             sh.heads,
@@ -72,7 +80,7 @@ impl CpLink {
     /// chunked kernels do not serve (then nothing was exchanged).
     fn forward_cuda_widened(
         &self,
-        qk: CudaIn,
+        qk: crate::op::cuda::QkIn,
         v: CudaIn,
         aux: CudaIn,
         call: &CudaCall,
@@ -81,7 +89,7 @@ impl CpLink {
         use crate::op::cuda;
         use candle_core::backend::BackendStorage;
         let (sh, has_h0, plain) = (call.shape, call.has_h0, call.plain);
-        let dev = qk.0.device().clone();
+        let dev = qk.lead().0.device().clone();
         let (ns, h, k, v_dim) = (sh.num_seqs(), sh.heads, sh.dk, sh.dv);
         let kv = k * v_dim;
         // The initial states the scan starts from: the given ones, zeros where the sequence
@@ -98,23 +106,30 @@ impl CpLink {
                 .memset_zeros(&mut part)
                 .map_err(candle_core::Error::wrap)?;
         }
+        let frags = seq_range(&self.fragments(ns, true));
+        let fold = match incoming.is_empty() {
+            true => None,
+            false => Some(RankFold::new(
+                &dev,
+                self.fwd_slice.clone(),
+                frags.len(),
+                self.composition,
+            )?),
+        };
         let from = incoming.clone();
         let Some(wf) = cuda::widened_forward(qk, v, aux, call, &h0, from, cache)? else {
             return Ok(None);
         };
         let fin = cuda::tensor_of(&dev, &wf.fin, &[ns, h, k, v_dim + k])?;
-        let frags = seq_range(&self.fragments(ns, true));
         let local = if self.bwd_slice.is_empty() {
             fin.narrow(0, frags.start, frags.len())?.zeros_like()?
         } else {
             fin.narrow(0, frags.start, frags.len())?
         };
         let all = self.gather_tensor(&local)?;
-        let s_in = if incoming.is_empty() {
-            None
-        } else {
-            let s = fold_on_device(&all, self.fwd_slice.clone(), k, v_dim, self.composition)?;
-            Some(cuda::slice_of(&s)?)
+        let s_in = match &fold {
+            Some(f) => Some(f.apply(&all, k, v_dim)?),
+            None => None,
         };
         let out =
             cuda::finish_widened_forward(&dev, &wf, sh, incoming.clone(), s_in.as_ref(), plain)?;
@@ -204,6 +219,13 @@ impl CpLink {
         let outgoing = seq_range(&self.continuing_out(ns));
         let dev2 = dev.clone();
         let wide = outgoing.clone();
+        let fold = match outgoing.is_empty() {
+            true => None,
+            false => {
+                let order = self.bwd_slice.clone().rev();
+                Some(RankFold::new(dev, order, leading.len(), self.composition)?)
+            }
+        };
         let exchange = move |dh0w: &candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>| {
             let t = cuda::tensor_of(&dev2, dh0w, &[ns, h, k, v + k])?;
             let part = t.narrow(0, leading.start, leading.len())?;
@@ -213,11 +235,10 @@ impl CpLink {
                 part
             };
             let all = self.gather_tensor(&local)?;
-            if outgoing.is_empty() {
+            let Some(fold) = &fold else {
                 return Ok(None);
-            }
-            let ds = fold_on_device(&all, self.bwd_slice.clone().rev(), k, v, self.composition)?;
-            let states = cuda::slice_of(&ds)?;
+            };
+            let states = fold.apply(&all, k, v)?;
             Ok(Some(cuda::EndGrads::for_range(
                 states,
                 ns,
@@ -296,59 +317,76 @@ fn seq_range(seqs: &[usize]) -> Range<usize> {
     }
 }
 
-/// Folds the gathered summaries `all` (`[ranks, F, H, K, V + K]`, any device) of the ranks in
-/// `order` (first applied first) into the states `[F, H, K, V]` they carry: `S ← P[.., V:] S +
-/// P[.., :V]` from `S = 0` ([`Composition::Fold`]), or the same composition as a balanced tree
-/// of pairs (`[ΔS₂ + M₂ΔS₁ | M₂M₁]`, [`Composition::Scan`]), as batched products on the device.
-fn fold_on_device(
-    all: &candle_core::Tensor,
-    order: impl IntoIterator<Item = usize>,
-    dk: usize,
-    dv: usize,
-    composition: Composition,
-) -> Result<candle_core::Tensor> {
-    let parts: Vec<(candle_core::Tensor, candle_core::Tensor)> = order
-        .into_iter()
-        .map(|r| {
-            let p = all.get(r)?;
-            Ok((p.narrow(3, 0, dv)?, p.narrow(3, dv, dk)?.contiguous()?))
-        })
-        .collect::<Result<_>>()?;
-    let zeros = || -> Result<candle_core::Tensor> {
-        let d = all.dims();
-        candle_core::Tensor::zeros((d[1], d[2], dk, dv), all.dtype(), all.device())
-    };
-    match composition {
-        Composition::Fold => {
-            let mut s: Option<candle_core::Tensor> = None;
-            for (a, m) in parts {
-                s = Some(match s {
-                    None => a.contiguous()?,
-                    Some(s) => (a + m.matmul(&s)?)?,
-                });
+/// How a rank folds the summaries it gathers on the device: the ranks `order` (first applied
+/// first) of `[ranks, F, H, K, V + K]` into the states `[F, H, K, V]` they carry, `S ←
+/// P[.., V:] S + P[.., :V]` from `S = 0`. Made before the rank's kernels are queued, so that
+/// [`Composition::Fold`]'s chains are on the device before the exchange
+/// ([`crate::op::cuda::DeviceChains`]).
+struct RankFold {
+    order: Vec<usize>,
+    /// [`Composition::Fold`]: the ranks' chains for `gdp_fold_chains`; `None`:
+    /// [`Composition::Scan`].
+    chains: Option<crate::op::cuda::DeviceChains>,
+}
+
+impl RankFold {
+    fn new(
+        dev: &candle_core::CudaDevice,
+        order: impl IntoIterator<Item = usize>,
+        frags: usize,
+        composition: Composition,
+    ) -> Result<Self> {
+        let order: Vec<usize> = order.into_iter().collect();
+        let chains = match composition {
+            Composition::Fold => {
+                let plan = crate::op::segments::rank_chains(&order, frags)?;
+                Some(crate::op::cuda::DeviceChains::upload(dev, &plan)?)
             }
-            s.map_or_else(zeros, Ok)
+            Composition::Scan => None,
+        };
+        Ok(Self { order, chains })
+    }
+
+    /// The states f32 `[F, H, K, V]` that the gathered summaries `all` (f32 `[ranks, F, H, K,
+    /// V + K]` on the device) carry: one kernel ([`Composition::Fold`]), or a balanced tree of
+    /// pairs `[ΔS₂ + M₂ΔS₁ | M₂M₁]` of batched products ([`Composition::Scan`]).
+    fn apply(&self, all: &candle_core::Tensor, dk: usize, dv: usize) -> Result<CudaSlice<f32>> {
+        let ranks = all.dim(0)?;
+        if let Some(r) = self.order.iter().find(|&&r| r >= ranks) {
+            candle_core::bail!("gdp cp: folding rank {r} of {ranks} gathered summaries");
         }
-        Composition::Scan => {
-            let mut level = parts;
-            while level.len() > 1 {
-                let mut next = Vec::with_capacity(level.len().div_ceil(2));
-                let mut it = level.into_iter();
-                while let Some((a1, m1)) = it.next() {
-                    match it.next() {
-                        Some((a2, m2)) => {
-                            let a = (a2 + m2.matmul(&a1.contiguous()?)?)?;
-                            next.push((a, m2.matmul(&m1)?));
-                        }
-                        None => next.push((a1, m1)),
+        if let Some(chains) = &self.chains {
+            return crate::op::cuda::fold_gathered(all, chains, dk, dv);
+        }
+        let mut level: Vec<(candle_core::Tensor, candle_core::Tensor)> = self
+            .order
+            .iter()
+            .map(|&r| {
+                let p = all.get(r)?;
+                Ok((p.narrow(3, 0, dv)?, p.narrow(3, dv, dk)?.contiguous()?))
+            })
+            .collect::<Result<_>>()?;
+        while level.len() > 1 {
+            let mut next = Vec::with_capacity(level.len().div_ceil(2));
+            let mut it = level.into_iter();
+            while let Some((a1, m1)) = it.next() {
+                match it.next() {
+                    Some((a2, m2)) => {
+                        let a = (a2 + m2.matmul(&a1.contiguous()?)?)?;
+                        next.push((a, m2.matmul(&m1)?));
                     }
+                    None => next.push((a1, m1)),
                 }
-                level = next;
             }
-            match level.pop() {
-                Some((a, _)) => a.contiguous(),
-                None => zeros(),
-            }
+            level = next;
         }
+        let s = match level.pop() {
+            Some((a, _)) => a,
+            None => {
+                let d = all.dims();
+                candle_core::Tensor::zeros((d[1], d[2], dk, dv), all.dtype(), all.device())?
+            }
+        };
+        crate::op::cuda::slice_of(&s)
     }
 }

@@ -510,7 +510,7 @@ impl RankLink for CpLink {
     #[cfg(feature = "cuda")]
     fn forward_cuda(
         &self,
-        (qk, v, aux): (CudaIn, CudaIn, CudaIn),
+        (qk, v, aux): (crate::op::cuda::QkIn, CudaIn, CudaIn),
         call: &CudaCall,
         cache: Option<&crate::op::cuda::CacheSlot>,
     ) -> Result<candle_core::CudaStorage> {

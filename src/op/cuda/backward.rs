@@ -225,7 +225,7 @@ pub(super) fn try_backward_bf16(
         return Ok(None);
     };
     let widened = match &segments {
-        Some(s) => Some(s.fold(dev)),
+        Some(s) => Some(s.fold(dev)?),
         None => widened,
     };
     // Rerun the forward scan for the chunk states unless the forward kept them; compute the WY
@@ -465,8 +465,8 @@ pub(super) fn try_backward_bf16(
     let (side, (dhs, ddn)) = match launched {
         Launched::Plain(side, rows) => (Some(side), rows),
         Launched::Widened(run, fold) => {
-            let (dhs, ddn, dh0) = run.finish(dev, fold)?;
-            if has_h0 {
+            let (dhs, ddn, dh0) = run.finish(dev, fold, has_h0)?;
+            if let Some(dh0) = dh0 {
                 let dh0 = match &segments {
                     Some(s) => s.first_segments(&dh0)?,
                     None => dh0,

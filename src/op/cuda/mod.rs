@@ -44,6 +44,7 @@ pub use cache::{CacheSlot, ForwardCache};
 pub(crate) use copy::{copy_rows, sum_groups_tensor};
 pub use device::In;
 pub(crate) use device::{initial_states_device, slice_of, tensor_of};
+pub(crate) use fold::{fold_gathered, DeviceChains};
 pub(crate) use forward::forward;
 pub use forward::reads_qk_in_place;
 pub use fused_bwd::{backward_len, bwd_smem_bytes, BwdPlan};
@@ -56,6 +57,7 @@ pub use step::{step, step_fits};
 pub(crate) use summary::{backward_summaries, forward_summaries};
 pub use summary::{dht_to_host, initial_states_to_host};
 pub(crate) use tensors::{try_backward_tensors, CpFinalGrads, CpOverrides};
+pub use widened::rank_reads_qk_in_place;
 pub(crate) use widened::{
     backward_summaries_served, finish_widened_forward, widened_forward, EndGrads, WidenedFold,
 };

@@ -20,7 +20,7 @@
 use super::cache::{CacheSlot, ForwardCache, SegmentStates};
 use super::cp_fix::{fix_planned, FixDims, FixOut};
 use super::device::{initial_states_device, smem_and_sms, In};
-use super::fold::{fold_chains, FoldDims};
+use super::fold::{fold_chains, DeviceChains, FoldDims};
 use super::fwd_scan::{ScanDest, ScanOut};
 use super::inputs::{Bf16Inputs, CudaCall};
 use super::plan::{split_backward_fits, split_plan, DH_SCAN, FWD_SCAN};
@@ -94,6 +94,8 @@ impl SegmentPlan {
             _ => None,
         };
         let h0w = widened_states_dev(dev, None, seg)?;
+        let chains =
+            DeviceChains::upload(dev, &segments::forward_chains(&self.owners, &seg.seqs)?)?;
         // SAFETY: the scan writes `[o⁰ | Q̃]` for every query row (the segments cover every
         // token of every sequence, as `cu_seqlens` covers every token).
         let mut o = unsafe { dev.alloc::<bf16>(wide.o_len().max(1))? };
@@ -110,7 +112,7 @@ impl SegmentPlan {
             incoming,
             state_of,
             finals,
-        } = self.fold(dev, &fin, aux, call)?;
+        } = self.fold(dev, &fin, &chains, aux, call)?;
         let x = o.slice(..);
         let s = incoming.slice(..);
         let dims = FixDims {
@@ -170,12 +172,14 @@ impl SegmentPlan {
     }
 
     /// The state each segment starts from and, unless `call.plain`, each sequence's final
-    /// state, folded in f32 on the device ([`fold_chains`]) from the segments' `[ΔS | M]`
-    /// (`fin`, `[segments, H, K, V + K]`) and the initial states of `aux`.
+    /// state, folded in f32 on the device ([`fold_chains`] along `chains`, the uploaded
+    /// [`segments::forward_chains`]) from the segments' `[ΔS | M]` (`fin`, `[segments, H, K, V
+    /// + K]`) and the initial states of `aux`.
     fn fold(
         &self,
         dev: &CudaDevice,
         fin: &CudaSlice<f32>,
+        chains: &DeviceChains,
         aux: In,
         call: &CudaCall,
     ) -> Result<Folded> {
@@ -193,7 +197,6 @@ impl SegmentPlan {
                 has |= seg.seqs[j].len > 0; // an empty segment passes the state on
             }
         }
-        let chains = segments::forward_chains(&self.owners, &seg.seqs)?;
         let dims = FoldDims {
             heads: sh.heads,
             dk: sh.dk,
@@ -204,7 +207,7 @@ impl SegmentPlan {
             dev,
             &fin.slice(..),
             h0.as_ref(),
-            &chains,
+            chains,
             dims,
             seg.num_seqs(),
             !call.plain,
@@ -277,33 +280,40 @@ impl SegmentStates {
 
     /// The fold of the widened state-gradient scan over every segment: from each sequence's
     /// last segment back, `e_j = γ_{j+1} + Mᵀ_{j+1} e_{j+1}` (none for the last), the
-    /// end-state gradient that segment `j`'s scan lacked.
-    pub(super) fn fold<'a>(&'a self, dev: &CudaDevice) -> WidenedFold<'a> {
+    /// end-state gradient that segment `j`'s scan lacked. Its chains are uploaded here, before
+    /// the backward's kernels ([`DeviceChains`]).
+    pub(super) fn fold<'a>(&'a self, dev: &CudaDevice) -> Result<WidenedFold<'a>> {
         let sub = &self.sub;
         let (ns, h, k, v) = (sub.num_seqs(), sub.heads, sub.dk, sub.dv);
+        let state_of = segments::end_grad_rows(&self.owners, ns);
+        let rows = state_of.iter().flatten().count();
+        let chains = match rows {
+            0 => None,
+            _ => Some(DeviceChains::upload(
+                dev,
+                &segments::backward_chains(&self.owners, ns)?,
+            )?),
+        };
         let dev = dev.clone();
         let exchange = move |dh0w: &CudaSlice<f32>| -> Result<Option<EndGrads>> {
-            let state_of = segments::end_grad_rows(&self.owners, ns);
-            let rows = state_of.iter().flatten().count();
-            if rows == 0 {
+            let Some(chains) = &chains else {
                 return Ok(None);
-            }
-            let chains = segments::backward_chains(&self.owners, ns)?;
+            };
             let dims = FoldDims {
                 heads: h,
                 dk: k,
                 dv: v,
             };
-            let out = fold_chains(&dev, &dh0w.slice(..), None, &chains, dims, rows, false)?;
+            let out = fold_chains(&dev, &dh0w.slice(..), None, chains, dims, rows, false)?;
             Ok(Some(EndGrads {
                 states: out.states,
                 state_of,
             }))
         };
-        WidenedFold {
+        Ok(WidenedFold {
             outgoing: 0..ns,
             exchange: Box::new(exchange),
-        }
+        })
     }
 
     /// Each sequence's initial-state gradient, f32 `[N, H, K, V]`: the corrected `γ` of its

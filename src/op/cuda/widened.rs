@@ -34,6 +34,23 @@ pub(super) fn wanted(qk: In, cfg: &KernelConfig) -> Option<KernelPath> {
     (qk.0.dtype() == DType::BF16 && cfg.summaries != KernelPath::Fused).then_some(cfg.summaries)
 }
 
+/// Whether a context-parallel rank of shape `sh` (its shard) runs on the bf16 chunked kernels
+/// both ways under `cfg` (the widened forward and the widened state-gradient scan, besides
+/// what [`reads_qk_in_place`](super::reads_qk_in_place) asks of the plain op), so that it reads
+/// FLA's `q`, `k` in place instead of a packed copy. `q` says the device and dtype. Decided from
+/// the shape, dtype and device only, as the collectives that follow need.
+pub fn rank_reads_qk_in_place(q: &Tensor, sh: &GdpShape, cfg: &KernelConfig) -> Result<bool> {
+    let candle_core::Device::Cuda(dev) = q.device() else {
+        return Ok(false);
+    };
+    if cfg.summaries == KernelPath::Fused || !super::reads_qk_in_place(q, sh, cfg)? {
+        return Ok(false);
+    }
+    let every: Vec<usize> = (0..sh.num_seqs()).collect();
+    Ok(Widened::plan(dev, sh, &every, &FWD_SCAN, cfg)?.is_some()
+        && backward_summaries_served(dev, sh, cfg)?)
+}
+
 /// Whether the backward summaries of bf16 inputs of shape `sh` run on the chunked kernels here
 /// (what a rank's direct bf16 backward needs, since it has no packed f32 `do`).
 pub(crate) fn backward_summaries_served(
@@ -183,7 +200,7 @@ pub(crate) struct WidenedForward {
 /// where these kernels do not serve (not bf16, `KernelConfig::summaries` = `Fused`, or the
 /// shape).
 pub(crate) fn widened_forward(
-    qk: In,
+    qk: QkIn,
     v: In,
     aux: In,
     call: &CudaCall,
@@ -192,15 +209,15 @@ pub(crate) fn widened_forward(
     cache: Option<&super::cache::CacheSlot>,
 ) -> Result<Option<WidenedForward>> {
     let (sh, cfg) = (call.shape, call.kernels);
-    let dev = qk.0.device().clone();
-    if wanted(qk, cfg).is_none() {
+    let dev = qk.lead().0.device().clone();
+    if wanted(qk.lead(), cfg).is_none() {
         return Ok(None);
     }
     let every: Vec<usize> = (0..sh.num_seqs()).collect();
     let Some(widened) = Widened::plan(&dev, sh, &every, &FWD_SCAN, cfg)? else {
         return Ok(None);
     };
-    let inp = Bf16Inputs::new(QkIn::Packed(qk), v, aux, sh, call.has_h0)?;
+    let inp = Bf16Inputs::new(qk, v, aux, sh, call.has_h0)?;
     let keep = match cache {
         Some(slot) if super::plan::split_backward_fits(&dev, sh, cfg)? => Some(slot),
         _ => None,
@@ -455,12 +472,14 @@ pub(super) struct WidenedRun<'a, 'b> {
 impl WidenedRun<'_, '_> {
     /// Joins the scan, calls `fold` with its `[γ | Mᵀ]` and writes the corrected chunk rows into
     /// new buffers `dhs [slots, K, V]` and `ddn [slots, 64, V]` (bf16, for the gradient kernel);
-    /// returns them and the initial-state gradients f32 `[N, H, K, V]`.
+    /// returns them and, with `want_dh0` (the op has initial states), the initial-state
+    /// gradients f32 `[N, H, K, V]`.
     pub(super) fn finish(
         self,
         dev: &CudaDevice,
         fold: WidenedFold,
-    ) -> Result<(CudaSlice<bf16>, CudaSlice<bf16>, Tensor)> {
+        want_dh0: bool,
+    ) -> Result<(CudaSlice<bf16>, CudaSlice<bf16>, Option<Tensor>)> {
         use super::cp_fix::{fix_planned, FixDims};
         use crate::op::row_fix::plan_rows;
         let sh = self.sh;
@@ -491,6 +510,9 @@ impl WidenedRun<'_, '_> {
             let src = src.slice(..);
             fix_planned(dev, (&src, &mut dst.slice_mut(..)), s.as_ref(), dims, &rows)?;
         }
+        if !want_dh0 {
+            return Ok((dhs, ddn, None));
+        }
         // The initial-state gradients: γ⁰ + Mᵀ dS where a final-state gradient came.
         let t = super::device::tensor_of(dev, &bufs.dh0w, &[ns, h, k, v + k])?;
         let states = match &folded {
@@ -501,7 +523,7 @@ impl WidenedRun<'_, '_> {
             None => None,
         };
         let dh0 = corrected_rows(&t, states.as_ref(), &state_of)?;
-        Ok((dhs, ddn, dh0))
+        Ok((dhs, ddn, Some(dh0)))
     }
 }
 
