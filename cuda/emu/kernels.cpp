@@ -1026,7 +1026,8 @@ static Chains backward_chains(const std::vector<std::pair<long, long>>& owners, 
   }
   return ch;
 }
-// gdp_fold_chains as src/op/cuda/fold.rs launches it: block (chain, head, 32 value columns).
+// gdp_fold_chains as src/op/cuda/fold.rs launches it: block (chain, head, 16 value columns),
+// passes of x̃ of up to g_fold_pass key columns.
 static void launch_fold(const float* t, const float* s0, const Chains& ch, float* out,
                         float* fin, int H, int K, int V) {
   GdpFoldParams p{};

@@ -4,7 +4,7 @@
 //! The modules form layers, each importing only from the ones above it: launch plumbing and
 //! planning (`device`, `module`, `side`, `memory`, `copy`, `plan`: every kernel's shared memory
 //! and tiles); one module per kernel family (`wy`, `fwd_scan`, `dh_scan`, `grads`, the fused
-//! one-kernel paths `fused_fwd` / `fused_bwd`, `cp_fix`, `fold` (the segments' states), the
+//! one-kernel paths `fused_fwd` / `fused_bwd`, `cp_fix`, `fold` (summaries folded into states), the
 //! decode `step`, and `pipeline`, which runs the WY kernel beside a scan); and the stages
 //! composed, as FLA's `chunk.py` composes its kernels: `forward`, `widened` (a
 //! context-parallel rank's widened passes), `segmented` (the op in segments), `summary` (the
