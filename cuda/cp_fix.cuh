@@ -287,8 +287,8 @@ __host__ __device__ constexpr int gdp_fold_smem_bytes(int K, int P) {
 // A chain's steps are sequential and few blocks run, so a step is bound by the latency of its
 // loads: it copies x̃ into shared memory in passes of `pass_cols` key columns (a power of two;
 // the launcher takes all K at once where shared memory allows), every copy of a pass in flight
-// together (4-byte cp.async: rows of any width), with x⁰ loaded meanwhile. Thread t owns the
-// rows t mod 128 + 128 j and CT = 8 value columns, reading its rows of the pass
+// together (4-byte cp.async: rows of any width), x⁰'s loads issued just before them. Thread t
+// owns the rows t mod 128 + 128 j and CT = 8 value columns, reading its rows of the pass
 // (conflict-free) and the state's columns (a broadcast). Each output is x⁰ plus the products
 // in increasing key order: f32, the same bits run to run.
 extern "C" __global__ void __launch_bounds__(GDP_FOLD_THREADS)
@@ -322,7 +322,15 @@ extern "C" __global__ void __launch_bounds__(GDP_FOLD_THREADS)
         out[((long long)row * heads + h) * KV + (long long)r * V + col0 + ic] = s[r * COLS + ic];
     if (id < 0) continue;  // the same for every thread of the block
     const float* x = t + ((long long)id * heads + h) * K * (long long)W;
+    // This thread's rows and columns of x⁰ (in flight while the first pass is copied).
     float acc[R][CT];
+#pragma unroll
+    for (int j = 0; j < R; ++j)
+#pragma unroll
+      for (int c = 0; c < CT; ++c) {
+        const int r = rl + RT * j;
+        acc[j][c] = r < K && ccol + c < V ? x[(long long)r * W + ccol + c] : 0.f;
+      }
     for (int m0 = 0; m0 < (has ? K : 0); m0 += P) {
       if (m0 > 0) __syncthreads();  // every read of the previous pass is done
       const int pw = min(P, K - m0);
@@ -331,15 +339,6 @@ extern "C" __global__ void __launch_bounds__(GDP_FOLD_THREADS)
         if (m < pw) cp_async4(xs + r * LX + m, x + (long long)r * W + V + m0 + m);
       }
       cp_async_commit();
-      if (m0 == 0) {
-#pragma unroll
-        for (int j = 0; j < R; ++j)
-#pragma unroll
-          for (int c = 0; c < CT; ++c) {
-            const int r = rl + RT * j;
-            acc[j][c] = r < K && ccol + c < V ? x[(long long)r * W + ccol + c] : 0.f;
-          }
-      }
       cp_async_wait<0>();
       __syncthreads();
       for (int m = 0; m < pw; ++m) {
@@ -356,15 +355,6 @@ extern "C" __global__ void __launch_bounds__(GDP_FOLD_THREADS)
           }
         }
       }
-    }
-    if (!has) {
-#pragma unroll
-      for (int j = 0; j < R; ++j)
-#pragma unroll
-        for (int c = 0; c < CT; ++c) {
-          const int r = rl + RT * j;
-          acc[j][c] = r < K && ccol + c < V ? x[(long long)r * W + ccol + c] : 0.f;
-        }
     }
     __syncthreads();  // every read of s is done
 #pragma unroll
