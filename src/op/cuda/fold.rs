@@ -51,10 +51,10 @@ pub(super) struct FoldOut {
     pub finals: Option<CudaSlice<f32>>,
 }
 
-/// [`FoldChains`] on the device. Uploaded where the op starts, before the kernels whose
-/// summaries they fold: a copy from pageable host memory first waits for the work queued on
-/// the stream, so an upload after the scans would leave the GPU idle while the host launches
-/// what follows.
+/// [`FoldChains`] on the device. Uploaded where the op starts, beside the chunk table, before
+/// the kernels whose summaries they fold: CUDA may make a copy from pageable host memory wait
+/// for the work queued on the stream, and one after the scans would then hold the host until
+/// they end.
 pub(crate) struct DeviceChains {
     steps: CudaSlice<i32>,
     chain_at: CudaSlice<i32>,
