@@ -34,7 +34,7 @@ mkdir -p "$out"
 if ls "$bin"/*.xz > /dev/null 2>&1; then
   mkdir -p /tmp/gdp-bins
   for f in "$bin"/*.xz; do
-    xz -dc "$f" > "/tmp/gdp-bins/$(basename "$f" .xz)"
+    xz -dc "$f" > "/tmp/gdp-bins/$(basename "$f" .xz)" || { echo "gpu_check: $f is broken"; exit 1; }
   done
   chmod +x /tmp/gdp-bins/*
   bin=/tmp/gdp-bins

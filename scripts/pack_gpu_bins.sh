@@ -29,6 +29,9 @@ trap 'rm -rf "$tmp"' EXIT
 for pair in "gdp=$target/release/gdp" $tests; do
   name=${pair%%=*}
   strip -o "$tmp/$name" "${pair#*=}"
-  xz -T0 -6 -c "$tmp/$name" > "$out/$name.xz"
+  # Written under another name first: a file sent while this loop still runs is then missing,
+  # not a truncated archive.
+  xz -T0 -6 -c "$tmp/$name" > "$out/$name.xz.part"
+  mv "$out/$name.xz.part" "$out/$name.xz"
   echo "$out/$name.xz: $(du -h "$out/$name.xz" | cut -f1)"
 done
