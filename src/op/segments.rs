@@ -194,6 +194,27 @@ impl FoldChains {
     pub fn chains(&self) -> usize {
         self.chain_at.len() - 1
     }
+
+    /// What a fold along these chains reads and writes: one more than the largest segment id
+    /// a step reads, and one more than the largest state row a step writes; an error where the
+    /// chains are inconsistent (`chain_at` not from 0 to the steps' count in order, or `rows`
+    /// not one per step).
+    pub fn extent(&self) -> Result<(usize, usize)> {
+        let steps = self.steps.len();
+        let ordered = self.chain_at.first() == Some(&0)
+            && self.chain_at.windows(2).all(|w| w[0] <= w[1])
+            && self.chain_at.last().copied() == Some(to_i32(steps)?);
+        if self.rows.len() != steps || !ordered {
+            candle_core::bail!("gdp: a fold of {steps} steps with inconsistent chains");
+        }
+        let segments = self.steps.iter().map(|&id| id.max(-1 - id) as usize + 1);
+        let rows = self
+            .rows
+            .iter()
+            .filter(|&&r| r >= 0)
+            .map(|&r| r as usize + 1);
+        Ok((segments.max().unwrap_or(0), rows.max().unwrap_or(0)))
+    }
 }
 
 fn to_i32(x: usize) -> Result<i32> {
@@ -206,6 +227,21 @@ mod tests {
 
     fn span(batch: usize, start: usize, len: usize) -> SeqSpan {
         SeqSpan { batch, start, len }
+    }
+
+    #[test]
+    fn extent_names_what_a_fold_reads_and_writes() {
+        let seqs = [span(0, 0, 300), span(0, 300, 0), span(0, 300, 64)];
+        let Split { segments, owners } = split(&seqs, 128);
+        let fwd = forward_chains(&owners, &segments).unwrap();
+        assert_eq!(fwd.extent().unwrap(), (segments.len(), segments.len()));
+        assert_eq!(rank_chains(&[3, 1], 2).unwrap().extent().unwrap(), (8, 0));
+        let mut bad = rank_chains(&[0], 1).unwrap();
+        bad.rows.push(0);
+        assert!(bad.extent().is_err());
+        bad.rows.pop();
+        bad.chain_at = vec![1, 1];
+        assert!(bad.extent().is_err());
     }
 
     #[test]

@@ -70,26 +70,7 @@ pub(crate) struct DeviceChains {
 impl DeviceChains {
     /// Checks `chains` and copies it to `dev`.
     pub(crate) fn upload(dev: &CudaDevice, chains: &FoldChains) -> Result<Self> {
-        let steps = chains.steps.len();
-        let ends_ok = chains.chain_at.first() == Some(&0)
-            && chains.chain_at.windows(2).all(|w| w[0] <= w[1])
-            && chains.chain_at.last().copied() == Some(to_i32(steps, "steps")?);
-        if chains.rows.len() != steps || !ends_ok {
-            candle_core::bail!("gdp cuda: a fold of {steps} steps with inconsistent chains");
-        }
-        let segments = chains
-            .steps
-            .iter()
-            .map(|&id| (if id < 0 { -1 - id } else { id }) as usize + 1)
-            .max()
-            .unwrap_or(0);
-        let rows_written = chains
-            .rows
-            .iter()
-            .filter(|&&r| r >= 0)
-            .map(|&r| r as usize + 1)
-            .max()
-            .unwrap_or(0);
+        let (segments, rows_written) = chains.extent()?;
         let upload = |x: &[i32]| dev.clone_htod(if x.is_empty() { &[0][..] } else { x });
         Ok(Self {
             steps: upload(&chains.steps)?,
