@@ -61,8 +61,7 @@ impl SegmentPlan {
             seqs: segments,
             ..sh.clone()
         };
-        let every: Vec<usize> = (0..seg.num_seqs()).collect();
-        match Widened::plan(dev, &seg, &every, &FWD_SCAN, cfg)? {
+        match Widened::plan_every(dev, &seg, &FWD_SCAN, cfg)? {
             Some(widened) => Ok(Some(Self { widened, owners })),
             None if matches!(cfg.segments, Segments::Count(_)) => candle_core::bail!(
                 "gdp cuda: KernelConfig::segments = {:?}: the widened forward scan does not fit \
@@ -166,9 +165,8 @@ impl SegmentPlan {
     /// state-gradient scan fit them.
     fn backward_fits(&self, dev: &CudaDevice, cfg: &KernelConfig) -> Result<bool> {
         let seg = &self.widened.sub;
-        let every: Vec<usize> = (0..seg.num_seqs()).collect();
         Ok(split_plan(dev, seg, cfg)?.is_some()
-            && Widened::plan(dev, seg, &every, &DH_SCAN, cfg)?.is_some())
+            && Widened::plan_every(dev, seg, &DH_SCAN, cfg)?.is_some())
     }
 
     /// The state each segment starts from and, unless `call.plain`, each sequence's final

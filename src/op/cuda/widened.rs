@@ -46,8 +46,7 @@ pub fn rank_reads_qk_in_place(q: &Tensor, sh: &GdpShape, cfg: &KernelConfig) -> 
     if cfg.summaries == KernelPath::Fused || !super::reads_qk_in_place(q, sh, cfg)? {
         return Ok(false);
     }
-    let every: Vec<usize> = (0..sh.num_seqs()).collect();
-    Ok(Widened::plan(dev, sh, &every, &FWD_SCAN, cfg)?.is_some()
+    Ok(Widened::plan_every(dev, sh, &FWD_SCAN, cfg)?.is_some()
         && backward_summaries_served(dev, sh, cfg)?)
 }
 
@@ -61,8 +60,7 @@ pub(crate) fn backward_summaries_served(
     if cfg.summaries == KernelPath::Fused {
         return Ok(false);
     }
-    let every: Vec<usize> = (0..sh.num_seqs()).collect();
-    Ok(Widened::plan(dev, sh, &every, &DH_SCAN, cfg)?.is_some())
+    Ok(Widened::plan_every(dev, sh, &DH_SCAN, cfg)?.is_some())
 }
 
 /// A summary's sub-problem: `sh` with only the sequences `frags` (in that order), the same with
@@ -101,6 +99,17 @@ impl Widened {
         }
         let plan = widened_scan_plan(kind, &wide, max_smem, sms, sms, &cfg.tiles)?;
         Ok(plan.map(|plan| Self { sub, wide, plan }))
+    }
+
+    /// [`Widened::plan`] over every sequence of `sh`.
+    pub(super) fn plan_every(
+        dev: &CudaDevice,
+        sh: &GdpShape,
+        kind: &ScanKind,
+        cfg: &KernelConfig,
+    ) -> Result<Option<Self>> {
+        let every: Vec<usize> = (0..sh.num_seqs()).collect();
+        Self::plan(dev, sh, &every, kind, cfg)
     }
 
     /// Runs the WY kernel over the sub-problem's chunks (keeping `Ainv` with `keep`) and the
@@ -213,8 +222,7 @@ pub(crate) fn widened_forward(
     if wanted(qk.lead(), cfg).is_none() {
         return Ok(None);
     }
-    let every: Vec<usize> = (0..sh.num_seqs()).collect();
-    let Some(widened) = Widened::plan(&dev, sh, &every, &FWD_SCAN, cfg)? else {
+    let Some(widened) = Widened::plan_every(&dev, sh, &FWD_SCAN, cfg)? else {
         return Ok(None);
     };
     let inp = Bf16Inputs::new(qk, v, aux, sh, call.has_h0)?;
