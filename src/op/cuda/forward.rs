@@ -8,7 +8,7 @@ use super::fused_fwd::launch;
 use super::fwd_scan::{ScanDest, ScanInputs, ScanOut};
 use super::inputs::{Bf16Inputs, ChunkTable, CudaCall, QkIn};
 use super::pipeline::{wy_then_scan, Pipeline};
-use super::plan::{scan_plan, wy_smem_bytes, FWD_SCAN};
+use super::plan::{forward_scan_plan, wy_smem_bytes};
 use super::segmented::SegmentPlan;
 use super::wy::WyFactors;
 use crate::op::config::{KernelConfig, KernelPath};
@@ -110,7 +110,7 @@ pub fn reads_qk_in_place(q: &Tensor, sh: &GdpShape, cfg: &KernelConfig) -> Resul
     }
     let (max_smem, sms) = smem_and_sms(dev, cfg.shared_memory_limit)?;
     let forward = wy_smem_bytes(sh.dk, sh.dv) <= max_smem
-        && scan_plan(&FWD_SCAN, sh, max_smem, sms, &cfg.tiles)?.is_some();
+        && forward_scan_plan(sh, max_smem, sms, &cfg.tiles)?.is_some();
     Ok(forward && super::plan::split_backward_fits(dev, sh, cfg)?)
 }
 
@@ -138,7 +138,7 @@ pub(crate) fn try_forward_bf16(
     }
     let (max_smem, sms) = smem_and_sms(dev, cfg.shared_memory_limit)?;
     let wy_smem = wy_smem_bytes(sh.dk, sh.dv);
-    let plan = scan_plan(&FWD_SCAN, sh, max_smem, sms, &cfg.tiles)?.filter(|_| wy_smem <= max_smem);
+    let plan = forward_scan_plan(sh, max_smem, sms, &cfg.tiles)?.filter(|_| wy_smem <= max_smem);
     match (plan, cfg.forward) {
         (Some(plan), _) => {
             let inp = Bf16Inputs::new(qk, v, aux, sh, has_h0)?;

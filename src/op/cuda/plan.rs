@@ -144,6 +144,30 @@ pub(super) fn scan_plan(
         .map(|bv| tiles.plan(bv)))
 }
 
+/// Plans the forward scan alone: [`scan_plan`]'s tile, except where that is 64 columns and tiles
+/// of 32 give blocks that all run at once (no more than the multiprocessors; a forward-scan
+/// block of 32 columns at K = 128 takes one of them): then 32. Twice the blocks run the same
+/// chain of chunk steps, each step shorter, and the WY kernel runs before the scan on the whole
+/// GPU instead of beside it on the multiprocessors the scan leaves. Where 32-column blocks would
+/// need a second wave, 64 stays (measurements: `docs/cuda.md`, tile planning).
+pub(super) fn forward_scan_plan(
+    sh: &GdpShape,
+    max_smem: usize,
+    sms: usize,
+    forced: &TileConfig,
+) -> Result<Option<ScanPlan>> {
+    let Some(plan) = scan_plan(&FWD_SCAN, sh, max_smem, sms, forced)? else {
+        return Ok(None);
+    };
+    let narrower = ScanTiles::new(&FWD_SCAN, sh, max_smem)
+        .filter(|tiles| plan.bv == 64 && forced.forward_scan.is_none() && tiles.fits(32))
+        .filter(|_| sh.num_seqs() * sh.heads * sh.dv.div_ceil(32) <= sms);
+    Ok(Some(match narrower {
+        Some(tiles) => tiles.plan(32),
+        None => plan,
+    }))
+}
+
 /// Plans a context-parallel rank's widened scan (`V + K` value columns, `summary.rs`): the tile
 /// that gives the most blocks that still run at once on the `budget` multiprocessors it has (all,
 /// or those a scan beside it leaves), one per multiprocessor, else [`scan_plan`]'s. The widened
@@ -464,4 +488,37 @@ pub(super) fn fused_tile(
         candle_core::bail!("gdp cuda: grid ({gx}, {gy}) is too large");
     }
     Ok((bv, (gx as u32, gy as u32)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An H100's opt-in shared memory per block and multiprocessors.
+    const H100: (usize, usize) = (227 * 1024, 132);
+
+    fn forward_tile(batch: usize, heads: usize, n: usize, forced: &TileConfig) -> Option<usize> {
+        let sh = GdpShape::new(batch, 4096, heads, 128, 128, n, None);
+        let plan = forward_scan_plan(&sh, H100.0, H100.1, forced).unwrap();
+        plan.map(|p| p.bv)
+    }
+
+    #[test]
+    fn forward_scan_takes_32_columns_where_their_blocks_run_at_once() {
+        let auto = TileConfig::default();
+        // B·H 16: 64 blocks of 32 columns (scan_plan's own pick).
+        assert_eq!(forward_tile(1, 16, 2, &auto), Some(32));
+        // B·H 32: 128 blocks of 32 columns fit the 132 multiprocessors; 64 columns gave 64.
+        for n in 1..=4 {
+            assert_eq!(forward_tile(2, 16, n, &auto), Some(32));
+        }
+        // B·H 64: 256 blocks of 32 columns would run in two waves.
+        assert_eq!(forward_tile(4, 16, 3, &auto), Some(64));
+        // A forced tile stays.
+        let forced = TileConfig {
+            forward_scan: Some(64),
+            ..auto
+        };
+        assert_eq!(forward_tile(2, 16, 2, &forced), Some(64));
+    }
 }
