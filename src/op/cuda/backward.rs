@@ -27,7 +27,7 @@ use super::grads::{GradLayout, Grads, GradsLaunch, PipeArgs, QkGrads, GRADS_PIPE
 use super::inputs::{Bf16Inputs, ChunkTable, Cotangent, CudaCall, QkIn};
 use super::module::On;
 use super::pipeline::{OverlapRun, Pipeline};
-use super::plan::{grads_tiles, query_rows, split_plan, SplitPlan};
+use super::plan::{grads_tiles, query_rows, scan_blocks, split_plan, SplitPlan};
 use super::side::SideStream;
 use super::widened::{WidenedDh, WidenedFold, WidenedRun};
 use super::wy::WyFactors;
@@ -376,7 +376,7 @@ pub(super) fn try_backward_bf16(
             dht_src,
             widened: fold.outgoing.clone(),
             beside_blocks: if rerun {
-                tsh.num_seqs() * tsh.heads * tsh.dv.div_ceil(rerun_plan.bv)
+                scan_blocks(tsh, rerun_plan.bv)
             } else {
                 0
             },
@@ -511,15 +511,15 @@ pub(super) fn try_backward_bf16(
     };
     match (&side, &pipeline, &grads_pipe) {
         (Some(Side::Beside { .. }), Some(p), Some(pipe)) if table.chunks > 0 => {
-            let scan_blocks = sh.num_seqs() * sh.heads * sh.dv.div_ceil(dh.bv);
+            let dh_blocks = scan_blocks(sh, dh.bv);
             let pipe = PipeArgs {
                 pipe,
                 order: p.order(),
                 ready_count: to_i32(sh.dv.div_ceil(dh.bv), "value tiles")?,
-                scan_blocks: to_i32(scan_blocks, "scan blocks")?,
+                scan_blocks: to_i32(dh_blocks, "scan blocks")?,
             };
             // The scan's blocks take at most half the multiprocessors (`Pipeline::plan`).
-            grads.launch(dev, &mut out, Some((&pipe, true, sms - scan_blocks)))?;
+            grads.launch(dev, &mut out, Some((&pipe, true, sms - dh_blocks)))?;
             join(side, &mut out)?;
             grads.launch(dev, &mut out, Some((&pipe, false, 2 * sms)))?;
         }

@@ -34,7 +34,7 @@
 use super::device::smem_and_sms;
 use super::fwd_scan::{run_scan, Beside, ScanDest, ScanInputs};
 use super::inputs::ChunkTable;
-use super::plan::ScanPlan;
+use super::plan::{scan_blocks, ScanPlan};
 use super::side::SideStream;
 use super::wy::{ready_counters, Signal, WyFactors};
 use crate::op::config::KernelConfig;
@@ -87,8 +87,7 @@ impl Pipeline {
             return Ok(None);
         }
         let sms = smem_and_sms(dev, None)?.1;
-        let blocks = sh.num_seqs() * sh.heads * sh.dv.div_ceil(plan.bv);
-        if 2 * blocks >= sms {
+        if 2 * scan_blocks(sh, plan.bv) >= sms {
             return Ok(None);
         }
         Ok(Some(Self {

@@ -108,6 +108,11 @@ pub(super) const STATES_SCAN: ScanKind = ScanKind {
     wide: true,
 };
 
+/// Blocks of a scan over `sh` with `bv` value columns: one per (sequence, head, value tile).
+pub(super) fn scan_blocks(sh: &GdpShape, bv: usize) -> usize {
+    sh.num_seqs() * sh.heads * sh.dv.div_ceil(bv)
+}
+
 /// Picks a scan's value tile: the one `tiles` forces for `kind` (16, 32 or 64, or 128 for a
 /// [`ScanKind::wide`] kind at K <= 128) when set; else the widest of 64, 32 and 16 that still gives
 /// about one block per two multiprocessors, or 16. Fewer, wider blocks stage each chunk's W, K and
@@ -130,12 +135,11 @@ pub(super) fn scan_plan(
     if let Some(bv) = forced_tile(kind, sh, &tiles, max_smem, forced)? {
         return Ok(Some(tiles.plan(bv)));
     }
-    let rows = sh.num_seqs() * sh.heads;
     let fitting: Vec<usize> = [64, 32, 16]
         .into_iter()
         .filter(|&bv| tiles.fits(bv))
         .collect();
-    let enough = |bv: usize| 20 * rows * sh.dv.div_ceil(bv) >= 9 * sms;
+    let enough = |bv: usize| 20 * scan_blocks(sh, bv) >= 9 * sms;
     Ok(fitting
         .iter()
         .copied()
@@ -160,8 +164,8 @@ pub(super) fn forward_scan_plan(
         return Ok(None);
     };
     let narrower = ScanTiles::new(&FWD_SCAN, sh, max_smem)
-        .filter(|tiles| plan.bv == 64 && forced.forward_scan.is_none() && tiles.fits(32))
-        .filter(|_| sh.num_seqs() * sh.heads * sh.dv.div_ceil(32) <= sms);
+        .filter(|tiles| plan.bv == 64 && (FWD_SCAN.tile)(forced).is_none() && tiles.fits(32))
+        .filter(|_| scan_blocks(sh, 32) <= sms);
     Ok(Some(match narrower {
         Some(tiles) => tiles.plan(32),
         None => plan,
@@ -190,10 +194,9 @@ pub(super) fn widened_scan_plan(
     if forced_tile(kind, wide, &tiles, max_smem, forced)?.is_some() {
         return scan_plan(kind, wide, max_smem, sms, forced);
     }
-    let rows = wide.num_seqs() * wide.heads;
     let one_wave = [32, 64]
         .into_iter()
-        .find(|&bv| tiles.fits(bv) && rows * wide.dv.div_ceil(bv) <= budget);
+        .find(|&bv| tiles.fits(bv) && scan_blocks(wide, bv) <= budget);
     match one_wave {
         Some(bv) => Ok(Some(tiles.plan(bv))),
         None => scan_plan(kind, wide, max_smem, sms, forced),
@@ -224,11 +227,10 @@ pub(super) fn scan_pair_plan(
     ) else {
         return Ok(None);
     };
-    let blocks = |bv: usize| sh.num_seqs() * sh.heads * sh.dv.div_ceil(bv);
     Ok([128, 64, 32, 16]
         .into_iter()
         .filter(|&bv| a.fits(bv) && b.fits(bv))
-        .find(|&bv| 2 * blocks(bv) <= sms && 20 * blocks(bv) >= 9 * sms)
+        .find(|&bv| 2 * scan_blocks(sh, bv) <= sms && 20 * scan_blocks(sh, bv) >= 9 * sms)
         .map(|bv| [a.plan(bv), b.plan(bv)]))
 }
 
