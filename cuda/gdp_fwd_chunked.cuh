@@ -319,8 +319,8 @@ __device__ __forceinline__ void gdpc_store_pair(__nv_bfloat16* row, int col, int
 // release add. The reader (one thread, before the block's barrier that precedes the copies, once
 // per group): acquire loads until the group is complete, with a back-off; after 10 s it traps
 // (an error instead of a hang: the launcher runs the two side by side only where the scan
-// leaves most multiprocessors to the WY kernel). One acquire per chunk cost the scan ~0.3 us per
-// step at B1 T32768 on an H200, one per group an eighth of it.
+// leaves most multiprocessors to the WY kernel). One acquire per group instead of per chunk:
+// an acquire is a round trip on the scan's sequential path.
 #define GDPC_READY_GROUP 8
 __host__ __device__ __forceinline__ int64_t gdpc_ready_index(int cbase, int s, int ci) {
   return (int64_t)(cbase / GDPC_READY_GROUP) + s + ci / GDPC_READY_GROUP;
@@ -1101,8 +1101,7 @@ GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 256, 8, true)
 GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 64, 64, 8, true)
 GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 64, 128, 8, true)
 // The states-only kernels (OUT = false, QR = 0): the backward's states rerun and the final-state
-// summaries. At B4 T4096 H16 n2 (BV 64, two stages) 0.379 ms against 0.414 for the forward scan
-// without its output, on an H200.
+// summaries; faster than the forward scan with its output switched off.
 GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 64, 4, false)
 GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 128, 4, false)
 GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 256, 4, false)
@@ -1113,6 +1112,6 @@ GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 64, 64, 8, false)
 GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 64, 128, 8, false)
 // BV 128 (64 state values per thread at K = 128, 200 registers, no spills): beside the
 // state-gradient scan at BV 128, 64 blocks of each at B4 T4096 H16 share the GPU, one block of
-// each per multiprocessor: 0.793 ms on an H200 against 0.883 for 128 blocks of each at BV 64.
+// each per multiprocessor, faster than 128 blocks of each at BV 64 (`scan_pair_plan`).
 GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 128, 64, 8, false)
 GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 128, 128, 8, false)

@@ -17,10 +17,8 @@ const MIN_AUTO_TOKENS: usize = 2048;
 /// `Segments::Auto`: at most this many segments per sequence.
 const MAX_AUTO_SEGMENTS: usize = 16;
 /// `Segments::Auto`: at least this many segments per sequence, else none. Two segments halve
-/// the chains but double the scans' columns and add the fold and the corrections: on an H100
-/// (bf16, K = V = 128) B1 T32768 H16 n = 2, B2 T32768 H8 n = 2 and B1 T65536 H16 n = 1 in two
-/// segments took 0–6% longer forward and 8–15% longer forward+backward than unsplit, where every
-/// shape split in four or eight ran 1.3–3.6x faster (`docs/cuda.md`).
+/// the chains but double the scans' columns and add the fold and the corrections, and measured
+/// slower than unsplit, where four or eight were faster (`docs/cuda.md`, "Segments").
 const MIN_AUTO_SEGMENTS: usize = 4;
 /// `Segments::Auto`: the widened scan's value tile assumed when counting its blocks.
 const AUTO_TILE: usize = 64;

@@ -292,17 +292,16 @@ pub(super) fn try_backward_bf16(
     };
     // With a pipeline, the WY kernel runs beside the state-gradient scan only where the scan
     // runs at the tile it would have alone (B1 T32768 H16), not beside a side-by-side pair of
-    // wider scans: at B4 T4096 H16 n2 the scan's 64 blocks of 128 columns then waited for a WY
-    // kernel on the other half of the GPU and the rerun for its end (forward+backward 4.666 ms
-    // against 4.332 with the WY kernel first, on an H200).
+    // wider scans: there the scan's blocks wait for a WY kernel on the other half of the GPU and
+    // the rerun for its end, slower than the WY kernel first.
     let side_by_side = rerun && dh.bv != alone_bv;
     let wy_beside = wy_again && !side_by_side && widened.is_none();
     // The gradient kernel's counters where it runs beside the state-gradient scan (zeroed
     // before the side stream forks): with the forward's intermediates, where the scan alone
     // would leave most multiprocessors idle, and after the rerun of a side-by-side pair, on the
     // multiprocessors the rerun leaves when it ends before the scan. A rerun at the scan's own
-    // tile takes them instead (measured: the gradient kernel after it, beside the scan's end,
-    // gained nothing at B1 T32768 on an H200). Only the kernel measured so (`_tiles`:
+    // tile takes them instead (the gradient kernel after it, beside the scan's end, gained
+    // nothing). Only the kernel measured so (`_tiles`:
     // K, V in (64, 128], n >= 2) has persistent blocks.
     let grads_pipe = match &pipeline {
         Some(p) if !wy_beside && grads_tiles(kp, vp, sh.n) => {
@@ -525,8 +524,8 @@ pub(super) fn try_backward_bf16(
         }
         _ => {
             join(side, &mut out)?;
-            // A block per pair: since the gradient kernel lost its K h product, 5% faster than
-            // persistent blocks over the table's chunks (on an H200).
+            // A block per pair: since the gradient kernel lost its K h product, faster than
+            // persistent blocks over the table's chunks.
             if table.chunks > 0 {
                 grads.launch(dev, &mut out, None)?;
             }

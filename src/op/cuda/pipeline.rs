@@ -5,15 +5,14 @@
 //!
 //! The WY kernel is parallel over every (chunk, head); the scan is sequential over the chunks
 //! with one block per (sequence, head, value tile). Where the scan has blocks for at most half
-//! the multiprocessors (B1 T32768 H16: 64 blocks on the H200's 132), running the two one after
-//! the other leaves the scan waiting for the whole WY kernel (0.89 of 3.4 ms there)
-//! and most of the GPU idle while the scan runs. Here the scan starts at
-//! once on a high-priority side stream, the WY kernel takes the (chunk, head) pairs in
-//! time-major order on the device's stream and counts each chunk as ready once its factors are
-//! written (one counter per group of 8 chunks of a sequence and head), and each scan block waits
-//! for a chunk's group before it copies the chunk's operands (`gdpc_signal_ready` /
-//! `gdpc_wait_ready` in `cuda/gdp_fwd_chunked.cuh`). The results are bit-identical to the two
-//! kernels one after the other.
+//! the multiprocessors (B1 T32768 H16: 64 blocks on 132), running the two one after the other
+//! leaves the scan waiting for the whole WY kernel and most of the GPU idle while the scan
+//! runs. Here the scan starts at once on a high-priority side stream, the WY kernel takes the
+//! (chunk, head) pairs in time-major order on the device's stream and counts each chunk as
+//! ready once its factors are written (one counter per group of 8 chunks of a sequence and
+//! head), and each scan block waits for a chunk's group before it copies the chunk's operands
+//! (`gdpc_signal_ready` / `gdpc_wait_ready` in `cuda/gdp_fwd_chunked.cuh`). The results are
+//! bit-identical to the two kernels one after the other.
 //!
 //! The WY kernel never waits, so the scan's waits end as long as WY blocks can run: the scan's
 //! blocks, all resident while they wait, must leave multiprocessors to them. The scan may have
@@ -25,11 +24,11 @@
 //! as in a model's consecutive layers); one on another stream while that one still runs takes
 //! the two kernels one after the other.
 //! Two processes doing this on one GPU still leave multiprocessors free; a block that waits
-//! 10 s traps (an error rather than a hang). The half also keeps the overlap useful: with the scan's
-//! 128 blocks on 132 multiprocessors (B4 T4096 H16) the WY kernel ran on the 4 left and the
-//! forward took 6.8 ms instead of 0.6. An earlier design cut the chunks into segments
-//! launched one after the other, each segment's WY factors computed beside the previous scan:
-//! the relaunches cost ~30 µs per segment.
+//! 10 s traps (an error rather than a hang). The half also keeps the overlap useful: a scan that
+//! holds nearly every multiprocessor leaves the WY kernel it waits for a few, and the forward
+//! many times slower. An earlier design cut the chunks into segments launched one after the
+//! other, each segment's WY factors computed beside the previous scan; its relaunches cost more
+//! than they hid (`docs/perf-log.md`).
 
 use super::device::smem_and_sms;
 use super::fwd_scan::{run_scan, Beside, ScanDest, ScanInputs};
@@ -60,9 +59,8 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 /// Where the scan has blocks for half the multiprocessors or more (a context-parallel rank's
 /// widened forward scan, the op in segments), the two run one after the other. Running the WY
 /// kernel on the multiprocessors that the waiting scan blocks hold, one WY block beside each
-/// where the two fit, saved at most 4% where each call found the GPU idle, and made the forward
-/// 3.8x slower with calls queued back to back (the op in segments at B1 T65536 H8 n = 2 on an
-/// H100: 12.0 ms against 3.2 one after the other; `docs/cuda.md`).
+/// where the two fit, saved little where each call found the GPU idle, and made the forward
+/// several times slower with calls queued back to back (`docs/cuda.md`, "Segments").
 pub(super) struct Pipeline {
     order: CudaSlice<i32>,
     counters: usize,

@@ -94,9 +94,7 @@ pub(super) const FWD_SCAN: ScanKind = ScanKind {
 /// The forward scan without an output (`gdp_fwd_states_bf16_<BV>_<KPT>`): each chunk's start
 /// state and Delta (the backward's rerun) or the final states (context parallelism's
 /// summaries). It stages no query rows and no P (41.7 of the forward scan's 54.0 KB per chunk
-/// and block at BV 64, n = 2). Two stages: at B4 T4096 H16 n2 on an H200, 0.379
-/// ms against 0.383 with three and 0.414 for the forward scan without its output; at B1 T32768
-/// (BV 32) 2.397 against 2.465 and 2.586.
+/// and block at BV 64, n = 2). Two stages: a third measured no faster.
 pub(super) const STATES_SCAN: ScanKind = ScanKind {
     prefix: "gdp_fwd_states_bf16",
     smem: scan_smem_bytes,
@@ -116,11 +114,9 @@ pub(super) fn scan_blocks(sh: &GdpShape, bv: usize) -> usize {
 /// Picks a scan's value tile: the one `tiles` forces for `kind` (16, 32 or 64, or 128 for a
 /// [`ScanKind::wide`] kind at K <= 128) when set; else the widest of 64, 32 and 16 that still gives
 /// about one block per two multiprocessors, or 16. Fewer, wider blocks stage each chunk's W, K and
-/// Q fewer times, and a scan's chunk step is latency-bound: at B1 T32768 H16 on an H200, 64 blocks
-/// of BV = 32 (eight warps) took 2.85 / 2.86 / 3.30 ms for the forward scan, its rerun and the dS
-/// scan against 3.20 / 3.22 / 3.74 ms for 128 blocks of BV = 16 (four warps); a scan alone at BV
-/// 128 is slower than at 64 where both give enough blocks (B4 T4096 H16 n2: the dS scan 0.774 ms
-/// against 0.493). Three stage buffers (copies two chunks ahead) where they fit and
+/// Q fewer times, and a scan's chunk step is latency-bound, so half as many blocks of twice the
+/// columns are faster; a scan alone at BV 128 is slower than at 64 where both give enough
+/// blocks. Three stage buffers (copies two chunks ahead) where they fit and
 /// `kind.max_stages` allows, else two. `None` where nothing fits (K too large, or shared memory).
 pub(super) fn scan_plan(
     kind: &ScanKind,
@@ -176,10 +172,10 @@ pub(super) fn forward_scan_plan(
 /// that gives the most blocks that still run at once on the `budget` multiprocessors it has (all,
 /// or those a scan beside it leaves), one per multiprocessor, else [`scan_plan`]'s. The widened
 /// columns are what a rank adds to the plain op's scan, and at small `B·H` they fit beside it on
-/// the multiprocessors it leaves idle: at B1 H16 K = V = 128 (H200) 128 blocks of 32 columns ran
-/// the widened forward scan in the plain scan's time, 64 of 64 took 1.68x; the widened
-/// state-gradient scan, which shares the GPU with the states rerun's 64 blocks, runs at 64 columns
-/// so that both fit at once (`docs/cp.md`).
+/// the multiprocessors it leaves idle (at B1 H16 K = V = 128, 128 blocks of 32 columns run the
+/// widened forward scan in the plain scan's time); the widened state-gradient scan, which shares
+/// the GPU with the states rerun's blocks, takes the tile at which both fit at once
+/// (`docs/cp.md`).
 pub(super) fn widened_scan_plan(
     kind: &ScanKind,
     wide: &GdpShape,
@@ -207,9 +203,8 @@ pub(super) fn widened_scan_plan(
 /// with one value tile: the widest (128 where both kinds have it) at which their blocks
 /// together fill from about 90% to all of the multiprocessors, one block of each per
 /// multiprocessor. Tiles that [`scan_plan`] picks for one scan can give each scan blocks for
-/// the whole GPU, so that the two, which cannot share a multiprocessor, run one after the other:
-/// at B4 T4096 H16 n2 on an H200, 128 blocks each of BV 64 took 0.883 ms side by
-/// side, 64 each of BV 128 0.793 (n3: 1.309 against 1.176). `None` where no tile does that, or
+/// the whole GPU, so that the two, which cannot share a multiprocessor, run one after the other,
+/// slower than wider tiles side by side. `None` where no tile does that, or
 /// where either scan's tile is forced in `forced`: then each is planned alone.
 pub(super) fn scan_pair_plan(
     kinds: [&ScanKind; 2],
@@ -421,8 +416,8 @@ pub(crate) fn split_backward_fits(
 }
 
 /// Whether the gradient kernel with `kp`, `vp` tiles stores dv and dk through shared memory
-/// (`_tiles`): K = V = 128 tiles at n >= 2, where it measured 3% faster (slower at n = 1,
-/// on an H200). Only that kernel has persistent blocks (`_tiles_pipe`).
+/// (`_tiles`): K = V = 128 tiles at n >= 2, where it measured faster (slower at n = 1). Only
+/// that kernel has persistent blocks (`_tiles_pipe`).
 pub(super) fn grads_tiles(kp: usize, vp: usize, n: usize) -> bool {
     kp == 128 && vp == 128 && n >= 2
 }

@@ -76,8 +76,7 @@ impl Widened {
     /// of blocks that fills the GPU where there is one ([`widened_scan_plan`]);
     /// [`Widened::forward_scan`] runs the scan beside the WY kernel where the blocks leave more
     /// than half the multiprocessors idle ([`Pipeline`]). (Narrowing the blocks to make room for the
-    /// WY kernel does not pay: at B1 H16 K = V = 128 on the H200 the widened scan of 64-column
-    /// tiles took 1.68x the 32-column one, more than the WY kernel it hid; `docs/cp.md`.)
+    /// WY kernel costs the scan more than the WY kernel it hides; `docs/cp.md`.)
     pub(super) fn plan(
         dev: &CudaDevice,
         sh: &GdpShape,

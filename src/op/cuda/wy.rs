@@ -205,10 +205,8 @@ pub(super) struct Signal<'a> {
     pub ready: &'a CudaSlice<i32>,
     /// At most two WY blocks per multiprocessor (padded shared memory: [`wy_smem_two_per_sm`]).
     /// The forward's scan runs faster beside two than beside four (53,760 bytes each at
-    /// K = V = 128): at B1 T32768 H16 n2 the pair took 2.97 ms against the scan's 2.61 ms
-    /// alone, padded 2.76 ms, the WY kernel then 1.14 ms alone instead of 0.88 and still ahead
-    /// of the scan (`KB_WY_PAD` in `cuda/bench/kernels.cu`); the op's forward 3.17 -> 2.85 ms.
-    /// The backward keeps four: its states rerun waits for the whole WY kernel, and padded
-    /// its forward+backward took 0.6 ms longer.
+    /// K = V = 128), and the WY kernel, slower alone, still stays ahead of the scan
+    /// (`KB_WY_PAD` in `cuda/bench/kernels.cu`). The backward keeps four: its states rerun
+    /// waits for the whole WY kernel, which padding slows.
     pub two_per_sm: bool,
 }
