@@ -225,7 +225,10 @@ pub(super) fn scan_pair_plan(
     Ok([128, 64, 32, 16]
         .into_iter()
         .filter(|&bv| a.fits(bv) && b.fits(bv))
-        .find(|&bv| 2 * scan_blocks(sh, bv) <= sms && 20 * scan_blocks(sh, bv) >= 9 * sms)
+        .find(|&bv| {
+            let blocks = scan_blocks(sh, bv);
+            2 * blocks <= sms && 20 * blocks >= 9 * sms
+        })
         .map(|bv| [a.plan(bv), b.plan(bv)]))
 }
 
