@@ -4,12 +4,13 @@
 #
 #   scripts/gpu_check.sh BIN_DIR [STAGE ...]
 #
-# BIN_DIR holds `gdp` and the test binaries `gpu`, `gpu_fast_paths`, `qwen`, plain or as
-# NAME.xz (scripts/pack_gpu_bins.sh makes those; they are unpacked to /tmp/gdp-bins). Logs go
-# to $OUT (default /tmp/gpu_check). The stages (default: tests cp qwen few), each with a time
-# limit:
+# BIN_DIR holds `gdp` and the test binaries `gpu`, `gpu_fast_paths`, `gpu_sweep`, `qwen`, plain
+# or as NAME.xz (scripts/pack_gpu_bins.sh makes those; they are unpacked to /tmp/gdp-bins).
+# Logs go to $OUT (default /tmp/gpu_check). The stages (default: tests cp qwen few), each with a
+# time limit:
 #
-#   tests    tests/gpu.rs, tests/gpu_fast_paths.rs and tests/qwen.rs's CUDA test, side by side
+#   tests    tests/gpu.rs, tests/gpu_fast_paths.rs, tests/gpu_sweep.rs and tests/qwen.rs's CUDA
+#            test, side by side
 #   timing   tests/gpu_fast_paths.rs's ignored timing tests (the decode step)
 #   kernels  the kernel-only timings (cuda/bench/kernels.cu, compiled here)
 #   cp       `gdp cp-bench`: the middle of 4 ranks at 16K and 4K tokens per rank, n = 1 and 2
@@ -57,7 +58,7 @@ for stage in $stages; do
   echo "== $stage"
   case $stage in
     tests)
-      for t in gpu gpu_fast_paths qwen; do
+      for t in gpu gpu_fast_paths gpu_sweep qwen; do
         filter=""
         [ "$t" = qwen ] && filter=cuda
         if [ -x "$bin/$t" ]; then
@@ -66,7 +67,7 @@ for stage in $stages; do
         fi
       done
       wait
-      for t in gpu gpu_fast_paths qwen; do
+      for t in gpu gpu_fast_paths gpu_sweep qwen; do
         [ -f "$out/$t.log" ] && { echo "-- $t"; summary "$out/$t.log"; }
       done
       ;;

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds what a GPU session runs and packs it small enough to send: `gdp` and the test binaries
-# of tests/gpu.rs, tests/gpu_fast_paths.rs and tests/qwen.rs, for one architecture (sm_90 by
-# default: about 13 MB each once stripped and xz-compressed, against 21 MB for the default fat
-# binary), into OUT_DIR as NAME.xz. Run from the repository root with nvcc on PATH (on a machine
+# of tests/gpu.rs, tests/gpu_fast_paths.rs, tests/gpu_sweep.rs and tests/qwen.rs, for one
+# architecture (sm_90 by default: about 13 MB each once stripped and xz-compressed, against 21
+# MB for the default fat binary), into OUT_DIR as NAME.xz. Run from the repository root with nvcc on PATH (on a machine
 # without CUDA: `source ../shared/tools/cuda-env.sh` first):
 #
 #   scripts/pack_gpu_bins.sh OUT_DIR [COMPUTE_CAP]
@@ -16,7 +16,7 @@ target=${CARGO_TARGET_DIR:-target}
 cargo build --release --features cuda,cli --bin gdp
 # The test binaries' paths, from cargo's own report of what it built.
 tests=$(cargo test --release --features cuda,cli --no-run --message-format=json \
-  --test gpu --test gpu_fast_paths --test qwen |
+  --test gpu --test gpu_fast_paths --test gpu_sweep --test qwen |
   python3 -c '
 import json, sys
 for line in sys.stdin:
