@@ -42,13 +42,16 @@ pub struct TileConfig {
 /// chains of dependent chunk steps where their blocks would leave most multiprocessors idle
 /// (few heads, long sequences), at twice the scans' columns.
 ///
-/// The default, `Auto`, splits only where one wave of the widened scan's blocks holds four
-/// segments or more per sequence (B·H ≤ 8 at K = V = 128 on 132 multiprocessors), where the
-/// split measured 1.3–3.6x faster than the unsplit op (`docs/cuda.md`).
+/// The default, `Auto`, splits where one wave of the widened scan's blocks holds four segments
+/// or more per sequence (B·H ≤ 8 at K = V = 128 on 132 multiprocessors), three of at least
+/// 8192 tokens (B·H 9–11), or two of at least 8192 tokens where the unsplit scan would run
+/// its narrowest tiles (B·H 12–14): there the split measured 1.2–3.6x faster than the unsplit
+/// op (`docs/cuda.md`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum Segments {
     /// Split where one wave of the widened scan's blocks can hold at least four segments per
-    /// sequence of at least 2048 tokens each, up to 16.
+    /// sequence of at least 2048 tokens each (up to 16), or two or three of at least 8192
+    /// tokens where those pay.
     #[default]
     Auto,
     /// Never split.

@@ -16,12 +16,21 @@ const ALIGN: usize = 64;
 const MIN_AUTO_TOKENS: usize = 2048;
 /// `Segments::Auto`: at most this many segments per sequence.
 const MAX_AUTO_SEGMENTS: usize = 16;
-/// `Segments::Auto`: at least this many segments per sequence, else none. Two segments halve
-/// the chains but double the scans' columns and add the fold and the corrections, and measured
-/// slower than unsplit, where four or eight were faster (`docs/cuda.md`, "Segments").
+/// `Segments::Auto`: from this many segments per sequence on, a split is taken wherever one
+/// wave of the widened scan holds them. Fewer are taken only with [`MIN_FEW_SEGMENT_TOKENS`]
+/// per segment, and two only where the unsplit scan would run its narrowest tile: each halves
+/// or thirds the chains but doubles the scans' columns and adds the fold and the corrections
+/// (`docs/cuda.md`, "Segments").
 const MIN_AUTO_SEGMENTS: usize = 4;
+/// `Segments::Auto`: segments of at least this many tokens where fewer than
+/// [`MIN_AUTO_SEGMENTS`] are taken, within the lengths measured (`docs/cuda.md`, "Segments").
+const MIN_FEW_SEGMENT_TOKENS: usize = 8192;
 /// `Segments::Auto`: the widened scan's value tile assumed when counting its blocks.
 const AUTO_TILE: usize = 64;
+/// The unsplit forward scan's tile below its narrowest: where tiles of this many columns give
+/// it too few blocks (`GdpShape::scan_fills_half`), it runs 16-column tiles that fill the GPU
+/// and leave the WY kernel no multiprocessors beside it, and two segments pay.
+const UNSPLIT_MID_TILE: usize = 32;
 
 /// The segments `cfg.segments` asks for on `sms` multiprocessors: every sequence of `sh` cut
 /// into segments of one length (a multiple of [`ALIGN`] tokens; the last of a sequence shorter),
@@ -47,8 +56,9 @@ pub(crate) struct Split {
 
 /// Segments per sequence under `cfg.segments` for `sh` on `sms` multiprocessors (1: no split).
 /// `Auto` takes as many as one wave of the widened scan's blocks holds, each segment at least
-/// [`MIN_AUTO_TOKENS`] of the longest sequence, at most [`MAX_AUTO_SEGMENTS`], and none where
-/// that makes fewer than [`MIN_AUTO_SEGMENTS`].
+/// [`MIN_AUTO_TOKENS`] of the longest sequence, at most [`MAX_AUTO_SEGMENTS`]; below
+/// [`MIN_AUTO_SEGMENTS`], three or two with [`MIN_FEW_SEGMENT_TOKENS`] each, two only where
+/// the unsplit scan would run its narrowest tile ([`UNSPLIT_MID_TILE`]).
 fn segment_count(sh: &GdpShape, cfg: &KernelConfig, sms: usize) -> Result<usize> {
     match cfg.segments {
         Segments::Off => Ok(1),
@@ -58,11 +68,19 @@ fn segment_count(sh: &GdpShape, cfg: &KernelConfig, sms: usize) -> Result<usize>
         Segments::Count(p) => Ok(p),
         Segments::Auto => {
             let longest = sh.seqs.iter().map(|s| s.len).max().unwrap_or(0);
-            let blocks = sh.num_seqs() * sh.heads * (sh.dv + sh.dk).div_ceil(AUTO_TILE);
+            let blocks = sh.scan_blocks(sh.dv + sh.dk, AUTO_TILE);
             let by_blocks = sms / blocks.max(1);
-            let by_length = longest / MIN_AUTO_TOKENS;
-            let count = by_blocks.min(by_length).min(MAX_AUTO_SEGMENTS);
-            Ok(if count < MIN_AUTO_SEGMENTS { 1 } else { count })
+            let count = by_blocks
+                .min(longest / MIN_AUTO_TOKENS)
+                .min(MAX_AUTO_SEGMENTS);
+            let few = count.min(longest / MIN_FEW_SEGMENT_TOKENS);
+            let unsplit_narrow = !sh.scan_fills_half(sh.dv, UNSPLIT_MID_TILE, sms);
+            Ok(match (count, few) {
+                (c, _) if c >= MIN_AUTO_SEGMENTS => c,
+                (_, 3) => 3,
+                (_, 2) if unsplit_narrow => 2,
+                _ => 1,
+            })
         }
     }
 }
@@ -343,9 +361,24 @@ mod tests {
         // Short sequences: fewer than four segments of 2048 tokens or more.
         let short = GdpShape::new(1, 8000, 8, 128, 128, 1, None);
         assert_eq!(segment_count(&short, &cfg, 132)?, 1);
-        // 64 blocks per segment: two segments would not pay.
-        let two = GdpShape::new(1, 65_536, 16, 128, 128, 1, None);
-        assert_eq!(segment_count(&two, &cfg, 132)?, 1);
+        // B·H 10: 40 blocks per segment, three in one wave, each over 8192 tokens.
+        let three = GdpShape::new(1, 65_536, 10, 128, 128, 1, None);
+        assert_eq!(segment_count(&three, &cfg, 132)?, 3);
+        // Three would be shorter than 8192 tokens: two, where those are long enough.
+        let three_short = GdpShape::new(1, 20_000, 10, 128, 128, 1, None);
+        assert_eq!(segment_count(&three_short, &cfg, 132)?, 2);
+        let two_short = GdpShape::new(1, 16_000, 10, 128, 128, 1, None);
+        assert_eq!(segment_count(&two_short, &cfg, 132)?, 1);
+        // B·H 12: two segments, since the unsplit scan has too few blocks of 32 columns (48)
+        // and runs 16-column tiles.
+        let two = GdpShape::new(1, 32_768, 12, 128, 128, 1, None);
+        assert_eq!(segment_count(&two, &cfg, 132)?, 2);
+        // B·H 16: the unsplit scan runs 64 blocks of 32 columns, the WY kernel beside them;
+        // two segments would not pay.
+        let sixteen = GdpShape::new(1, 65_536, 16, 128, 128, 1, None);
+        assert_eq!(segment_count(&sixteen, &cfg, 132)?, 1);
+        let b2 = GdpShape::new(2, 32_768, 8, 128, 128, 2, None);
+        assert_eq!(segment_count(&b2, &cfg, 132)?, 1);
         // Many heads already fill the GPU.
         let many = GdpShape::new(4, 65_536, 16, 128, 128, 1, None);
         assert_eq!(segment_count(&many, &cfg, 132)?, 1);

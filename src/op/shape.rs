@@ -163,6 +163,20 @@ impl GdpShape {
         self.num_seqs() * self.heads * self.dk * self.dv
     }
 
+    /// Thread blocks of a chunked scan over `columns` value columns in tiles of `tile`: one per
+    /// (sequence, head, tile).
+    pub(crate) fn scan_blocks(&self, columns: usize, tile: usize) -> usize {
+        self.num_seqs() * self.heads * columns.div_ceil(tile)
+    }
+
+    /// Whether such a scan has blocks for about half of `sms` multiprocessors (at least 9/20 of
+    /// them). The CUDA forward scans take the widest tile that does, since a scan's chunk step
+    /// is latency-bound and fewer, wider blocks stage each chunk fewer times; `Segments::Auto`
+    /// reads from it where the unsplit scan falls back to its narrowest tile.
+    pub(crate) fn scan_fills_half(&self, columns: usize, tile: usize, sms: usize) -> bool {
+        20 * self.scan_blocks(columns, tile) >= 9 * sms
+    }
+
     /// Elements of the f32 gate buffer `[g (B·T·H) | beta (B·T·n·H) | h0 (N·H·K·V)?]`.
     pub fn aux_len(&self, has_h0: bool) -> usize {
         self.token_heads() * (1 + self.n) + if has_h0 { self.state_len() } else { 0 }

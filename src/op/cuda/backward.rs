@@ -27,7 +27,7 @@ use super::grads::{GradLayout, Grads, GradsLaunch, PipeArgs, QkGrads, GRADS_PIPE
 use super::inputs::{Bf16Inputs, ChunkTable, Cotangent, CudaCall, QkIn};
 use super::module::On;
 use super::pipeline::{OverlapRun, Pipeline};
-use super::plan::{grads_tiles, query_rows, scan_blocks, split_plan, SplitPlan};
+use super::plan::{grads_tiles, query_rows, split_plan, SplitPlan};
 use super::side::SideStream;
 use super::widened::{WidenedDh, WidenedFold, WidenedRun};
 use super::wy::WyFactors;
@@ -375,7 +375,7 @@ pub(super) fn try_backward_bf16(
             dht_src,
             widened: fold.outgoing.clone(),
             beside_blocks: if rerun {
-                scan_blocks(tsh, rerun_plan.bv)
+                tsh.scan_blocks(tsh.dv, rerun_plan.bv)
             } else {
                 0
             },
@@ -510,7 +510,7 @@ pub(super) fn try_backward_bf16(
     };
     match (&side, &pipeline, &grads_pipe) {
         (Some(Side::Beside { .. }), Some(p), Some(pipe)) if table.chunks > 0 => {
-            let dh_blocks = scan_blocks(sh, dh.bv);
+            let dh_blocks = sh.scan_blocks(sh.dv, dh.bv);
             let pipe = PipeArgs {
                 pipe,
                 order: p.order(),

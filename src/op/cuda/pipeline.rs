@@ -33,7 +33,7 @@
 use super::device::smem_and_sms;
 use super::fwd_scan::{run_scan, Beside, ScanDest, ScanInputs};
 use super::inputs::ChunkTable;
-use super::plan::{scan_blocks, ScanPlan};
+use super::plan::ScanPlan;
 use super::side::SideStream;
 use super::wy::{ready_counters, Signal, WyFactors};
 use crate::op::config::KernelConfig;
@@ -85,7 +85,7 @@ impl Pipeline {
             return Ok(None);
         }
         let sms = smem_and_sms(dev, None)?.1;
-        if 2 * scan_blocks(sh, plan.bv) >= sms {
+        if 2 * sh.scan_blocks(sh.dv, plan.bv) >= sms {
             return Ok(None);
         }
         Ok(Some(Self {

@@ -106,11 +106,6 @@ pub(super) const STATES_SCAN: ScanKind = ScanKind {
     wide: true,
 };
 
-/// Blocks of a scan over `sh` with `bv` value columns: one per (sequence, head, value tile).
-pub(super) fn scan_blocks(sh: &GdpShape, bv: usize) -> usize {
-    sh.num_seqs() * sh.heads * sh.dv.div_ceil(bv)
-}
-
 /// Picks a scan's value tile: the one `tiles` forces for `kind` (16, 32 or 64, or 128 for a
 /// [`ScanKind::wide`] kind at K <= 128) when set; else the widest of 64, 32 and 16 that still gives
 /// about one block per two multiprocessors, or 16. Fewer, wider blocks stage each chunk's W, K and
@@ -135,7 +130,7 @@ pub(super) fn scan_plan(
         .into_iter()
         .filter(|&bv| tiles.fits(bv))
         .collect();
-    let enough = |bv: usize| 20 * scan_blocks(sh, bv) >= 9 * sms;
+    let enough = |bv: usize| sh.scan_fills_half(sh.dv, bv, sms);
     Ok(fitting
         .iter()
         .copied()
@@ -161,7 +156,7 @@ pub(super) fn forward_scan_plan(
     };
     let narrower = ScanTiles::new(&FWD_SCAN, sh, max_smem)
         .filter(|tiles| plan.bv == 64 && (FWD_SCAN.tile)(forced).is_none() && tiles.fits(32))
-        .filter(|_| scan_blocks(sh, 32) <= sms);
+        .filter(|_| sh.scan_blocks(sh.dv, 32) <= sms);
     Ok(Some(match narrower {
         Some(tiles) => tiles.plan(32),
         None => plan,
@@ -192,7 +187,7 @@ pub(super) fn widened_scan_plan(
     }
     let one_wave = [32, 64]
         .into_iter()
-        .find(|&bv| tiles.fits(bv) && scan_blocks(wide, bv) <= budget);
+        .find(|&bv| tiles.fits(bv) && wide.scan_blocks(wide.dv, bv) <= budget);
     match one_wave {
         Some(bv) => Ok(Some(tiles.plan(bv))),
         None => scan_plan(kind, wide, max_smem, sms, forced),
@@ -225,10 +220,7 @@ pub(super) fn scan_pair_plan(
     Ok([128, 64, 32, 16]
         .into_iter()
         .filter(|&bv| a.fits(bv) && b.fits(bv))
-        .find(|&bv| {
-            let blocks = scan_blocks(sh, bv);
-            2 * blocks <= sms && 20 * blocks >= 9 * sms
-        })
+        .find(|&bv| 2 * sh.scan_blocks(sh.dv, bv) <= sms && sh.scan_fills_half(sh.dv, bv, sms))
         .map(|bv| [a.plan(bv), b.plan(bv)]))
 }
 
