@@ -61,10 +61,12 @@ chunk_o.TRITON_ABOVE_3_7_1 = True
 
 SHAPES = [(4, 4096, 16, 128, 1), (4, 4096, 16, 128, 2), (4, 4096, 16, 128, 3), (1, 32768, 16, 128, 2)]
 # `--few-heads`: where the sequential scan is alone on the GPU (B·H <= 16, T 32K-256K, n = 1, 2,
-# 4): long-context training at one sequence per GPU, prefill of one long prompt.
+# 4): long-context training at one sequence per GPU, prefill of one long prompt. The op splits
+# the first five (eight segments or four) and the last three (three or two) by default.
 FEW_HEADS_SHAPES = [(1, 32768, 8, 128, 1), (1, 65536, 8, 128, 1), (1, 65536, 8, 128, 2),
                     (1, 131072, 4, 128, 1), (1, 262144, 4, 128, 2), (2, 32768, 8, 128, 2),
-                    (1, 32768, 16, 128, 4), (1, 65536, 16, 128, 1)]
+                    (1, 32768, 16, 128, 4), (1, 65536, 16, 128, 1), (1, 65536, 10, 128, 1),
+                    (1, 32768, 12, 128, 1), (1, 32768, 14, 128, 2)]
 # `--qwen`: the GDN layers of Qwen3.5-9B (Hk 16 / Hv 32) and Qwen3.5-27B (Hk 16 / Hv 48), n = 1:
 # (B, T, Hv, K = V, Hk).
 QWEN_SHAPES = [(1, 4096, 32, 128, 16), (8, 4096, 32, 128, 16), (1, 32768, 32, 128, 16),
