@@ -1,9 +1,10 @@
-//! GPU tests of the fast paths: both bf16 forwards (the two-kernel one, the default where it
-//! fits, and the one-kernel one, `KernelPath::Fused`) and both bf16 backwards (the split one,
-//! the default where it fits, and the per-value-tile one), the op after
-//! `retain_freed_memory`, every value tile of the forward and states-only scans, every
-//! shared-memory fallback (`KernelConfig::shared_memory_limit`), and the fused decode step. Feature `cuda`, needs a GPU: `cargo test --release --features cuda --test
-//! gpu_fast_paths`; `--ignored` adds the decode-step bandwidth timing (B64 H16 K=V=128).
+//! GPU tests of the fast paths: both bf16 forwards (the two-kernel one, the default where it fits,
+//! and the one-kernel one, `KernelPath::Fused`) and both bf16 backwards (the split one, the default
+//! where it fits, and the per-value-tile one), the op after `retain_freed_memory`, every value tile
+//! of the forward and states-only scans, every shared-memory fallback
+//! (`KernelConfig::shared_memory_limit`), and the fused decode step. Feature `cuda`, needs a GPU:
+//! `cargo test --release --features cuda --test gpu_fast_paths`; `--ignored` adds the decode-step
+//! bandwidth timing (B64 H16 K=V=128).
 #![cfg(feature = "cuda")]
 
 mod common;

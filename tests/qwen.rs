@@ -1,6 +1,6 @@
-//! Qwen3.5, Qwen3.5-MoE and Qwen3-Next against transformers: tiny random checkpoints in `tests/data`
-//! (written by `scripts/qwen_golden.py` with transformers' pure-PyTorch path, float32 on the
-//! CPU) load as a user's download would (the nested vision-language layout for Qwen3.5, a
+//! Qwen3.5, Qwen3.5-MoE and Qwen3-Next against transformers: tiny random checkpoints in
+//! `tests/data` (written by `scripts/qwen_golden.py` with transformers' pure-PyTorch path, float32
+//! on the CPU) load as a user's download would (the nested vision-language layout for Qwen3.5, a
 //! sharded index for Qwen3-Next), and their prefill logits, cached greedy decode and
 //! prefill-of-everything logits match the recorded ones at f32 tolerance.
 

@@ -1,8 +1,9 @@
 //! [`GdpConfig`]: flash-linear-attention's `GatedDeltaProductConfig`, key for key.
 //!
-//! A `config.json` written by FLA (`fla/models/gated_deltaproduct/configuration_gated_deltaproduct.py`)
-//! deserialises as is; keys this crate does not use (`fuse_*`, `use_l2warp`, `model_type`, ...) are
-//! ignored. Missing keys take FLA's *config* defaults, which differ from the *layer* defaults in
+//! A `config.json` written by FLA
+//! (`fla/models/gated_deltaproduct/configuration_gated_deltaproduct.py`) deserialises as is; keys
+//! this crate does not use (`fuse_*`, `use_l2warp`, `model_type`, ...) are ignored. Missing keys
+//! take FLA's *config* defaults, which differ from the *layer* defaults in
 //! `fla/layers/gated_deltaproduct.py` (the config has `use_forget_gate = false`,
 //! `allow_neg_eigval = false`, `num_householder = 1`; the layer has `true, true, 2`).
 

@@ -1,4 +1,5 @@
-//! The Gated DeltaProduct token mixer, FLA's `GatedDeltaProduct` (`fla/layers/gated_deltaproduct.py`).
+//! The Gated DeltaProduct token mixer, FLA's `GatedDeltaProduct`
+//! (`fla/layers/gated_deltaproduct.py`).
 //!
 //! ```text
 //! q = l2(silu(conv_q(q_proj x)))               [B, T, H, K]

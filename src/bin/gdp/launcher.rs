@@ -2,11 +2,11 @@
 //! group, torchrun style, and stops the whole group when one of them fails.
 //!
 //! Every process gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (= its GPU), `LOCAL_WORLD_SIZE`,
-//! `MASTER_ADDR` and `MASTER_PORT` (see [`candle_gdp::cp::comm::rendezvous`]), and NVLink
-//! multicast is forced off ([`FORCED_ENV`]: on shared multi-GPU hosts a program that uses it can
-//! take the GPUs out of service for everyone). Standard input, output and error are inherited, with no
-//! prefix. If a process exits with a failure, the launcher terminates the others (`SIGTERM` to
-//! each process group, `SIGKILL` after a grace period) and reports the first failure.
+//! `MASTER_ADDR` and `MASTER_PORT` (see [`candle_gdp::cp::comm::rendezvous`]), and NVLink multicast
+//! is forced off ([`FORCED_ENV`]: on shared multi-GPU hosts a program that uses it can take the
+//! GPUs out of service for everyone). Standard input, output and error are inherited, with no
+//! prefix. If a process exits with a failure, the launcher terminates the others (`SIGTERM` to each
+//! process group, `SIGKILL` after a grace period) and reports the first failure.
 
 use std::ffi::OsString;
 use std::net::TcpListener;

@@ -139,7 +139,8 @@ impl ChunkWy {
             }
             row[i + 1..].fill(0.0);
         }
-        // kk_beta = diag(β) K Kᵀ (kept for the backward); A = strict_lower(kk_beta ⊙ e^{G_i − G_j}).
+        // kk_beta = diag(β) K Kᵀ (kept for the backward);
+        // A = strict_lower(kk_beta ⊙ e^{G_i − G_j}).
         let kmat = MatRef::new(kc, c, dk);
         matmul(&mut self.kk_beta, kmat, kmat.t(), false, 0.0, 1.0);
         for (i, &b) in bc.iter().enumerate() {

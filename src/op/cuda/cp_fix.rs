@@ -118,8 +118,9 @@ fn fix_rows<T: FixOut>(
     Ok(())
 }
 
-/// `y = x[.., :V] + x[.., V:] · s` over every launch of [`plan_rows`](crate::op::row_fix::plan_rows) (`s` f32
-/// `[rows, H, K, V]`, read from each launch's state row on; the copies need none).
+/// `y = x[.., :V] + x[.., V:] · s` over every launch of
+/// [`plan_rows`](crate::op::row_fix::plan_rows) (`s` f32 `[rows, H, K, V]`, read from each launch's
+/// state row on; the copies need none).
 pub(crate) fn fix_planned<T: FixOut>(
     dev: &CudaDevice,
     (x, y): (&CudaView<bf16>, &mut CudaViewMut<T>),

@@ -194,12 +194,12 @@ impl GradsLaunch<'_> {
             shared_mem_bytes: smem as u32,
         };
         // SAFETY (both launches): `gdp_bwd_grads_bf16_*` takes `GDP_GRADS_FIELDS` (the `_pipe`
-        // entry `GDP_PIPE_FIELDS` after them): every per-slot buffer was sized from the same
-        // table and filled above on this stream, or (dS and dDelta, beside the scan) is read only after the
-        // scan's counter of its group says it is written; the gradients are either the packed
-        // f32 layout (null part pointers) or the parts (a null packed pointer), sized above;
-        // the pipe holds `GRADS_PIPE_COUNTERS` plus the pipeline's counters, the order every
-        // chunk of the table; the dynamic shared memory is `grads_smem_bytes`.
+        // entry `GDP_PIPE_FIELDS` after them): every per-slot buffer was sized from the same table
+        // and filled above on this stream, or (dS and dDelta, beside the scan) is read only after
+        // the scan's counter of its group says it is written; the gradients are either the packed
+        // f32 layout (null part pointers) or the parts (a null packed pointer), sized above; the
+        // pipe holds `GRADS_PIPE_COUNTERS` plus the pipeline's counters, the order every chunk of
+        // the table; the dynamic shared memory is `grads_smem_bytes`.
         match pipe {
             None => {
                 let grid = (

@@ -222,11 +222,11 @@ pub(super) struct OverlapRun<'b> {
 }
 
 impl<'b> OverlapRun<'b> {
-    /// Starts one with the zeroed readiness counters `ready` (the side stream forks after the
-    /// work queued so far), or `None`, queuing nothing, where this GPU's previous overlapped
-    /// launch was queued on another stream and may still be running: its waiting blocks and these could
-    /// fill every multiprocessor. One queued on the same stream cannot overlap this one
-    /// (stream order starts this one's side stream after the previous one's join).
+    /// Starts one with the zeroed readiness counters `ready` (the side stream forks after the work
+    /// queued so far), or `None`, queuing nothing, where this GPU's previous overlapped launch was
+    /// queued on another stream and may still be running: its waiting blocks and these could fill
+    /// every multiprocessor. One queued on the same stream cannot overlap this one (stream order
+    /// starts this one's side stream after the previous one's join).
     fn start(
         dev: &CudaDevice,
         ready: &'b CudaSlice<i32>,

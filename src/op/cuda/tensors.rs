@@ -32,15 +32,14 @@ pub(crate) enum CpFinalGrads<'a> {
     Widened(WidenedFold<'a>),
 }
 
-/// The split bf16 backward on tensors, for the op's `bwd`: the queries and keys (the packed
-/// `qk`, or FLA's `q`, `k`), `v` (bf16), the gate buffer and the output's gradient `grad` (the
-/// packed f32 `[do | dht]`, or with `plain` the bf16 `do [B, T, H, V]`) on one CUDA device;
-/// returns the gradients of the query/key inputs (one or two, in their shapes: FLA's `q`, `k`
-/// may have fewer heads than `v`, grouped value heads, whose gradients sum over each group)
-/// and of `v`
-/// (bf16) and of the gate buffer (f32), without the packed f32 detour of
-/// [`backward`](super::backward::backward). `Ok(None)` where this path does not apply (not CUDA, not bf16, or the
-/// split backward does not fit). `cp`: a context-parallel rank's overrides.
+/// The split bf16 backward on tensors, for the op's `bwd`: the queries and keys (the packed `qk`,
+/// or FLA's `q`, `k`), `v` (bf16), the gate buffer and the output's gradient `grad` (the packed f32
+/// `[do | dht]`, or with `plain` the bf16 `do [B, T, H, V]`) on one CUDA device; returns the
+/// gradients of the query/key inputs (one or two, in their shapes: FLA's `q`, `k` may have fewer
+/// heads than `v`, grouped value heads, whose gradients sum over each group) and of `v` (bf16) and
+/// of the gate buffer (f32), without the packed f32 detour of
+/// [`backward`](super::backward::backward). `Ok(None)` where this path does not apply (not CUDA,
+/// not bf16, or the split backward does not fit). `cp`: a context-parallel rank's overrides.
 pub(crate) fn try_backward_tensors(
     qk: QueryKeys,
     v: &Tensor,

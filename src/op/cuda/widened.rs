@@ -72,11 +72,11 @@ pub(super) struct Widened {
 }
 
 impl Widened {
-    /// `None` where the widened scan or the WY kernel does not fit. The tile is the one wave
-    /// of blocks that fills the GPU where there is one ([`widened_scan_plan`]);
+    /// `None` where the widened scan or the WY kernel does not fit. The tile is the one wave of
+    /// blocks that fills the GPU where there is one ([`widened_scan_plan`]);
     /// [`Widened::forward_scan`] runs the scan beside the WY kernel where the blocks leave more
-    /// than half the multiprocessors idle ([`Pipeline`]). (Narrowing the blocks to make room for the
-    /// WY kernel costs the scan more than the WY kernel it hides; `docs/cp.md`.)
+    /// than half the multiprocessors idle ([`Pipeline`]). (Narrowing the blocks to make room for
+    /// the WY kernel costs the scan more than the WY kernel it hides; `docs/cp.md`.)
     pub(super) fn plan(
         dev: &CudaDevice,
         sh: &GdpShape,
