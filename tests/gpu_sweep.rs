@@ -4,8 +4,9 @@
 //! split backward, segments for few heads and long sequences, the fused f32 / f16 kernels).
 //! The fixed tests name their shapes; this one draws `K`, `V`, `n`, grouped value heads,
 //! batch, lengths, packing, initial states and gate strength from a seeded generator, so that
-//! it meets combinations nobody wrote down. Each case prints its draw, so a failure names the
-//! shape to reproduce. Run on a GPU machine:
+//! it meets combinations nobody wrote down, and long sequences with 9–14 heads, where the
+//! default splits them into two or three segments. Each case prints its draw, so a failure
+//! names the shape to reproduce. Run on a GPU machine:
 //! `cargo test --release --features cuda --test gpu_sweep`.
 #![cfg(feature = "cuda")]
 
@@ -98,6 +99,46 @@ fn random_shapes_match_f64_reference() -> Result<()> {
         let got = run_op_on(&case, &x, dtype, &dev).with_context(|| case.name)?;
         let want = run_reference(&case, &x)?;
         assert_close(&case, &got, &want, tol)?;
+    }
+    Ok(())
+}
+
+/// Long sequences with 9–14 heads (B1, `n = 1`, `K`, `V` 100 or 128, bf16), where
+/// `Segments::Auto` takes three segments per sequence (case 0: 9–11 heads, 24.6K–25K tokens)
+/// or two (case 1: 12–14 heads, 16K–20K tokens).
+fn draw_mid_heads(rng: &mut StdRng, i: usize) -> Case {
+    let (heads, tokens): (&[(usize, usize)], _) = match i {
+        0 => (&[(9, 3), (10, 5), (11, 11)], 24_576..=25_000usize),
+        _ => (&[(12, 4), (12, 6), (13, 13), (14, 7)], 16_384..=20_000),
+    };
+    let (h, key_heads) = heads[rng.random_range(0..heads.len())];
+    let k = [100, 128][rng.random_range(0..2)];
+    let v = [100, 128][rng.random_range(0..2)];
+    let t = rng.random_range(tokens);
+    let name = format!("mid {i}: BF16 B1 T{t} H{h}/{key_heads} K{k} V{v} n1");
+    let mut case = Case::new(Box::leak(name.into_boxed_str()), 1, t, h, k, v, 1)
+        .seed(2000 + i as u64)
+        .key_heads(key_heads);
+    if rng.random_bool(0.5) {
+        case = case.h0();
+    }
+    if rng.random_bool(0.25) {
+        case = case.strong_gates();
+    }
+    case
+}
+
+#[test]
+fn mid_heads_long_shapes_match_f64_reference() -> Result<()> {
+    let dev = Device::new_cuda(0)?;
+    let mut rng = StdRng::seed_from_u64(0x5eed_2026_1207);
+    for i in 0..2 {
+        let case = draw_mid_heads(&mut rng, i);
+        println!("{}", case.name);
+        let x = inputs(&case, DType::BF16)?;
+        let got = run_op_on(&case, &x, DType::BF16, &dev).with_context(|| case.name)?;
+        let want = run_reference(&case, &x)?;
+        assert_close(&case, &got, &want, 1e-2)?;
     }
     Ok(())
 }
