@@ -38,6 +38,17 @@ fn cu_seqlens(rng: &mut StdRng, total: usize, seqs: usize) -> Vec<usize> {
     cu
 }
 
+/// `case` with an initial state half the time and strong gates a quarter of the time.
+fn with_state_and_gates(rng: &mut StdRng, mut case: Case) -> Case {
+    if rng.random_bool(0.5) {
+        case = case.h0();
+    }
+    if rng.random_bool(0.25) {
+        case = case.strong_gates();
+    }
+    case
+}
+
 /// Draw `i` of the sweep. Every fourth case is long with few heads (`B·H <= 6`, 8K–17K
 /// tokens), where the default splits sequences into segments; the others are short, with up
 /// to 12 heads.
@@ -71,15 +82,10 @@ fn draw(rng: &mut StdRng, i: usize) -> Draw {
         rng.random_range(1..=1500usize)
     };
     let name = format!("draw {i}: {dtype:?} B{b} T{t} H{h}/{key_heads} K{k} V{v} n{n}");
-    let mut case = Case::new(Box::leak(name.into_boxed_str()), b, t, h, k, v, n)
+    let case = Case::new(Box::leak(name.into_boxed_str()), b, t, h, k, v, n)
         .seed(1000 + i as u64)
         .key_heads(key_heads);
-    if rng.random_bool(0.5) {
-        case = case.h0();
-    }
-    if rng.random_bool(0.25) {
-        case = case.strong_gates();
-    }
+    let mut case = with_state_and_gates(rng, case);
     if b == 1 && !long && rng.random_bool(0.4) {
         let seqs = rng.random_range(2..=5usize);
         case = case.packed(&cu_seqlens(rng, t, seqs));
@@ -116,16 +122,10 @@ fn draw_mid_heads(rng: &mut StdRng, i: usize) -> Case {
     let v = [100, 128][rng.random_range(0..2)];
     let t = rng.random_range(tokens);
     let name = format!("mid {i}: BF16 B1 T{t} H{h}/{key_heads} K{k} V{v} n1");
-    let mut case = Case::new(Box::leak(name.into_boxed_str()), 1, t, h, k, v, 1)
+    let case = Case::new(Box::leak(name.into_boxed_str()), 1, t, h, k, v, 1)
         .seed(2000 + i as u64)
         .key_heads(key_heads);
-    if rng.random_bool(0.5) {
-        case = case.h0();
-    }
-    if rng.random_bool(0.25) {
-        case = case.strong_gates();
-    }
-    case
+    with_state_and_gates(rng, case)
 }
 
 #[test]
