@@ -1484,6 +1484,7 @@ static void run_cp() {
   run_cp_fix(3, 40, 260, 2, 1, 37, 1, 1, true, 1);  // y one element off
   run_cp_fix(2, 128, 128, 2, 1, 21, 1, 2, true);   // K = V = 128: 16-byte rows, 4 k groups
   run_cp_fix(2, 64, 40, 1, 2, 3, 64, 1, false);    // a copy in 16-byte rows
+  run_cp_fix(2, 256, 64, 1, 1, 40, 1, 1, true);    // K = 256: key groups past the first four
   // The segments' fold: K over one pass of 16 and not a multiple of it, V over one tile of 32
   // and odd, the largest K.
   run_fold(2, 13, 20, true);
