@@ -14,6 +14,10 @@
 #   timing   tests/gpu_fast_paths.rs's ignored timing tests (the decode step)
 #   kernels  the kernel-only timings (cuda/bench/kernels.cu, compiled here)
 #   cp       `gdp cp-bench`: the middle of 4 ranks at 16K and 4K tokens per rank, n = 1 and 2
+#            (where BIN_DIR also holds `gdp_base`, another build's `gdp`, e.g. an older
+#            gdp.xz renamed gdp_base.xz, each shape runs both, in turn)
+#   cpncu    ncu's time for each of a rank's own kernels (widened states, fold, corrections) at
+#            4K and 16K tokens per rank, n = 1, one iteration (`gdp` and `gdp_base`)
 #   fla      the README's first shapes against FLA, with the explicit backward
 #   qwen     three of Qwen3.5's GDN shapes against FLA (none of them splits into segments)
 #   few      four of the few-heads shapes (n = 1, 2, 4) against FLA, in segments (the default
@@ -82,10 +86,35 @@ for stage in $stages; do
     cp)
       for n in 1 2; do
         for tokens in 65536 16384; do
-          timeout 60 "$bin/gdp" cp-bench --ranks 4 --tokens "$tokens" --heads 16 --dk 128 \
-            --dv 128 --householder "$n" --dtype bf16 --device cuda:0 --iters 15 --warmup 3 \
-            > "$out/cp_${n}_$tokens.log" 2>&1
-          tail -1 "$out/cp_${n}_$tokens.log"
+          for b in gdp gdp_base; do
+            [ -x "$bin/$b" ] || continue
+            timeout 60 "$bin/$b" cp-bench --ranks 4 --tokens "$tokens" --heads 16 --dk 128 \
+              --dv 128 --householder "$n" --dtype bf16 --device cuda:0 --iters 15 --warmup 3 \
+              > "$out/cp_${b}_${n}_$tokens.log" 2>&1
+            echo "$b $(tail -1 "$out/cp_${b}_${n}_$tokens.log")"
+          done
+        done
+      done
+      ;;
+    cpncu)
+      for b in gdp gdp_base; do
+        [ -x "$bin/$b" ] || continue
+        for tokens in 16384 65536; do
+          timeout 90 ncu --kernel-name regex:"gdp_cp_fix|gdp_cp_widen|gdp_fold" --launch-count 7 \
+            --metrics gpu__time_duration.sum --csv "$bin/$b" cp-bench --ranks 4 \
+            --tokens "$tokens" --heads 16 --dk 128 --dv 128 --householder 1 --dtype bf16 \
+            --device cuda:0 --iters 1 --warmup 1 > "$out/cpncu_${b}_$tokens.csv" 2>&1
+          echo "-- $b, $tokens tokens (ns)"
+          python3 - "$out/cpncu_${b}_$tokens.csv" <<'PY'
+import csv, sys
+lines = open(sys.argv[1]).read().splitlines()
+at = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
+if at is None:
+    print("\n".join(lines[-5:]))
+else:
+    for r in csv.DictReader(lines[at:]):
+        print(r["Kernel Name"].split("(")[0], r["Grid Size"], r["Metric Value"])
+PY
         done
       done
       ;;
@@ -110,7 +139,7 @@ for stage in $stages; do
         2>&1 | tee "$out/segdiag.log"
       ;;
     *)
-      echo "unknown stage $stage (tests timing kernels cp fla qwen few segdiag)"
+      echo "unknown stage $stage (tests timing kernels cp cpncu fla qwen few segdiag)"
       ;;
   esac
   echo "== $stage: $(($(date +%s) - start)) s"
