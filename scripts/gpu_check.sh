@@ -17,7 +17,8 @@
 #            (where BIN_DIR also holds `gdp_base`, another build's `gdp`, e.g. an older
 #            gdp.xz renamed gdp_base.xz, each shape runs both, in turn)
 #   cpncu    ncu's time for each of a rank's own kernels (widened states, fold, corrections) at
-#            4K and 16K tokens per rank, n = 1, one iteration (`gdp` and `gdp_base`)
+#            4K and 16K tokens per rank, n = 1, one iteration, clocks unlocked as in
+#            docs/benchmarks.md (`gdp` and `gdp_base`)
 #   fla      the README's first shapes against FLA, with the explicit backward
 #   qwen     three of Qwen3.5's GDN shapes against FLA (none of them splits into segments)
 #   few      four of the few-heads shapes (n = 1, 2, 4) against FLA, in segments (the default
@@ -56,6 +57,9 @@ nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader
 
 summary() { grep -E "test result|FAILED|panicked|^rc=" "$1" | head -20; }
 bench() { timeout "$1" python3 -u scripts/bench_vs_fla.py --gdp "$bin/gdp" --reps 5 "${@:2}"; }
+# `gdp cp-bench`'s shape in the cp stages (the middle of 4 ranks, H16 K = V = 128 bf16); each
+# call adds --tokens, --householder and the iterations.
+cp_bench=(cp-bench --ranks 4 --heads 16 --dk 128 --dv 128 --dtype bf16 --device cuda:0)
 
 for stage in $stages; do
   start=$(date +%s)
@@ -90,9 +94,8 @@ for stage in $stages; do
         for tokens in 65536 16384; do
           for b in gdp gdp_base; do
             [ -x "$bin/$b" ] || continue
-            timeout 60 "$bin/$b" cp-bench --ranks 4 --tokens "$tokens" --heads 16 --dk 128 \
-              --dv 128 --householder "$n" --dtype bf16 --device cuda:0 --iters 15 --warmup 3 \
-              > "$out/cp_${b}_${n}_$tokens.log" 2>&1
+            timeout 60 "$bin/$b" "${cp_bench[@]}" --tokens "$tokens" --householder "$n" \
+              --iters 15 --warmup 3 > "$out/cp_${b}_${n}_$tokens.log" 2>&1
             echo "$b $(tail -1 "$out/cp_${b}_${n}_$tokens.log")"
           done
         done
@@ -103,9 +106,9 @@ for stage in $stages; do
         [ -x "$bin/$b" ] || continue
         for tokens in 16384 65536; do
           timeout 90 ncu --kernel-name regex:"gdp_cp_fix|gdp_cp_widen|gdp_fold" --launch-count 7 \
-            --metrics gpu__time_duration.sum --csv "$bin/$b" cp-bench --ranks 4 \
-            --tokens "$tokens" --heads 16 --dk 128 --dv 128 --householder 1 --dtype bf16 \
-            --device cuda:0 --iters 1 --warmup 1 > "$out/cpncu_${b}_$tokens.csv" 2>&1
+            --metrics gpu__time_duration.sum --clock-control none --csv "$bin/$b" \
+            "${cp_bench[@]}" --tokens "$tokens" --householder 1 --iters 1 --warmup 1 \
+            > "$out/cpncu_${b}_$tokens.csv" 2>&1
           echo "-- $b, $tokens tokens (ns)"
           python3 - "$out/cpncu_${b}_$tokens.csv" <<'PY'
 import csv, sys
