@@ -103,21 +103,36 @@ __device__ __forceinline__ void gdp_cp_fix_impl(const __nv_bfloat16* __restrict_
       (V % 2 == 0) && ((reinterpret_cast<uintptr_t>(y) & (2 * sizeof(TO) - 1)) == 0);
 
   if (s != nullptr) {
+    // S's bf16 pairs into shared memory; each thread issues SU pairs' loads before it converts
+    // any, so that a block waits for a few round trips to L2, not one per pair.
+    constexpr int SU = 8;
     const float* sh = s + (long long)blockIdx.z * K * V;
-    for (int idx = tid; idx < (KP / 2) * GDP_FIX_COLS; idx += GDP_FIX_THREADS) {
-      const int kk = idx / GDP_FIX_COLS, n = idx - kk * GDP_FIX_COLS, col = n0 + n;
-      const int k0 = 2 * kk, k1 = k0 + 1;
-      const float s0 = (k0 < K && col < V) ? sh[(long long)k0 * V + col] : 0.f;
-      const float s1 = (k1 < K && col < V) ? sh[(long long)k1 * V + col] : 0.f;
-      int at = kk * LB + n;
-      if (vec) {
-        // kk = 16 c + 4 t' + 2 s' + half (half: the fragment's b[0] or b[1]); column
-        // n = 32 q + 8 (g' / 2) + 2 i + g' % 2; the word of lane 4 g' + t'.
-        const int c = kk >> 4, tk = (kk >> 2) & 3, sk = (kk >> 1) & 1, half = kk & 1;
-        const int q = n >> 5, gn = 2 * ((n & 31) >> 3) + (n & 1), i = (n & 7) >> 1;
-        at = ((((c * 2 + sk) * 2 + half) * 4 + q) * 4 + i) * 32 + 4 * gn + tk;
+    const int total = (KP / 2) * GDP_FIX_COLS;
+    for (int base = tid; base < total; base += SU * GDP_FIX_THREADS) {
+      float s0[SU], s1[SU];
+#pragma unroll
+      for (int u = 0; u < SU; ++u) {
+        const int idx = base + u * GDP_FIX_THREADS;
+        const int kk = idx / GDP_FIX_COLS, col = n0 + idx - kk * GDP_FIX_COLS;
+        const bool in = idx < total && col < V;
+        s0[u] = in && 2 * kk < K ? sh[(long long)(2 * kk) * V + col] : 0.f;
+        s1[u] = in && 2 * kk + 1 < K ? sh[(long long)(2 * kk + 1) * V + col] : 0.f;
       }
-      bs[at] = MmaBf16::pack(s0, s1);
+#pragma unroll
+      for (int u = 0; u < SU; ++u) {
+        const int idx = base + u * GDP_FIX_THREADS;
+        if (idx >= total) break;
+        const int kk = idx / GDP_FIX_COLS, n = idx - kk * GDP_FIX_COLS;
+        int at = kk * LB + n;
+        if (vec) {
+          // kk = 16 c + 4 t' + 2 s' + half (half: the fragment's b[0] or b[1]); column
+          // n = 32 q + 8 (g' / 2) + 2 i + g' % 2; the word of lane 4 g' + t'.
+          const int c = kk >> 4, tk = (kk >> 2) & 3, sk = (kk >> 1) & 1, half = kk & 1;
+          const int q = n >> 5, gn = 2 * ((n & 31) >> 3) + (n & 1), i = (n & 7) >> 1;
+          at = ((((c * 2 + sk) * 2 + half) * 4 + q) * 4 + i) * 32 + 4 * gn + tk;
+        }
+        bs[at] = MmaBf16::pack(s0[u], s1[u]);
+      }
     }
     __syncthreads();
   }

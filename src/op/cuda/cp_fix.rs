@@ -8,7 +8,7 @@ use super::module::load_kernel;
 use crate::op::kernel_params::FixParams;
 use crate::op::row_fix::FixRows;
 use candle_core::cuda_backend::cudarc::driver::{CudaView, CudaViewMut, DeviceRepr, LaunchConfig};
-use candle_core::cuda_backend::CudaDevice;
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::Result;
 use half::bf16;
 
@@ -94,14 +94,18 @@ fn fix_rows<T: FixOut>(
         outer_per_seq: to_i32(rows.outer_per_seq, "rows per sequence")?,
         inner: to_i32(rows.inner, "inner rows")?,
     };
-    // Four blocks per multiprocessor in all (S takes 35 KB of shared memory at K = 128), each
-    // walking several row tiles of its (sequence, head), so that S is loaded and converted once
-    // per block.
+    // One wave: as many blocks as the multiprocessors hold at once (two at K = 128, bound by
+    // registers), each walking several row tiles of its (sequence, head), so that S is loaded
+    // and converted once per block and no block waits for a second wave.
     let sms = super::device::smem_and_sms(dev, None)?.1;
+    let per_sm = func
+        .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)
+        .w()?
+        .max(1) as usize;
     let others = rows.seqs * heads * dv.div_ceil(COLS);
     let groups = per_seq
         .div_ceil(ROWS * WARPS)
-        .min((4 * sms).div_ceil(others))
+        .min(per_sm * sms / others)
         .max(1);
     let cfg = LaunchConfig {
         grid_dim: (
