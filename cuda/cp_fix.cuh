@@ -261,13 +261,36 @@ extern "C" __global__ void __launch_bounds__(GDP_FIX_THREADS)
 }
 
 // [x | I_K] per (sequence, head): out [blocks, K, V + K] f32 from x [blocks, K, V] (or zeros
-// where x is null), the identity in the last K columns. One thread per element.
+// where x is null), the identity in the last K columns. Four elements a thread where V and K
+// are multiples of 4 and the rows 16-byte aligned (one 16-byte load and store, one division
+// per four elements), else one.
 extern "C" __global__ void gdp_cp_widen_states(GDP_KERNEL_PARAMS(GDP_WIDEN_FIELDS, _)) {
   const int K = dk, V = dv;
   const int W = V + K;
+  const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  const bool vec = V % 4 == 0 && K % 4 == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0 &&
+                   (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+  if (vec) {
+    const int W4 = W / 4;
+    const long long total4 = blocks * K * W4;
+    for (long long i = first; i < total4; i += stride) {
+      const long long row = i / W4;
+      const int col = 4 * (int)(i - row * W4), r = (int)(row % K);
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (col < V) {
+        if (x != nullptr) v = *reinterpret_cast<const float4*>(x + row * V + col);
+      } else {
+        const int d = col - V;
+        v = make_float4(d == r ? 1.f : 0.f, d + 1 == r ? 1.f : 0.f, d + 2 == r ? 1.f : 0.f,
+                        d + 3 == r ? 1.f : 0.f);
+      }
+      *reinterpret_cast<float4*>(out + row * W + col) = v;
+    }
+    return;
+  }
   const long long total = blocks * K * W;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-       i += (long long)gridDim.x * blockDim.x) {
+  for (long long i = first; i < total; i += stride) {
     const long long row = i / W;
     const int col = (int)(i - row * W), r = (int)(row % K);
     out[i] = col < V ? (x != nullptr ? x[row * V + col] : 0.f) : (col - V == r ? 1.f : 0.f);

@@ -1480,6 +1480,7 @@ static void run_cp() {
   run_cp_widen(6, 12, 20, true, 3);
   run_cp_widen(6, 40, 136, true, 8);
   run_cp_widen(6, 40, 136, false, 8);
+  run_cp_widen(5, 13, 21, true, 3);   // K, V not multiples of 4: one element a thread
   run_cp_fix(2, 13, 21, 2, 3, 5, 4, 1, true);     // odd V
   run_cp_fix(3, 40, 260, 2, 1, 37, 1, 1, true, 1);  // y one element off
   run_cp_fix(2, 128, 128, 2, 1, 21, 1, 2, true);   // K = V = 128: 16-byte rows, 4 k groups

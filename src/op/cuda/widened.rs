@@ -178,8 +178,15 @@ pub(crate) fn widened_states_dev(
         dk: to_i32(sh.dk, "K")?,
         dv: to_i32(sh.dv, "V")?,
     };
+    // Four elements a thread where the widths allow it (the kernel checks the alignment too and
+    // otherwise walks the elements one by one over the same threads).
+    let per_thread = if sh.dv.is_multiple_of(4) && sh.dk.is_multiple_of(4) {
+        4
+    } else {
+        1
+    };
     let cfg = LaunchConfig {
-        grid_dim: (total.div_ceil(256).min(65_535) as u32, 1, 1),
+        grid_dim: (total.div_ceil(256 * per_thread).min(65_535) as u32, 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
