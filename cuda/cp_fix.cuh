@@ -305,10 +305,11 @@ extern "C" __global__ void gdp_cp_widen_states(GDP_KERNEL_PARAMS(GDP_WIDEN_FIELD
 #define GDP_FOLD_CT 8
 
 // Shared memory of gdp_fold_chains (bytes) with passes of P key columns: the state's tile
-// s [K][COLS] and a pass of x̃'s columns [K][P + 1] (the padding keeps the threads' row reads
-// conflict-free), f32: 74 KB at K = P = 128 (over the default 48 KB: the launcher opts in).
+// s [K][COLS] and a pass of x̃'s columns [K][P + 4] (rows of P + 4 floats keep the 16-byte row
+// reads conflict-free, P + 1 the 4-byte ones), f32: 76 KB at K = P = 128 (over the default
+// 48 KB: the launcher opts in).
 __host__ __device__ constexpr int gdp_fold_smem_bytes(int K, int P) {
-  return K * (GDP_FOLD_COLS + P + 1) * 4;
+  return K * (GDP_FOLD_COLS + P + 4) * 4;
 }
 
 // Chains of summaries folded into states, each chain from its start state: for every step p of
@@ -325,16 +326,21 @@ __host__ __device__ constexpr int gdp_fold_smem_bytes(int K, int P) {
 // A chain's steps are sequential and few blocks run, so a step is bound by the latency of its
 // loads: it copies x̃ into shared memory in passes of `pass_cols` key columns (a power of two;
 // the launcher takes all K at once where shared memory allows), every copy of a pass in flight
-// together (4-byte cp.async: rows of any width), x⁰'s loads issued just before them. Thread t
-// owns the rows t mod 128 + 128 j and CT = 8 value columns, reading its rows of the pass
-// (conflict-free) and the state's columns (a broadcast). Each output is x⁰ plus the products
-// in increasing key order: f32, the same bits run to run.
+// together, x⁰'s loads issued just before them. The copies are 16 bytes each where K and V are
+// multiples of 4 and the summaries 16-byte aligned (a quarter of the instructions: the copies'
+// issue bounds a step at K = 128), else 4 bytes (rows of any width). Thread t owns the rows
+// t mod 128 + 128 j and CT = 8 value columns, reading its rows of the pass (conflict-free; four
+// key columns at once on the 16-byte path) and the state's columns (a broadcast). Each output
+// is x⁰ plus the products in increasing key order: f32, the same bits run to run, on either
+// path.
 extern "C" __global__ void __launch_bounds__(GDP_FOLD_THREADS)
     gdp_fold_chains(GDP_KERNEL_PARAMS(GDP_FOLD_FIELDS, _)) {
   constexpr int COLS = GDP_FOLD_COLS, CT = GDP_FOLD_CT, NT = GDP_FOLD_THREADS;
   constexpr int RT = NT / (COLS / CT);  // threads per column group (128)
   constexpr int R = GDP_FOLD_MAX_K / RT;  // rows per thread, at most
-  const int K = dk, V = dv, W = V + K, P = pass_cols, LX = pass_cols + 1;
+  const int K = dk, V = dv, W = V + K, P = pass_cols;
+  const bool vec = K % 4 == 0 && V % 4 == 0 && (reinterpret_cast<uintptr_t>(t) & 15) == 0;
+  const int LX = vec ? P + 4 : P + 1;
   const int pshift = __ffs(P) - 1;
   const int chain = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
   const int col0 = blockIdx.z * COLS;
@@ -363,33 +369,75 @@ extern "C" __global__ void __launch_bounds__(GDP_FOLD_THREADS)
     // This thread's rows and columns of x⁰ (in flight while the first pass is copied).
     float acc[R][CT];
 #pragma unroll
-    for (int j = 0; j < R; ++j)
+    for (int j = 0; j < R; ++j) {
+      const int r = rl + RT * j;
+      const float* xr = x + (long long)r * W + ccol;
+      if (vec && r < K && ccol + CT <= V) {
+        const float4 lo = *reinterpret_cast<const float4*>(xr);
+        const float4 hi = *reinterpret_cast<const float4*>(xr + 4);
+        const float v[CT] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-      for (int c = 0; c < CT; ++c) {
-        const int r = rl + RT * j;
-        acc[j][c] = r < K && ccol + c < V ? x[(long long)r * W + ccol + c] : 0.f;
+        for (int c = 0; c < CT; ++c) acc[j][c] = v[c];
+      } else {
+#pragma unroll
+        for (int c = 0; c < CT; ++c) acc[j][c] = r < K && ccol + c < V ? xr[c] : 0.f;
       }
+    }
     for (int m0 = 0; m0 < (has ? K : 0); m0 += P) {
       if (m0 > 0) __syncthreads();  // every read of the previous pass is done
-      const int pw = min(P, K - m0);
-      for (int e = tid; e < K * P; e += NT) {
-        const int r = e >> pshift, m = e & (P - 1);
-        if (m < pw) cp_async4(xs + r * LX + m, x + (long long)r * W + V + m0 + m);
+      const int pw = min(P, K - m0);  // a multiple of 4 on the 16-byte path
+      if (vec) {
+        for (int e = tid; e < K * P / 4; e += NT) {
+          const int r = e >> (pshift - 2), m = 4 * (e & (P / 4 - 1));
+          if (m < pw) cp_async16(xs + r * LX + m, x + (long long)r * W + V + m0 + m);
+        }
+      } else {
+        for (int e = tid; e < K * P; e += NT) {
+          const int r = e >> pshift, m = e & (P - 1);
+          if (m < pw) cp_async4(xs + r * LX + m, x + (long long)r * W + V + m0 + m);
+        }
       }
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
-      for (int m = 0; m < pw; ++m) {
-        const float4 s_lo = *reinterpret_cast<const float4*>(s + (m0 + m) * COLS + cg * CT);
-        const float4 s_hi = *reinterpret_cast<const float4*>(s + (m0 + m) * COLS + cg * CT + 4);
-        const float sv[CT] = {s_lo.x, s_lo.y, s_lo.z, s_lo.w, s_hi.x, s_hi.y, s_hi.z, s_hi.w};
+      if (vec) {
+        for (int m = 0; m < pw; m += 4) {
+          float4 xv[R];
 #pragma unroll
-        for (int j = 0; j < R; ++j) {
-          const int r = rl + RT * j;
-          if (r < K) {
-            const float xv = xs[r * LX + m];
+          for (int j = 0; j < R; ++j) {
+            const int r = rl + RT * j;
+            xv[j] = r < K ? *reinterpret_cast<const float4*>(xs + r * LX + m)
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
+          }
 #pragma unroll
-            for (int c = 0; c < CT; ++c) acc[j][c] = fmaf(xv, sv[c], acc[j][c]);
+          for (int mm = 0; mm < 4; ++mm) {
+            const float* sr = s + (m0 + m + mm) * COLS + cg * CT;
+            const float4 s_lo = *reinterpret_cast<const float4*>(sr);
+            const float4 s_hi = *reinterpret_cast<const float4*>(sr + 4);
+            const float sv[CT] = {s_lo.x, s_lo.y, s_lo.z, s_lo.w, s_hi.x, s_hi.y, s_hi.z, s_hi.w};
+#pragma unroll
+            for (int j = 0; j < R; ++j) {
+              const float xj = mm == 0 ? xv[j].x : mm == 1 ? xv[j].y : mm == 2 ? xv[j].z : xv[j].w;
+              if (rl + RT * j < K)
+#pragma unroll
+                for (int c = 0; c < CT; ++c) acc[j][c] = fmaf(xj, sv[c], acc[j][c]);
+            }
+          }
+        }
+      } else {
+        for (int m = 0; m < pw; ++m) {
+          const float* sr = s + (m0 + m) * COLS + cg * CT;
+          const float4 s_lo = *reinterpret_cast<const float4*>(sr);
+          const float4 s_hi = *reinterpret_cast<const float4*>(sr + 4);
+          const float sv[CT] = {s_lo.x, s_lo.y, s_lo.z, s_lo.w, s_hi.x, s_hi.y, s_hi.z, s_hi.w};
+#pragma unroll
+          for (int j = 0; j < R; ++j) {
+            const int r = rl + RT * j;
+            if (r < K) {
+              const float xv = xs[r * LX + m];
+#pragma unroll
+              for (int c = 0; c < CT; ++c) acc[j][c] = fmaf(xv, sv[c], acc[j][c]);
+            }
           }
         }
       }

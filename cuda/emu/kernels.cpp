@@ -1487,11 +1487,12 @@ static void run_cp() {
   run_cp_fix(2, 64, 40, 1, 2, 3, 64, 1, false);    // a copy in 16-byte rows
   run_cp_fix(2, 256, 64, 1, 1, 40, 1, 1, true);    // K = 256: key groups past the first four
   // The segments' fold: K over one pass of 16 and not a multiple of it, V over one tile of 32
-  // and odd, the largest K.
+  // and odd, the largest K (K and V multiples of 4: 16-byte copies; else 4-byte).
   run_fold(2, 13, 20, true);
   run_fold(2, 40, 33, false);
   run_fold(1, 128, 64, true);
   run_fold(1, 256, 40, true);
+  run_fold(2, 12, 36, true);  // 16-byte copies of a pass wider than K, V a multiple of 4 not 8
   // Passes of 16 key columns, as on a GPU with less shared memory: the same sums, in the same
   // order (the errors equal the full passes' above).
   g_fold_pass = 16;

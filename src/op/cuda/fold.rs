@@ -21,9 +21,9 @@ const MAX_K: usize = 256;
 const MIN_PASS: usize = 16;
 
 /// Shared memory of `gdp_fold_chains` (`gdp_fold_smem_bytes`) with passes of `pass` key
-/// columns: the state's tile `[K][16]` and a pass of `x̃`, `[K][pass + 1]`, f32.
+/// columns: the state's tile `[K][16]` and a pass of `x̃`, `[K][pass + 4]`, f32.
 fn smem_bytes(dk: usize, pass: usize) -> usize {
-    dk * (COLS + pass + 1) * 4
+    dk * (COLS + pass + 4) * 4
 }
 
 /// The widest pass of `x̃`'s key columns (a power of two, all `K` where it fits) whose shared
@@ -162,7 +162,7 @@ pub(super) fn fold_chains(
     // ids in `steps` (every one below `segments`, checked against `t`), the start state of each
     // chain (checked against `s0`), and writes state rows below `out_rows` (checked) of
     // `states` and a final state per chain of `finals`, both allocated for that. Its shared
-    // memory, `K (16 + pass + 1)` floats, fits the device (`pass_cols`; allowed above), and
+    // memory, `K (16 + pass + 4)` floats, fits the device (`pass_cols`; allowed above), and
     // `pass` is a power of two.
     unsafe { args.launch(cfg, &params) }?;
     Ok(FoldOut { states, finals })
