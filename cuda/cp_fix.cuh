@@ -166,12 +166,20 @@ __device__ __forceinline__ void gdp_cp_fix_impl(const __nv_bfloat16* __restrict_
           }
         }
       if (s != nullptr) {
-        for (int c = 0; c < KP / 32; ++c) {
+        // Key group c's pieces of rows g and g + 8 (zeros past the rows or K).
+        auto key_pieces = [&](int c, uint4 (&p)[2]) {
           const int col = V + 32 * c + 8 * t;
-          uint4 p[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            if (ra[h] >= 0 && col < W) p[h] = *reinterpret_cast<const uint4*>(x + ra[h] * W + col);
+            p[h] = ra[h] >= 0 && col < W ? *reinterpret_cast<const uint4*>(x + ra[h] * W + col)
+                                         : make_uint4(0, 0, 0, 0);
+        };
+        uint4 next[2];
+        key_pieces(0, next);
+        for (int c = 0; c < KP / 32; ++c) {
+          // Group c + 1's loads in flight during group c's products.
+          const uint4 p[2] = {next[0], next[1]};
+          if (c + 1 < KP / 32) key_pieces(c + 1, next);
 #pragma unroll
           for (int sk = 0; sk < 2; ++sk) {
             const uint32_t a[4] = {sk ? p[0].z : p[0].x, sk ? p[1].z : p[1].x,
