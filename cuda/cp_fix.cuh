@@ -367,6 +367,14 @@ extern "C" __global__ void __launch_bounds__(GDP_FOLD_THREADS)
         has && in_col ? s0[((long long)chain * heads + h) * KV + (long long)r * V + col0 + ic]
                       : 0.f;
   __syncthreads();
+  static_assert(CT == 8, "state_cols reads two float4");
+  // This thread's CT columns of the state's key row m (a broadcast read).
+  auto state_cols = [&](int m, float (&sv)[CT]) {
+    const float4 lo = *reinterpret_cast<const float4*>(s + m * COLS + cg * CT);
+    const float4 hi = *reinterpret_cast<const float4*>(s + m * COLS + cg * CT + 4);
+    sv[0] = lo.x, sv[1] = lo.y, sv[2] = lo.z, sv[3] = lo.w;
+    sv[4] = hi.x, sv[5] = hi.y, sv[6] = hi.z, sv[7] = hi.w;
+  };
   for (int p = chain_at[chain]; p < chain_at[chain + 1]; ++p) {
     const int row = rows[p], id = steps[p];
     if (row >= 0 && in_col)
@@ -419,13 +427,11 @@ extern "C" __global__ void __launch_bounds__(GDP_FOLD_THREADS)
           }
 #pragma unroll
           for (int mm = 0; mm < 4; ++mm) {
-            const float* sr = s + (m0 + m + mm) * COLS + cg * CT;
-            const float4 s_lo = *reinterpret_cast<const float4*>(sr);
-            const float4 s_hi = *reinterpret_cast<const float4*>(sr + 4);
-            const float sv[CT] = {s_lo.x, s_lo.y, s_lo.z, s_lo.w, s_hi.x, s_hi.y, s_hi.z, s_hi.w};
+            float sv[CT];
+            state_cols(m0 + m + mm, sv);
 #pragma unroll
             for (int j = 0; j < R; ++j) {
-              const float xj = mm == 0 ? xv[j].x : mm == 1 ? xv[j].y : mm == 2 ? xv[j].z : xv[j].w;
+              const float xj = reinterpret_cast<const float*>(&xv[j])[mm];
               if (rl + RT * j < K)
 #pragma unroll
                 for (int c = 0; c < CT; ++c) acc[j][c] = fmaf(xj, sv[c], acc[j][c]);
@@ -434,10 +440,8 @@ extern "C" __global__ void __launch_bounds__(GDP_FOLD_THREADS)
         }
       } else {
         for (int m = 0; m < pw; ++m) {
-          const float* sr = s + (m0 + m) * COLS + cg * CT;
-          const float4 s_lo = *reinterpret_cast<const float4*>(sr);
-          const float4 s_hi = *reinterpret_cast<const float4*>(sr + 4);
-          const float sv[CT] = {s_lo.x, s_lo.y, s_lo.z, s_lo.w, s_hi.x, s_hi.y, s_hi.z, s_hi.w};
+          float sv[CT];
+          state_cols(m0 + m, sv);
 #pragma unroll
           for (int j = 0; j < R; ++j) {
             const int r = rl + RT * j;
