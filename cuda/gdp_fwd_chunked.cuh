@@ -541,8 +541,11 @@ __device__ __forceinline__ void gdp_fwd_wy_bf16_impl(
       }
     }
   }
-  // Rows of P past the query tiles (the scan reads 16-row tiles of it).
-  for (int idx = tid; idx < (C - 16 * mq) * C / 8; idx += nthr)
+  // Rows of P past the query tiles, up to the rows the scans stage (`query_rows` in
+  // src/op/cuda/plan.rs: the 16-row tiles of ceil(64 / n)), which they read as zeros; no kernel
+  // reads the rows past those.
+  const int staged_rows = 16 * (((C + n - 1) / n + 15) / 16);
+  for (int idx = tid; idx < (staged_rows - 16 * mq) * C / 8; idx += nthr)
     reinterpret_cast<uint4*>(pm + 16 * mq * C)[idx] = make_uint4(0, 0, 0, 0);
   __syncthreads();
 
