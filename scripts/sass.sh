@@ -37,6 +37,7 @@ awk -v name=".text.$kernel:" '$0 == name {on = 1; print; next} on && /^([ \t]*\.
   "$out/gdp.sass" > "$out/$kernel.sass"
 [ -s "$out/$kernel.sass" ] || { echo "sass.sh: no kernel $kernel in the cubin" >&2; exit 1; }
 cat "$out/$kernel.sass"
-count() { grep -cE "$1" "$out/$kernel.sass" || true; }
-echo "$kernel: $(count '^ +/\*[0-9a-f]+\*/ ') instructions, $(count 'HMMA') HMMA, $(count 'LDGSTS') LDGSTS," \
-  "$(count 'LDSM') LDSM, $(count ' LDS') LDS, $(count 'BAR\.SYNC') BAR.SYNC" >&2
+# Instructions by opcode, leaving out the never-issued padding the compiler predicates on !PT.
+count() { grep -E '^ +/\*[0-9a-f]+\*/ ' "$out/$kernel.sass" | grep -v '@!PT ' | grep -cE "$1" || true; }
+echo "$kernel: $(count .) instructions, $(count ' HMMA') HMMA, $(count ' LDGSTS') LDGSTS," \
+  "$(count ' LDSM') LDSM, $(count ' LDS[. ]') LDS, $(count ' BAR\.SYNC') BAR.SYNC" >&2
