@@ -129,17 +129,25 @@ struct GdpcSplit {
   }
 };
 
+// Where element (r, col) of a staged shared tile lies: row stride ld, or with SW a swizzled tile
+// (ldsm.cuh) of ld rows.
+template <bool SW>
+__device__ __forceinline__ int gdpc_tile_at(int r, int col, int ld) {
+  return SW ? gdp_sw_at(r, col >> 3, ld) + (col & 7) : r * ld + col;
+}
+
 // Copies rows [0, rows) of `len` bf16 values (row r at src + off(r)) into a shared tile with row
-// stride ld, and zeros rows [rows, zrows). cp.async when `vec` (the split is ok and every row
-// start is 16-byte aligned), plain loads otherwise. Columns [len, ld) are not touched.
-template <typename Off>
+// stride ld (SW: a swizzled tile of ld rows), and zeros rows [rows, zrows). cp.async when `vec`
+// (the split is ok and every row start is 16-byte aligned), plain loads otherwise. Columns
+// [len, ..) are not touched.
+template <bool SW = false, typename Off>
 __device__ __forceinline__ void gdpc_stage_rows(__nv_bfloat16* __restrict__ dst, int ld,
                                                 const __nv_bfloat16* __restrict__ src, Off off,
                                                 int rows, int zrows, int len, bool vec,
                                                 const GdpcSplit& sp, int tid, int nthr) {
   if (vec && sp.ok) {
     for (int r = sp.r0; r < zrows; r += sp.rs) {
-      __nv_bfloat16* d = dst + r * ld + sp.cv * 8;
+      __nv_bfloat16* d = dst + gdpc_tile_at<SW>(r, sp.cv * 8, ld);
       if (r < rows)
         cp_async16(d, src + off(r) + sp.cv * 8);
       else
@@ -149,9 +157,22 @@ __device__ __forceinline__ void gdpc_stage_rows(__nv_bfloat16* __restrict__ dst,
     const __nv_bfloat16 zero = __float2bfloat16_rn(0.f);
     for (int idx = tid; idx < zrows * len; idx += nthr) {
       const int r = idx / len, d = idx - r * len;
-      dst[r * ld + d] = r < rows ? src[off(r) + d] : zero;
+      dst[gdpc_tile_at<SW>(r, d, ld)] = r < rows ? src[off(r) + d] : zero;
     }
   }
+}
+
+// Shared offset of a thread's i-th 16-byte piece in gdpc_stage_tile's loops: row r0 + i RS,
+// columns cv .. cv + 7, in rows of stride LD or (SW) in a swizzled tile of tile_rows rows. With
+// RS a multiple of 8 a thread's rows share their swizzle, so the offsets differ by constants.
+template <bool SW, int LD, int RS>
+__device__ __forceinline__ int gdpc_staged_at(int r0, int i, int cv, int tile_rows) {
+  if constexpr (!SW)
+    return (r0 + i * RS) * LD + cv;
+  else if constexpr (RS % 8 == 0)
+    return gdp_sw_at(r0, cv >> 3, tile_rows) + i * RS * 64;
+  else
+    return gdp_sw_at(r0 + i * RS, cv >> 3, tile_rows);
 }
 
 // gdpc_stage_rows for tiles whose row length LEN, row stride LD and thread count NTHR are known
@@ -163,44 +184,47 @@ __device__ __forceinline__ void gdpc_stage_rows(__nv_bfloat16* __restrict__ dst,
 // are zeroed (zrows <= MAXROWS). Every row start must be 16-byte aligned. ZFILL: a row past
 // `rows` by one zero-filling copy instead of a store on a second branch; where the compiler
 // knows r < zrows (the forward scans, gdp_assume_tid) such a copy has no branch at all. (In the
-// kernels without the assumption it gave no fewer branches and more instructions.)
-template <int LEN, int LD, int MAXROWS, int NTHR, bool ZFILL = false, typename Off>
+// kernels without the assumption it gave no fewer branches and more instructions.) SW: into a
+// swizzled tile of `tile_rows` rows (ldsm.cuh) instead of rows of stride LD.
+template <int LEN, int LD, int MAXROWS, int NTHR, bool ZFILL = false, bool SW = false,
+          typename Off>
 __device__ __forceinline__ void gdpc_stage_tile(__nv_bfloat16* __restrict__ dst,
                                                 const __nv_bfloat16* __restrict__ src, Off off,
-                                                int rows, int zrows, int tid) {
+                                                int rows, int zrows, int tid, int tile_rows = 0) {
   constexpr int VPR = LEN / 8, RS = NTHR / VPR, STEPS = (MAXROWS + RS - 1) / RS;
   static_assert(LEN % 8 == 0 && NTHR % VPR == 0, "16-byte blocks of a row must divide NTHR");
   const int cv = 8 * (tid % VPR), r0 = tid / VPR;
-  dst += r0 * LD + cv;
   src += cv;
 #pragma unroll
   for (int i = 0; i < STEPS; ++i) {
     const int r = r0 + i * RS;
+    __nv_bfloat16* d = dst + gdpc_staged_at<SW, LD, RS>(r0, i, cv, tile_rows);
     const bool copy = r < rows;
     if constexpr (ZFILL) {
-      if (r < zrows) cp_async16_zfill(dst + i * RS * LD, copy ? src + off(r) : src, copy);
+      if (r < zrows) cp_async16_zfill(d, copy ? src + off(r) : src, copy);
     } else {
-      if (copy) cp_async16(dst + i * RS * LD, src + off(r));
-      if (!copy && r < zrows)
-        *reinterpret_cast<uint4*>(dst + i * RS * LD) = make_uint4(0, 0, 0, 0);
+      if (copy) cp_async16(d, src + off(r));
+      if (!copy && r < zrows) *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
     }
   }
 }
 
 // The same for `rows` rows at a fixed source row stride (row r at src + r · stride), the row
 // pointer formed once, so that each step's source is a constant or one-add offset from it.
-template <int LEN, int LD, int MAXROWS, int NTHR>
+template <int LEN, int LD, int MAXROWS, int NTHR, bool SW = false>
 __device__ __forceinline__ void gdpc_stage_tile_strided(__nv_bfloat16* __restrict__ dst,
                                                         const __nv_bfloat16* __restrict__ src,
-                                                        int stride, int rows, int tid) {
+                                                        int stride, int rows, int tid,
+                                                        int tile_rows = 0) {
   constexpr int VPR = LEN / 8, RS = NTHR / VPR, STEPS = (MAXROWS + RS - 1) / RS;
   static_assert(LEN % 8 == 0 && NTHR % VPR == 0, "16-byte blocks of a row must divide NTHR");
   const int cv = 8 * (tid % VPR), r0 = tid / VPR;
-  dst += r0 * LD + cv;
   src += (int64_t)r0 * stride + cv;
 #pragma unroll
   for (int i = 0; i < STEPS; ++i)
-    if (r0 + i * RS < rows) cp_async16(dst + i * RS * LD, src + (int64_t)(i * RS) * stride);
+    if (r0 + i * RS < rows)
+      cp_async16(dst + gdpc_staged_at<SW, LD, RS>(r0, i, cv, tile_rows),
+                 src + (int64_t)(i * RS) * stride);
 }
 
 // Copies the shared bf16 tile [ROWS][LD] out to global rows (row r at dst + r · stride), columns
@@ -250,26 +274,32 @@ __device__ __forceinline__ void gdpc_warp_tile_out(__nv_bfloat16* __restrict__ d
 // key rows only. The compile-time path when K = KPT and the rows are 16-byte aligned (vk), the
 // general one otherwise. ZFILL: the gathered rows through gdpc_stage_tile's zero-filling copies
 // (the forward scans with an output).
-template <int KPT, int NTHR, bool QP = true, bool ZFILL = false>
+template <int KPT, int NTHR, bool QP = true, bool ZFILL = false, bool SW = false>
 __device__ __forceinline__ void gdpc_stage_wkqp(
     __nv_bfloat16* W, __nv_bfloat16* Kr, __nv_bfloat16* Q, __nv_bfloat16* P,
     const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ kb,
     const __nv_bfloat16* __restrict__ qb, const __nv_bfloat16* __restrict__ p,
     const int64_t* koff, const int64_t* qoff, int c, int nq, int QR, int K, bool vk, int tid) {
   constexpr int C = GDP_CHUNK, LK = KPT + 8;
+  // Row stride of the [*][KPT] tiles, or (SW) their rows.
+  const int ldw = SW ? C : LK, ldq = SW ? QR : LK;
   if (vk && K == KPT) {
-    gdpc_stage_tile_strided<KPT, LK, C, NTHR>(W, w, KPT, C, tid);
-    gdpc_stage_tile<KPT, LK, C, NTHR, ZFILL>(Kr, kb, [&](int i) { return koff[i]; }, c, C, tid);
+    gdpc_stage_tile_strided<KPT, LK, C, NTHR, SW>(W, w, KPT, C, tid, C);
+    gdpc_stage_tile<KPT, LK, C, NTHR, ZFILL, SW>(Kr, kb, [&](int i) { return koff[i]; }, c, C,
+                                                 tid, C);
     if constexpr (QP)
-      gdpc_stage_tile<KPT, LK, C, NTHR, ZFILL>(Q, qb, [&](int r) { return qoff[r]; }, nq, QR, tid);
+      gdpc_stage_tile<KPT, LK, C, NTHR, ZFILL, SW>(Q, qb, [&](int r) { return qoff[r]; }, nq, QR,
+                                                   tid, QR);
   } else {
     const GdpcSplit sp(K, tid, NTHR);
-    gdpc_stage_rows(W, LK, w, [&](int r) { return (int64_t)r * K; }, C, C, K, vk, sp, tid, NTHR);
-    gdpc_stage_rows(Kr, LK, kb, [&](int i) { return koff[i]; }, c, C, K, vk, sp, tid, NTHR);
+    gdpc_stage_rows<SW>(W, ldw, w, [&](int r) { return (int64_t)r * K; }, C, C, K, vk, sp, tid,
+                        NTHR);
+    gdpc_stage_rows<SW>(Kr, ldw, kb, [&](int i) { return koff[i]; }, c, C, K, vk, sp, tid, NTHR);
     if constexpr (QP)
-      gdpc_stage_rows(Q, LK, qb, [&](int r) { return qoff[r]; }, nq, QR, K, vk, sp, tid, NTHR);
+      gdpc_stage_rows<SW>(Q, ldq, qb, [&](int r) { return qoff[r]; }, nq, QR, K, vk, sp, tid,
+                          NTHR);
   }
-  if constexpr (QP) gdpc_stage_tile_strided<C, C + 8, C, NTHR>(P, p, C, QR, tid);
+  if constexpr (QP) gdpc_stage_tile_strided<C, C + 8, C, NTHR, SW>(P, p, C, QR, tid, QR);
 }
 
 // Per-chunk geometry kept in shared memory next to a chunk's row table, so that it is worked out
@@ -279,13 +309,15 @@ struct GdpcMeta {
   int c, nq, tq0;
 };
 
-// Zeros columns [c0, c1) of rows [0, rows) of a shared bf16 tile.
+// Zeros columns [c0, c1) of rows [0, rows) of a shared bf16 tile (row stride ld; SW: a swizzled
+// tile of ld rows).
+template <bool SW = false>
 __device__ __forceinline__ void gdpc_zero_cols(__nv_bfloat16* dst, int ld, int rows, int c0,
                                                int c1, int tid, int nthr) {
   const int w = c1 - c0;
   if (w <= 0) return;
   for (int idx = tid; idx < rows * w; idx += nthr)
-    dst[(idx / w) * ld + c0 + idx % w] = __float2bfloat16_rn(0.f);
+    dst[gdpc_tile_at<SW>(idx / w, c0 + idx % w, ld)] = __float2bfloat16_rn(0.f);
 }
 
 // Stores a bf16 pair (cols col, col + 1 of a row; the second only when col + 1 < ncols).
@@ -717,7 +749,10 @@ __device__ __forceinline__ void gdpc_store_state_tile(__nv_bfloat16* dst,
     gdpc_store_state<BV>(dst, sb, K, V, bv, vu, tid, NTHR);
 }
 
-// One stage buffer of the forward scans at `base`: a chunk's operands, QR query rows.
+// One stage buffer of the forward scans at `base`: a chunk's operands, QR query rows. W, the key
+// rows, the query rows and P are swizzled tiles (ldsm.cuh) at the start of their allocations,
+// which keep the padded rows' sizes (the host's `scan_smem_bytes` gives the same total); every
+// tile starts 128-byte aligned, as the swizzle's bank pattern needs.
 template <int KPT, int BV>
 struct GdpcStage {
   static constexpr int C = GDP_CHUNK, LK = KPT + 8, LC = C + 8, LB = BV + 8;
@@ -734,15 +769,19 @@ struct GdpcStage {
 };
 
 // acc[2 p + j] += A[m0 .. m0 + 16, 0 .. KD) B[0 .. KD, n0 + 16 p + 8 j ..) for p < NP, j < 2:
-// A row-major in shared memory (ldmatrix), B row-major [k][n] (ldmatrix.trans), bf16 operands.
-template <int KD, int NP>
+// A row-major in shared memory (ldmatrix; SW: a swizzled tile of lda rows), B row-major [k][n]
+// (ldmatrix.trans), bf16 operands.
+template <int KD, int NP, bool SW = false>
 __device__ __forceinline__ void gdpc_mma_kn(float (&acc)[2 * NP][4], const __nv_bfloat16* A,
                                             int lda, int m0, const __nv_bfloat16* B, int ldb,
                                             int n0, int lane) {
 #pragma unroll
   for (int k0 = 0; k0 < KD; k0 += 16) {
     uint32_t a[4];
-    ldsm_a(a, A, lda, m0, k0, lane);
+    if constexpr (SW)
+      ldsm_a_sw(a, A, lda, m0, k0, lane);
+    else
+      ldsm_a(a, A, lda, m0, k0, lane);
 #pragma unroll
     for (int p = 0; p < NP; ++p) {
       uint32_t b[2][2];
@@ -768,7 +807,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     __nv_bfloat16* __restrict__ hs, __nv_bfloat16* __restrict__ dn, int B, int TT, int H, int K,
     int V, int VU, int wide_from, int wide_to, int n, int has_h0, int QR, int NS,
     const int* __restrict__ ready) {
-  constexpr int C = GDP_CHUNK, NT = BV / 8, LB = BV + 8, LC = C + 8, LK = KPT + 8;
+  constexpr int C = GDP_CHUNK, NT = BV / 8, LB = BV + 8;
   constexpr int NTW = NT * 4 / NW, NPW = NTW / 2;  // n8 tiles / pairs of a warp's column half
   constexpr int MT = KPT / 16, STW = (MT + NW - 1) / NW;  // state tiles, per warp
   static_assert(NPW >= 1, "a warp's column range must hold a pair of n8 tiles");
@@ -804,7 +843,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
   const bool dn_rows = dn != nullptr && vu && gdpc_aligned16(dn);
   const bool o_rows = OUT && outb != nullptr && vu && gdpc_aligned16(outb);
 
-  extern __shared__ __align__(16) unsigned char gdpcs_smem[];
+  extern __shared__ __align__(128) unsigned char gdpcs_smem[];
   const int stage_bytes = gdpc_stage_bytes(KPT, QR, BV);
   __nv_bfloat16* Sb = reinterpret_cast<__nv_bfloat16*>(gdpcs_smem + NS * stage_bytes);  // [2][KPT][LB]
   __nv_bfloat16* Dn = Sb + 2 * KPT * LB;  // [C][LB] bf16(Delta)
@@ -846,7 +885,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const int64_t* qoff = koff + C;
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
     const __nv_bfloat16* u = ug + slot * C * VU + v0;
-    gdpc_stage_wkqp<KPT, NW * 32, OUT, OUT>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb, qb,
+    gdpc_stage_wkqp<KPT, NW * 32, OUT, OUT, true>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb, qb,
                                             pg + slot * C * C, koff, qoff, c, nq, QR, K, vk, tid);
     // Columns [bu, bv) of the block's own are zero: the output, staged through the U tile,
     // wrote them at the previous chunk of this stage (past bv nothing is read into a column
@@ -896,9 +935,9 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     // states-only kernels 0-4% slower.)
     for (int s = 0; s < NS && tid < nthr; ++s) {
       const Stage st = stage(s);
-      gdpc_zero_cols(st.W, LK, C, K, KPT, tid, nthr);
-      gdpc_zero_cols(st.Kr, LK, C, K, KPT, tid, nthr);
-      gdpc_zero_cols(st.Q, LK, QR, K, KPT, tid, nthr);
+      gdpc_zero_cols<true>(st.W, C, C, K, KPT, tid, nthr);
+      gdpc_zero_cols<true>(st.Kr, C, C, K, KPT, tid, nthr);
+      gdpc_zero_cols<true>(st.Q, QR, QR, K, KPT, tid, nthr);
       gdpc_zero_cols(st.U, LB, C, bv, BV, tid, nthr);
     }
   }
@@ -970,7 +1009,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     {
       const int m0 = 16 * mi;
       float acc[NTW][4] = {};
-      gdpc_mma_kn<KPT, NPW>(acc, st.W, LK, m0, sb, LB, nc0, lane);
+      gdpc_mma_kn<KPT, NPW, true>(acc, st.W, C, m0, sb, LB, nc0, lane);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = m0 + g + 8 * h;
@@ -999,14 +1038,14 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     if (OUT && (out != nullptr || outb != nullptr) && 16 * mi < nq) {
       const int m0 = 16 * mi;
       float acc[NTW][4] = {};
-      gdpc_mma_kn<KPT, NPW>(acc, st.Q, LK, m0, sb, LB, nc0, lane);
+      gdpc_mma_kn<KPT, NPW, true>(acc, st.Q, QR, m0, sb, LB, nc0, lane);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float cq = st.cf[m0 + g + 8 * h];
 #pragma unroll
         for (int j = 0; j < NTW; ++j) acc[j][2 * h] *= cq, acc[j][2 * h + 1] *= cq;
       }
-      gdpc_mma_kn<C, NPW>(acc, st.P, LC, m0, Dn, LB, nc0, lane);
+      gdpc_mma_kn<C, NPW, true>(acc, st.P, QR, m0, Dn, LB, nc0, lane);
       if (o_rows) {
         // Through this warp's rows and columns of the chunk's U slice (read in phase A only; the
         // next copy into this stage comes after the next step's barrier), then out as 16-byte
@@ -1053,7 +1092,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
 #pragma unroll
           for (int k0 = 0; k0 < C; k0 += 16) {
             uint32_t a[4];
-            ldsm_a_t(a, st.Kr, LK, m0, k0, lane);
+            ldsm_a_t_sw(a, st.Kr, C, m0, k0, lane);
 #pragma unroll
             for (int p = 0; p < NT / 2; ++p) {
               uint32_t b[2][2];

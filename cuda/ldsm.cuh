@@ -9,6 +9,14 @@
 //   ldsm_b_nk  B [16 x 16] = two n8 tiles at (k0, n0) of a tile stored transposed, [n][k]
 // B results: b[j] is the fragment of columns n0 + 8 j.
 //
+// Swizzled tiles (the forward scans' staged operands): a [rows][cols] tile (cols a multiple of
+// 64) stored as cols / 64 boxes of [rows][64], one after another, in which the 16-byte piece p
+// of row r lies at piece p ^ (r & 7) of the row (gdp_sw_at). Eight rows of one piece then fall
+// in eight different bank groups with no padding, for ldmatrix and for the copies alike. Box
+// bases 128-byte aligned.
+//   ldsm_a_sw    ldsm_a on a swizzled [m][k] tile of `rows` rows
+//   ldsm_a_t_sw  ldsm_a_t on a swizzled [k][m] tile of `rows` rows
+//
 // `GDP_EMU` swaps the inline PTX for the CPU emulation of cuda/emu.
 
 #pragma once
@@ -72,6 +80,23 @@ __device__ __forceinline__ void ldsm_b_nk(uint32_t (&b)[2][2], const __nv_bfloat
   uint32_t x[4];
   ldsm_x4(x, t + (n0 + (i >> 1) * 8 + r) * ld + k0 + (i & 1) * 8, false);
   b[0][0] = x[0], b[0][1] = x[1], b[1][0] = x[2], b[1][1] = x[3];
+}
+
+// Element offset of 16-byte piece p (columns 8 p .. 8 p + 7) of row r in a swizzled tile of
+// `rows` rows.
+__host__ __device__ __forceinline__ int gdp_sw_at(int r, int p, int rows) {
+  return ((p >> 3) * rows + r) * 64 + (((p & 7) ^ (r & 7)) << 3);
+}
+
+__device__ __forceinline__ void ldsm_a_sw(uint32_t (&a)[4], const __nv_bfloat16* t, int rows,
+                                          int m0, int k0, int lane) {
+  ldsm_x4(a, t + gdp_sw_at(m0 + (lane & 15), (k0 >> 3) + (lane >> 4), rows), false);
+}
+
+__device__ __forceinline__ void ldsm_a_t_sw(uint32_t (&a)[4], const __nv_bfloat16* t, int rows,
+                                            int m0, int k0, int lane) {
+  const int i = lane >> 3, r = lane & 7;
+  ldsm_x4(a, t + gdp_sw_at(k0 + (i >> 1) * 8 + r, (m0 >> 3) + (i & 1), rows), true);
 }
 
 // 16-byte asynchronous copy global -> shared (both 16-byte aligned), and its group fences.

@@ -679,6 +679,7 @@ static void step() {
 }
 
 // KB_ONLY_N2=1 skips the n = 1 shape; KB_ONLY_B1=1 runs only B1 T32768 n2 (for profilers);
+// KB_ONLY_SCANS=1 runs the forward shapes B1 T32768 n1, n2, B4 T4096 n1, n2 and B2 T4096 n4;
 // KB_ONLY_STEP=1 only the decode step; KB_ONLY_WY=1 only the WY kernel's times; KB_WY_PAD=1
 // adds the overlap with the WY kernel's shared memory padded (at most 3, 2, 1 blocks per SM);
 // KB_NS2=1 gives the forward and state-gradient scans two stages where three fit; KB_CORES=1
@@ -690,6 +691,14 @@ int main() {
   setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a pipe even if a timeout stops the run
   if (getenv("KB_ONLY_STEP") != nullptr) {  // the decode step only
     step();
+    return 0;
+  }
+  if (getenv("KB_ONLY_SCANS") != nullptr) {  // one and few sequences, n = 1, 2, 4
+    forward(1, 32768, 16, 1);
+    forward(1, 32768, 16, 2);
+    forward(4, 4096, 16, 1);
+    forward(4, 4096, 16, 2);
+    forward(2, 4096, 16, 4);
     return 0;
   }
   if (getenv("KB_ONLY_B1") == nullptr) {
