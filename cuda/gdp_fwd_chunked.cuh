@@ -796,8 +796,10 @@ __device__ __forceinline__ void gdpc_mma_kn(float (&acc)[2 * NP][4], const __nv_
 // in registers, each chunk's operands staged NS - 1 chunks ahead. OUT = false compiles the
 // states-only kernel (`gdp_fwd_states_bf16_*`: no output, launched with QR = 0, so that a stage
 // holds W, the key rows, U and the coefficients only), which the backward's states rerun and
-// context parallelism's final-state summaries run.
-template <int BV, int KPT, int NW, bool OUT>
+// context parallelism's final-state summaries run. SW: W, the key rows, the query rows and P in
+// swizzled tiles (ldsm.cuh), else in rows padded by 8 values (GdpcStage): a choice per kernel,
+// by measurement (GDPC_SCAN_ENTRY below).
+template <int BV, int KPT, int NW, bool OUT, bool SW>
 __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const __nv_bfloat16* __restrict__ qb, const __nv_bfloat16* __restrict__ kb, int split,
     const float* __restrict__ aux, const int* __restrict__ table, const __nv_bfloat16* __restrict__ wg,
@@ -807,7 +809,9 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     __nv_bfloat16* __restrict__ hs, __nv_bfloat16* __restrict__ dn, int B, int TT, int H, int K,
     int V, int VU, int wide_from, int wide_to, int n, int has_h0, int QR, int NS,
     const int* __restrict__ ready) {
-  constexpr int C = GDP_CHUNK, NT = BV / 8, LB = BV + 8;
+  constexpr int C = GDP_CHUNK, NT = BV / 8, LB = BV + 8, LK = KPT + 8;
+  // The [*][KPT] tiles' and P's row strides, or (SW) their rows.
+  const int ldw = SW ? C : LK, ldq = SW ? QR : LK, ldp = SW ? QR : C + 8;
   constexpr int NTW = NT * 4 / NW, NPW = NTW / 2;  // n8 tiles / pairs of a warp's column half
   constexpr int MT = KPT / 16, STW = (MT + NW - 1) / NW;  // state tiles, per warp
   static_assert(NPW >= 1, "a warp's column range must hold a pair of n8 tiles");
@@ -885,7 +889,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const int64_t* qoff = koff + C;
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
     const __nv_bfloat16* u = ug + slot * C * VU + v0;
-    gdpc_stage_wkqp<KPT, NW * 32, OUT, OUT, true>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb, qb,
+    gdpc_stage_wkqp<KPT, NW * 32, OUT, OUT, SW>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb, qb,
                                             pg + slot * C * C, koff, qoff, c, nq, QR, K, vk, tid);
     // Columns [bu, bv) of the block's own are zero: the output, staged through the U tile,
     // wrote them at the previous chunk of this stage (past bv nothing is read into a column
@@ -935,9 +939,9 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     // states-only kernels 0-4% slower.)
     for (int s = 0; s < NS && tid < nthr; ++s) {
       const Stage st = stage(s);
-      gdpc_zero_cols<true>(st.W, C, C, K, KPT, tid, nthr);
-      gdpc_zero_cols<true>(st.Kr, C, C, K, KPT, tid, nthr);
-      gdpc_zero_cols<true>(st.Q, QR, QR, K, KPT, tid, nthr);
+      gdpc_zero_cols<SW>(st.W, ldw, C, K, KPT, tid, nthr);
+      gdpc_zero_cols<SW>(st.Kr, ldw, C, K, KPT, tid, nthr);
+      gdpc_zero_cols<SW>(st.Q, ldq, QR, K, KPT, tid, nthr);
       gdpc_zero_cols(st.U, LB, C, bv, BV, tid, nthr);
     }
   }
@@ -1009,7 +1013,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     {
       const int m0 = 16 * mi;
       float acc[NTW][4] = {};
-      gdpc_mma_kn<KPT, NPW, true>(acc, st.W, C, m0, sb, LB, nc0, lane);
+      gdpc_mma_kn<KPT, NPW, SW>(acc, st.W, ldw, m0, sb, LB, nc0, lane);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = m0 + g + 8 * h;
@@ -1038,14 +1042,14 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     if (OUT && (out != nullptr || outb != nullptr) && 16 * mi < nq) {
       const int m0 = 16 * mi;
       float acc[NTW][4] = {};
-      gdpc_mma_kn<KPT, NPW, true>(acc, st.Q, QR, m0, sb, LB, nc0, lane);
+      gdpc_mma_kn<KPT, NPW, SW>(acc, st.Q, ldq, m0, sb, LB, nc0, lane);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float cq = st.cf[m0 + g + 8 * h];
 #pragma unroll
         for (int j = 0; j < NTW; ++j) acc[j][2 * h] *= cq, acc[j][2 * h + 1] *= cq;
       }
-      gdpc_mma_kn<C, NPW, true>(acc, st.P, QR, m0, Dn, LB, nc0, lane);
+      gdpc_mma_kn<C, NPW, SW>(acc, st.P, ldp, m0, Dn, LB, nc0, lane);
       if (o_rows) {
         // Through this warp's rows and columns of the chunk's U slice (read in phase A only; the
         // next copy into this stage comes after the next step's barrier), then out as 16-byte
@@ -1092,7 +1096,10 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
 #pragma unroll
           for (int k0 = 0; k0 < C; k0 += 16) {
             uint32_t a[4];
-            ldsm_a_t_sw(a, st.Kr, C, m0, k0, lane);
+            if constexpr (SW)
+              ldsm_a_t_sw(a, st.Kr, ldw, m0, k0, lane);
+            else
+              ldsm_a_t(a, st.Kr, ldw, m0, k0, lane);
 #pragma unroll
             for (int p = 0; p < NT / 2; ++p) {
               uint32_t b[2][2];
@@ -1126,34 +1133,37 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
       }
 }
 
-#define GDPC_SCAN_ENTRY(NAME, BV, KPT, NW, OUT)                                                 \
-  extern "C" __global__ void __launch_bounds__(NW * 32)                                          \
-      NAME##_##BV##_##KPT(GDP_KERNEL_PARAMS(GDP_SCAN_FIELDS, _)) {                               \
-    gdp_fwd_scan_bf16_impl<BV, KPT, NW, OUT>(q, k, split, aux, table, w, u, p, coef,            \
-                                             h0_override, use_h0_override, out, outb, fin, hs,  \
-                                             dn, batch, tokens, heads, dk, dv, dv_in, wide_from, \
-                                             wide_to, n, has_h0, qr, ns, ready);                \
+// SW (swizzled operand tiles) where it measured faster: the forward scans at BV 16 and 32 and the
+// states-only kernel at BV 32, K = 128 (H100, 2026-12-07: 5-11% at B1 T32768 H16; the BV 64
+// scans 2-4% and the BV 16 states-only kernel 12-21% slower with it; K = 64 and 256 untimed).
+#define GDPC_SCAN_ENTRY(NAME, BV, KPT, NW, OUT, SW)                                            \
+  extern "C" __global__ void __launch_bounds__(NW * 32)                                         \
+      NAME##_##BV##_##KPT(GDP_KERNEL_PARAMS(GDP_SCAN_FIELDS, _)) {                              \
+    gdp_fwd_scan_bf16_impl<BV, KPT, NW, OUT, SW>(                                               \
+        q, k, split, aux, table, w, u, p, coef, h0_override, use_h0_override, out, outb, fin,   \
+        hs, dn, batch, tokens, heads, dk, dv, dv_in, wide_from, wide_to, n, has_h0, qr, ns,     \
+        ready);                                                                                 \
   }
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 64, 4, true)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 128, 4, true)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 256, 4, true)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 64, 8, true)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 128, 8, true)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 256, 8, true)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 64, 64, 8, true)
-GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 64, 128, 8, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 64, 4, true, false)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 128, 4, true, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 16, 256, 4, true, false)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 64, 8, true, false)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 128, 8, true, true)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 32, 256, 8, true, false)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 64, 64, 8, true, false)
+GDPC_SCAN_ENTRY(gdp_fwd_scan_bf16, 64, 128, 8, true, false)
 // The states-only kernels (OUT = false, QR = 0): the backward's states rerun and the final-state
 // summaries; faster than the forward scan with its output switched off.
-GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 64, 4, false)
-GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 128, 4, false)
-GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 256, 4, false)
-GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 32, 64, 8, false)
-GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 32, 128, 8, false)
-GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 32, 256, 8, false)
-GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 64, 64, 8, false)
-GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 64, 128, 8, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 64, 4, false, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 128, 4, false, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 16, 256, 4, false, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 32, 64, 8, false, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 32, 128, 8, false, true)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 32, 256, 8, false, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 64, 64, 8, false, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 64, 128, 8, false, false)
 // BV 128 (64 state values per thread at K = 128, 200 registers, no spills): beside the
 // state-gradient scan at BV 128, 64 blocks of each at B4 T4096 H16 share the GPU, one block of
 // each per multiprocessor, faster than 128 blocks of each at BV 64 (`scan_pair_plan`).
-GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 128, 64, 8, false)
-GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 128, 128, 8, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 128, 64, 8, false, false)
+GDPC_SCAN_ENTRY(gdp_fwd_states_bf16, 128, 128, 8, false, false)
