@@ -129,11 +129,9 @@ struct GdpcSplit {
   }
 };
 
-// Where element (r, col) of a staged shared tile lies: row stride ld, or with SW a swizzled tile
-// (ldsm.cuh) of ld rows.
-template <bool SW>
-__device__ __forceinline__ int gdpc_tile_at(int r, int col, int ld) {
-  return SW ? gdp_sw_at(r, col >> 3, ld) + (col & 7) : r * ld + col;
+// Element offset of (r, col) in a swizzled tile (ldsm.cuh) of `rows` rows.
+__device__ __forceinline__ int gdpc_sw_el(int r, int col, int rows) {
+  return gdp_sw_at(r, col >> 3, rows) + (col & 7);
 }
 
 // Copies rows [0, rows) of `len` bf16 values (row r at src + off(r)) into a shared tile with row
@@ -145,9 +143,27 @@ __device__ __forceinline__ void gdpc_stage_rows(__nv_bfloat16* __restrict__ dst,
                                                 const __nv_bfloat16* __restrict__ src, Off off,
                                                 int rows, int zrows, int len, bool vec,
                                                 const GdpcSplit& sp, int tid, int nthr) {
+  if constexpr (SW) {
+    if (vec && sp.ok) {
+      for (int r = sp.r0; r < zrows; r += sp.rs) {
+        __nv_bfloat16* d = dst + gdpc_sw_el(r, sp.cv * 8, ld);
+        if (r < rows)
+          cp_async16(d, src + off(r) + sp.cv * 8);
+        else
+          *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
+      }
+    } else {
+      const __nv_bfloat16 zero = __float2bfloat16_rn(0.f);
+      for (int idx = tid; idx < zrows * len; idx += nthr) {
+        const int r = idx / len, d = idx - r * len;
+        dst[gdpc_sw_el(r, d, ld)] = r < rows ? src[off(r) + d] : zero;
+      }
+    }
+    return;
+  }
   if (vec && sp.ok) {
     for (int r = sp.r0; r < zrows; r += sp.rs) {
-      __nv_bfloat16* d = dst + gdpc_tile_at<SW>(r, sp.cv * 8, ld);
+      __nv_bfloat16* d = dst + r * ld + sp.cv * 8;
       if (r < rows)
         cp_async16(d, src + off(r) + sp.cv * 8);
       else
@@ -157,19 +173,17 @@ __device__ __forceinline__ void gdpc_stage_rows(__nv_bfloat16* __restrict__ dst,
     const __nv_bfloat16 zero = __float2bfloat16_rn(0.f);
     for (int idx = tid; idx < zrows * len; idx += nthr) {
       const int r = idx / len, d = idx - r * len;
-      dst[gdpc_tile_at<SW>(r, d, ld)] = r < rows ? src[off(r) + d] : zero;
+      dst[r * ld + d] = r < rows ? src[off(r) + d] : zero;
     }
   }
 }
 
-// Shared offset of a thread's i-th 16-byte piece in gdpc_stage_tile's loops: row r0 + i RS,
-// columns cv .. cv + 7, in rows of stride LD or (SW) in a swizzled tile of tile_rows rows. With
-// RS a multiple of 8 a thread's rows share their swizzle, so the offsets differ by constants.
-template <bool SW, int LD, int RS>
+// Shared offset of a thread's i-th 16-byte piece in gdpc_stage_tile's loops into a swizzled
+// tile of tile_rows rows: row r0 + i RS, columns cv .. cv + 7. With RS a multiple of 8 a
+// thread's rows share their swizzle, so the offsets differ by constants.
+template <int RS>
 __device__ __forceinline__ int gdpc_staged_at(int r0, int i, int cv, int tile_rows) {
-  if constexpr (!SW)
-    return (r0 + i * RS) * LD + cv;
-  else if constexpr (RS % 8 == 0)
+  if constexpr (RS % 8 == 0)
     return gdp_sw_at(r0, cv >> 3, tile_rows) + i * RS * 64;
   else
     return gdp_sw_at(r0 + i * RS, cv >> 3, tile_rows);
@@ -193,18 +207,36 @@ __device__ __forceinline__ void gdpc_stage_tile(__nv_bfloat16* __restrict__ dst,
                                                 int rows, int zrows, int tid, int tile_rows = 0) {
   constexpr int VPR = LEN / 8, RS = NTHR / VPR, STEPS = (MAXROWS + RS - 1) / RS;
   static_assert(LEN % 8 == 0 && NTHR % VPR == 0, "16-byte blocks of a row must divide NTHR");
+  if constexpr (SW) {
+    const int cv = 8 * (tid % VPR), r0 = tid / VPR;
+    src += cv;
+#pragma unroll
+    for (int i = 0; i < STEPS; ++i) {
+      const int r = r0 + i * RS;
+      __nv_bfloat16* d = dst + gdpc_staged_at<RS>(r0, i, cv, tile_rows);
+      const bool copy = r < rows;
+      if constexpr (ZFILL) {
+        if (r < zrows) cp_async16_zfill(d, copy ? src + off(r) : src, copy);
+      } else {
+        if (copy) cp_async16(d, src + off(r));
+        if (!copy && r < zrows) *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    return;
+  }
   const int cv = 8 * (tid % VPR), r0 = tid / VPR;
+  dst += r0 * LD + cv;
   src += cv;
 #pragma unroll
   for (int i = 0; i < STEPS; ++i) {
     const int r = r0 + i * RS;
-    __nv_bfloat16* d = dst + gdpc_staged_at<SW, LD, RS>(r0, i, cv, tile_rows);
     const bool copy = r < rows;
     if constexpr (ZFILL) {
-      if (r < zrows) cp_async16_zfill(d, copy ? src + off(r) : src, copy);
+      if (r < zrows) cp_async16_zfill(dst + i * RS * LD, copy ? src + off(r) : src, copy);
     } else {
-      if (copy) cp_async16(d, src + off(r));
-      if (!copy && r < zrows) *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
+      if (copy) cp_async16(dst + i * RS * LD, src + off(r));
+      if (!copy && r < zrows)
+        *reinterpret_cast<uint4*>(dst + i * RS * LD) = make_uint4(0, 0, 0, 0);
     }
   }
 }
@@ -218,13 +250,22 @@ __device__ __forceinline__ void gdpc_stage_tile_strided(__nv_bfloat16* __restric
                                                         int tile_rows = 0) {
   constexpr int VPR = LEN / 8, RS = NTHR / VPR, STEPS = (MAXROWS + RS - 1) / RS;
   static_assert(LEN % 8 == 0 && NTHR % VPR == 0, "16-byte blocks of a row must divide NTHR");
+  if constexpr (SW) {
+    const int cv = 8 * (tid % VPR), r0 = tid / VPR;
+    src += (int64_t)r0 * stride + cv;
+#pragma unroll
+    for (int i = 0; i < STEPS; ++i)
+      if (r0 + i * RS < rows)
+        cp_async16(dst + gdpc_staged_at<RS>(r0, i, cv, tile_rows),
+                   src + (int64_t)(i * RS) * stride);
+    return;
+  }
   const int cv = 8 * (tid % VPR), r0 = tid / VPR;
+  dst += r0 * LD + cv;
   src += (int64_t)r0 * stride + cv;
 #pragma unroll
   for (int i = 0; i < STEPS; ++i)
-    if (r0 + i * RS < rows)
-      cp_async16(dst + gdpc_staged_at<SW, LD, RS>(r0, i, cv, tile_rows),
-                 src + (int64_t)(i * RS) * stride);
+    if (r0 + i * RS < rows) cp_async16(dst + i * RS * LD, src + (int64_t)(i * RS) * stride);
 }
 
 // Copies the shared bf16 tile [ROWS][LD] out to global rows (row r at dst + r · stride), columns
@@ -309,15 +350,22 @@ struct GdpcMeta {
   int c, nq, tq0;
 };
 
-// Zeros columns [c0, c1) of rows [0, rows) of a shared bf16 tile (row stride ld; SW: a swizzled
-// tile of ld rows).
-template <bool SW = false>
+// Zeros columns [c0, c1) of rows [0, rows) of a shared bf16 tile.
 __device__ __forceinline__ void gdpc_zero_cols(__nv_bfloat16* dst, int ld, int rows, int c0,
                                                int c1, int tid, int nthr) {
   const int w = c1 - c0;
   if (w <= 0) return;
   for (int idx = tid; idx < rows * w; idx += nthr)
-    dst[gdpc_tile_at<SW>(idx / w, c0 + idx % w, ld)] = __float2bfloat16_rn(0.f);
+    dst[(idx / w) * ld + c0 + idx % w] = __float2bfloat16_rn(0.f);
+}
+
+// gdpc_zero_cols on a swizzled tile (ldsm.cuh) of `rows` rows.
+__device__ __forceinline__ void gdpc_zero_cols_sw(__nv_bfloat16* dst, int rows, int c0, int c1,
+                                                  int tid, int nthr) {
+  const int w = c1 - c0;
+  if (w <= 0) return;
+  for (int idx = tid; idx < rows * w; idx += nthr)
+    dst[gdpc_sw_el(idx / w, c0 + idx % w, rows)] = __float2bfloat16_rn(0.f);
 }
 
 // Stores a bf16 pair (cols col, col + 1 of a row; the second only when col + 1 < ncols).
@@ -847,7 +895,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
   const bool dn_rows = dn != nullptr && vu && gdpc_aligned16(dn);
   const bool o_rows = OUT && outb != nullptr && vu && gdpc_aligned16(outb);
 
-  extern __shared__ __align__(128) unsigned char gdpcs_smem[];
+  extern __shared__ __align__(16) unsigned char gdpcs_smem[];
   const int stage_bytes = gdpc_stage_bytes(KPT, QR, BV);
   __nv_bfloat16* Sb = reinterpret_cast<__nv_bfloat16*>(gdpcs_smem + NS * stage_bytes);  // [2][KPT][LB]
   __nv_bfloat16* Dn = Sb + 2 * KPT * LB;  // [C][LB] bf16(Delta)
@@ -939,9 +987,15 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     // states-only kernels 0-4% slower.)
     for (int s = 0; s < NS && tid < nthr; ++s) {
       const Stage st = stage(s);
-      gdpc_zero_cols<SW>(st.W, ldw, C, K, KPT, tid, nthr);
-      gdpc_zero_cols<SW>(st.Kr, ldw, C, K, KPT, tid, nthr);
-      gdpc_zero_cols<SW>(st.Q, ldq, QR, K, KPT, tid, nthr);
+      if constexpr (SW) {
+        gdpc_zero_cols_sw(st.W, C, K, KPT, tid, nthr);
+        gdpc_zero_cols_sw(st.Kr, C, K, KPT, tid, nthr);
+        gdpc_zero_cols_sw(st.Q, QR, K, KPT, tid, nthr);
+      } else {
+        gdpc_zero_cols(st.W, LK, C, K, KPT, tid, nthr);
+        gdpc_zero_cols(st.Kr, LK, C, K, KPT, tid, nthr);
+        gdpc_zero_cols(st.Q, LK, QR, K, KPT, tid, nthr);
+      }
       gdpc_zero_cols(st.U, LB, C, bv, BV, tid, nthr);
     }
   }
