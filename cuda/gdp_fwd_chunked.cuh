@@ -801,8 +801,9 @@ __device__ __forceinline__ void gdpc_store_state_tile(__nv_bfloat16* dst,
 
 // One stage buffer of the forward scans at `base`: a chunk's operands, QR query rows. W, the key
 // rows, the query rows and P are swizzled tiles (ldsm.cuh) at the start of their allocations,
-// which keep the padded rows' sizes (the host's `scan_smem_bytes` gives the same total); every
-// tile starts 128-byte aligned, as the swizzle's bank pattern needs.
+// which keep the padded rows' sizes (the host's `scan_smem_bytes` gives the same total). Every
+// tile's offset in the stage, and the stage size, are multiples of 128 bytes, as the swizzle's
+// bank pattern needs (the scans declare no static shared memory, so dynamic memory starts at 0).
 template <int KPT, int BV>
 struct GdpcStage {
   static constexpr int C = GDP_CHUNK, LK = KPT + 8, LC = C + 8, LB = BV + 8;
@@ -1190,8 +1191,7 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
 }
 
 // SW (swizzled operand tiles) where it measured faster: the forward scans at BV 16 and 32 and the
-// states-only kernel at BV 32, K = 128 (H100, 2026-12-07: 5-11% at B1 T32768 H16; the BV 64
-// scans 2-4% and the BV 16 states-only kernel 12-21% slower with it; K = 64 and 256 untimed).
+// states-only kernel at BV 32, K = 128 (docs/cuda.md, "Forward (bf16)"; K = 64 and 256 untimed).
 #define GDPC_SCAN_ENTRY(NAME, BV, KPT, NW, OUT, SW)                                            \
   extern "C" __global__ void __launch_bounds__(NW * 32)                                         \
       NAME##_##BV##_##KPT(GDP_KERNEL_PARAMS(GDP_SCAN_FIELDS, _)) {                              \
