@@ -799,11 +799,12 @@ __device__ __forceinline__ void gdpc_store_state_tile(__nv_bfloat16* dst,
     gdpc_store_state<BV>(dst, sb, K, V, bv, vu, tid, NTHR);
 }
 
-// One stage buffer of the forward scans at `base`: a chunk's operands, QR query rows. W, the key
-// rows, the query rows and P are swizzled tiles (ldsm.cuh) at the start of their allocations,
-// which keep the padded rows' sizes (the host's `scan_smem_bytes` gives the same total). Every
-// tile's offset in the stage, and the stage size, are multiples of 128 bytes, as the swizzle's
-// bank pattern needs (the scans declare no static shared memory, so dynamic memory starts at 0).
+// One stage buffer of the forward scans at `base`: a chunk's operands, QR query rows. In the
+// scans with SW, W, the key rows, the query rows and P are swizzled tiles (ldsm.cuh) at the start
+// of their allocations, which keep the padded rows' sizes (the host's `scan_smem_bytes` gives the
+// same total). Every tile's offset in the stage, and the stage size, are multiples of 128 bytes,
+// as the swizzle's bank pattern needs (the scans declare no static shared memory, so dynamic
+// memory starts at 0).
 template <int KPT, int BV>
 struct GdpcStage {
   static constexpr int C = GDP_CHUNK, LK = KPT + 8, LC = C + 8, LB = BV + 8;
@@ -940,8 +941,9 @@ __device__ __forceinline__ void gdp_fwd_scan_bf16_impl(
     const int64_t* qoff = koff + C;
     const int64_t slot = (int64_t)(cbase + ci) * H + head;
     const __nv_bfloat16* u = ug + slot * C * VU + v0;
-    gdpc_stage_wkqp<KPT, NW * 32, OUT, OUT, SW>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb, qb,
-                                            pg + slot * C * C, koff, qoff, c, nq, QR, K, vk, tid);
+    gdpc_stage_wkqp<KPT, NW * 32, OUT, OUT, SW>(st.W, st.Kr, st.Q, st.P, wg + slot * C * K, kb,
+                                                qb, pg + slot * C * C, koff, qoff, c, nq, QR, K,
+                                                vk, tid);
     // Columns [bu, bv) of the block's own are zero: the output, staged through the U tile,
     // wrote them at the previous chunk of this stage (past bv nothing is read into a column
     // below bv: the columns are independent).
