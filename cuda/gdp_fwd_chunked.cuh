@@ -185,10 +185,8 @@ __device__ __forceinline__ void gdpc_stage_rows(__nv_bfloat16* __restrict__ dst,
 // thread's rows share their swizzle, so the offsets differ by constants.
 template <int RS>
 __device__ __forceinline__ int gdpc_staged_at(int r0, int i, int cv, int tile_rows) {
-  if constexpr (RS % 8 == 0)
-    return gdp_sw_at(r0, cv >> 3, tile_rows) + i * RS * 64;
-  else
-    return gdp_sw_at(r0 + i * RS, cv >> 3, tile_rows);
+  static_assert(RS % 8 == 0, "a thread's rows must share their swizzle phase");
+  return gdp_sw_at(r0, cv >> 3, tile_rows) + i * RS * 64;
 }
 
 // gdpc_stage_rows for tiles whose row length LEN, row stride LD and thread count NTHR are known
