@@ -205,6 +205,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
   // the query tokens' rows in dO (-1 past the rows), and the chunk's geometry.
   int64_t* tables = reinterpret_cast<int64_t*>(Dq + QR * LB);  // [NS][3][C]
   GdpcMeta* meta = reinterpret_cast<GdpcMeta*>(tables + NS * 3 * C);  // [NS]
+  const GdpcHeads heads_of(n, rn, H, K, head, split);
   auto fill_table = [&](int step, int slot_of) {
     const int ci = nch - 1 - step;
     int64_t* koff = tables + slot_of * 3 * C;
@@ -212,7 +213,7 @@ __device__ __forceinline__ void gdp_bwd_dh_bf16_impl(
     int64_t* ooff = qoff + C;
     const int64_t p0 = (int64_t)ci * C;
     const GdpcChunk ch(p0, L, n, rn, gdpc_div_row(p0, rnd));
-    const GdpcRows rows(tok0, ch, n, rn, H, K, head, split);
+    const GdpcRows rows(tok0, ch, heads_of);
     for (int i = tid; i < C; i += nthr) {
       koff[i] = i < ch.c ? rows.key(i) : -1;
       qoff[i] = i < ch.nq ? rows.query(i) : -1;
