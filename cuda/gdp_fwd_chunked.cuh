@@ -72,10 +72,6 @@ struct GdpcChunk {
 //   split = r >= 1: FLA's separate q [B, T, Hk, K] (token stride Hk·K) and k [B, T·n, Hk, K]
 //              (token stride n·Hk·K), read in place, with Hk = H / r key heads: value head h
 //              reads key head h / r (grouped value heads; r = 1: one key head per value head).
-// Row offsets of the interleaved chunk `ch` of a sequence whose first token is tok0: key row i
-// (i < c) from kb, query row r (r < nq) from qb; and where the gradient kernel writes their
-// gradients, per value head (dq [B, T, H, K] and dk [B, T·n, H, K] for the separate layout,
-// which the op sums over each group; the packed layout's own offsets).
 // The part of GdpcRows that one block's chunks share: the key heads read, this value head's
 // key head and the token strides. The scans build it once, not per chunk (its two divisions
 // by the group size were 5% of the forward scan's instructions per chunk step).
@@ -97,6 +93,10 @@ struct GdpcHeads {
   }
 };
 
+// Row offsets of the interleaved chunk `ch` of a sequence whose first token is tok0: key row i
+// (i < c) from kb, query row r (r < nq) from qb; and where the gradient kernel writes their
+// gradients, per value head (dq [B, T, H, K] and dk [B, T·n, H, K] for the separate layout,
+// which the op sums over each group; the packed layout's own offsets).
 struct GdpcRows {
   int64_t tok0, t0;
   int64_t qt, kt;          // token strides of the queries and the keys read
