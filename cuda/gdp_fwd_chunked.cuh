@@ -98,36 +98,33 @@ struct GdpcHeads {
 // gradients, per value head (dq [B, T, H, K] and dk [B, T·n, H, K] for the separate layout,
 // which the op sums over each group; the packed layout's own offsets).
 struct GdpcRows {
+  GdpcHeads hd;  // the block's part
   int64_t tok0, t0;
-  int64_t qt, kt;          // token strides of the queries and the keys read
-  int64_t qt_out, kt_out;  // token strides of their gradients
-  int r0, n, H, K, head;
-  int HK, khead;  // key heads read, and the one of this value head
-  float rn;       // 1 / n
-  __device__ __forceinline__ GdpcRows(int64_t tok0_, const GdpcChunk& ch, const GdpcHeads& hd)
-      : tok0(tok0_), t0(ch.t0), qt(hd.qt), kt(hd.kt), qt_out(hd.qt_out), kt_out(hd.kt_out),
-        r0(ch.r0), n(hd.n), H(hd.H), K(hd.K), head(hd.head), HK(hd.HK), khead(hd.khead),
-        rn(hd.rn) {}
+  int r0;
+  __device__ __forceinline__ GdpcRows(int64_t tok0_, const GdpcChunk& ch, const GdpcHeads& hd_)
+      : hd(hd_), tok0(tok0_), t0(ch.t0), r0(ch.r0) {}
   __device__ __forceinline__ GdpcRows(int64_t tok0_, const GdpcChunk& ch, int n_, float rn_,
                                       int H_, int K_, int head_, int split)
       : GdpcRows(tok0_, ch, GdpcHeads(n_, rn_, H_, K_, head_, split)) {}
-  __device__ __forceinline__ int64_t key(int i) const { return key_at(i, kt, HK, khead); }
+  __device__ __forceinline__ int64_t key(int i) const { return key_at(i, hd.kt, hd.HK, hd.khead); }
   // The first query row is in token t0 (r0 + first = n − 1).
   __device__ __forceinline__ int64_t query(int r) const {
-    return (tok0 + t0 + r) * qt + (int64_t)khead * K;
+    return (tok0 + t0 + r) * hd.qt + (int64_t)hd.khead * hd.K;
   }
   // Where the gradients of key row i and query row r go.
-  __device__ __forceinline__ int64_t key_out(int i) const { return key_at(i, kt_out, H, head); }
+  __device__ __forceinline__ int64_t key_out(int i) const {
+    return key_at(i, hd.kt_out, hd.H, hd.head);
+  }
   __device__ __forceinline__ int64_t query_out(int r) const {
-    return (tok0 + t0 + r) * qt_out + (int64_t)head * K;
+    return (tok0 + t0 + r) * hd.qt_out + (int64_t)hd.head * hd.K;
   }
   // Token of query row r.
   __device__ __forceinline__ int64_t query_token(int r) const { return tok0 + t0 + r; }
 
  private:
   __device__ __forceinline__ int64_t key_at(int i, int64_t stride, int heads, int h) const {
-    const int x = r0 + i, q = gdpc_div_small(x, rn);
-    return (tok0 + t0 + q) * stride + (int64_t)((x - q * n) * heads + h) * K;
+    const int x = r0 + i, q = gdpc_div_small(x, hd.rn);
+    return (tok0 + t0 + q) * stride + (int64_t)((x - q * hd.n) * heads + h) * hd.K;
   }
 };
 
